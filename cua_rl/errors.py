@@ -1,0 +1,57 @@
+"""The package's exception hierarchy.
+
+Everything cua-rl raises on purpose derives from :class:`CuaRlError`, so callers can catch
+the package's failures in one clause; stdlib mixins keep ``except ValueError`` working for
+configuration problems and ``except RuntimeError`` for service failures.
+"""
+
+from __future__ import annotations
+
+
+class CuaRlError(Exception):
+    """Root of every error cua-rl raises on purpose."""
+
+
+class ConfigError(CuaRlError, ValueError):
+    """A configuration value is missing or inconsistent; the message says how to fix it."""
+
+
+class TaskSelectionError(ConfigError):
+    """A task selection is empty or names unknown tasks; the message lists what exists."""
+
+
+class ServiceError(CuaRlError, RuntimeError):
+    """An external service (gym, agent, model server, monitor) failed or answered badly.
+
+    ``status`` is the HTTP status when there was an answer, ``None`` for transport failures.
+    """
+
+    def __init__(self, message: str, *, status: int | None = None, body: object = None):
+        super().__init__(message)
+        self.status = status
+        self.body = body
+
+
+class GymError(ServiceError):
+    """The gym server (genv) failed a call."""
+
+
+class AgentError(ServiceError):
+    """The gbox-mini-agent service failed a call."""
+
+
+class ModelServerError(ServiceError):
+    """The model server (vLLM) failed a call."""
+
+
+class MonitorError(ServiceError):
+    """The Training Monitor refused or failed a call."""
+
+
+class RejectedEpisode(CuaRlError):
+    """An episode cannot become a training row; ``reason`` is a stable, countable code."""
+
+    def __init__(self, reason: str, detail: str = ""):
+        super().__init__(f"{reason}: {detail}" if detail else reason)
+        self.reason = reason
+        self.detail = detail
