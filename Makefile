@@ -11,7 +11,7 @@ PY_VLLM := $(VENV_VLLM)/bin/python
 PIP_QUIET ?= -q
 export CUA_VLLM_PYTHON ?= $(abspath $(PY_VLLM))
 
-.PHONY: help venv venv-vllm test test-fast lint format demo clean-envs freeze-vllm models
+.PHONY: help envs venv venv-vllm test test-fast lint format demo clean-envs freeze-vllm models
 
 help:
 	@echo "make test       create/reuse both environments and run the whole suite (slow tests included)"
@@ -48,7 +48,11 @@ models: venv
 	$(PY) -m cua_rl.testing qwen2-vl-byte
 	$(PY) -m cua_rl.testing qwen2-vl-bpe
 
-test: venv venv-vllm
+envs:
+	@# The two environments are independent: build them side by side.
+	$(MAKE) -j2 venv venv-vllm
+
+test: envs
 	$(PY) -m pytest -ra --durations=15
 
 test-fast: venv

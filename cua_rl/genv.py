@@ -1,0 +1,565 @@
+"""Client for the gym server ("genv"): one async method per endpoint, and a safe execution scope.
+
+Wire format: FACTS §1. Base URL ``{base_url}/api/v1/{gym_id}``.
+
+Leak safety is the point of this module, because the real server leaks boxes when terminate is
+skipped and has no status endpoint to find an execution later:
+
+- ``create_execution`` is never retried after an ambiguous outcome (only a 429, where the
+  gym refused and created nothing, is retried with backoff). When the caller's deadline (``create_s``) passes or the
+  caller is cancelled, the request itself is *not* abandoned: it keeps waiting in the background
+  for up to ``create_grace_s`` more seconds, and if the server then reveals an execution id, that
+  execution is terminated. The caller gets ``GymError`` (or its cancellation) at once and rejects
+  the episode. A create whose connection is dropped never reveals its id; only the server's own
+  idle expiry can reclaim such an execution, which is why a retry would be wrong (it would make
+  a second one).
+- ``terminate`` is retried (transport errors, 5xx, 429) and idempotent: a 404 after an earlier
+  attempt failed in transit counts as done, while a 404 on the first attempt is an error (it
+  usually means a wrong gym id or base URL, which would otherwise leak silently).
+- ``execution()`` terminates on every exit (normal, exception, cancellation, timeout), shielded
+  from cancellation and bounded by ``terminate_budget_s``.
+
+``EvaluationResult`` is the parsed evaluate answer (score, success, validators); turning it
+into a reward is reward.py's job.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+from collections import Counter
+from collections.abc import AsyncIterator, Awaitable, Callable
+from contextlib import asynccontextmanager
+from dataclasses import dataclass, field
+from typing import Any, TypeVar
+from urllib.parse import quote
+
+import httpx
+
+from cua_rl.errors import ConfigError, GymError
+
+log = logging.getLogger(__name__)
+T = TypeVar("T")
+
+BOX_ID_KEYS = ("box_id", "gbox_id", "boxId", "container_id", "env_id", "environment_id")
+BOX_ID_PATHS = (("device", "device_serial"), ("environment", "id"), ("box", "id"))
+
+
+@dataclass(frozen=True)
+class GenvTimeouts:
+    connect_s: float = field(default=10.0, metadata={"help": "TCP connect timeout for every call"})
+    request_s: float = field(default=60.0, metadata={"help": "list / get task calls, per attempt"})
+    create_s: float = field(
+        default=600.0,
+        metadata={
+            "help": "how long the caller waits for a create (a box may take minutes to boot)"
+        },
+    )
+    create_refused_attempts: int = field(
+        default=3,
+        metadata={
+            "help": "create attempts while the gym answers 429 (a definite refusal: nothing was created)"
+        },
+    )
+    create_grace_s: float = field(
+        default=300.0,
+        metadata={
+            "help": "after create_s, keep listening this long for a late answer so that execution is terminated"
+        },
+    )
+    evaluate_s: float = field(default=300.0, metadata={"help": "evaluate call, per attempt"})
+    terminate_s: float = field(default=30.0, metadata={"help": "terminate call, per attempt"})
+    terminate_attempts: int = field(
+        default=4,
+        metadata={"help": "terminate attempts before giving up (terminate is idempotent)"},
+    )
+    terminate_budget_s: float = field(
+        default=90.0,
+        metadata={"help": "total bound on terminating one execution, retries included"},
+    )
+    read_attempts: int = field(
+        default=3, metadata={"help": "attempts for list / get task (idempotent reads)"}
+    )
+    evaluate_attempts: int = field(
+        default=2, metadata={"help": "attempts for evaluate (it reads the execution's state)"}
+    )
+    backoff_s: float = field(
+        default=0.5, metadata={"help": "first retry delay; doubles per attempt"}
+    )
+
+    def __post_init__(self) -> None:
+        for name in (
+            "connect_s",
+            "request_s",
+            "create_s",
+            "evaluate_s",
+            "terminate_s",
+            "terminate_budget_s",
+        ):
+            if not getattr(self, name) > 0:
+                raise ConfigError(
+                    f"GenvTimeouts.{name}={getattr(self, name)!r} must be > 0 seconds"
+                )
+        if self.create_grace_s < 0 or self.backoff_s < 0:
+            raise ConfigError("GenvTimeouts.create_grace_s and backoff_s must be >= 0 seconds")
+        for name in (
+            "terminate_attempts",
+            "read_attempts",
+            "evaluate_attempts",
+            "create_refused_attempts",
+        ):
+            if getattr(self, name) < 1:
+                raise ConfigError(f"GenvTimeouts.{name}={getattr(self, name)!r} must be at least 1")
+
+
+@dataclass(frozen=True)
+class CreatedExecution:
+    execution_id: str
+    task_id: str
+    box_id: str | None
+    raw: dict
+
+
+@dataclass(frozen=True)
+class ValidatorResult:
+    id: str
+    passed: bool
+    score: float | None
+    weight: float | None
+    message: str | None
+    raw: dict
+
+
+@dataclass(frozen=True)
+class EvaluationResult:
+    """The verdict of one evaluate call. ``call_ok`` is the top-level ``success``: the call worked."""
+
+    call_ok: bool | None
+    score: float | None
+    success: bool | None
+    validators: tuple[ValidatorResult, ...]
+    raw: dict
+
+
+def _retryable(e: GymError) -> bool:
+    return e.status is None or e.status >= 500 or e.status in (408, 429)
+
+
+def _detail(r: httpx.Response) -> tuple[str, Any]:
+    try:
+        body = r.json()
+    except ValueError:
+        return r.text[:300], r.text[:2000]
+    if isinstance(body, dict):
+        for k in ("detail", "error", "message"):
+            if body.get(k):
+                return str(body[k])[:300], body
+    return str(body)[:300], body
+
+
+def parse_created(data: Any, task_id: str) -> CreatedExecution:
+    """Pull the execution id (required) and a box id (optional, many spellings) from a create answer."""
+    if (
+        not isinstance(data, dict)
+        or not isinstance(data.get("execution_id"), str | int)
+        or data["execution_id"] == ""
+    ):
+        raise GymError(f"create for task {task_id!r} answered without an execution_id", body=data)
+    box = next((data[k] for k in BOX_ID_KEYS if data.get(k)), None)
+    if box is None:
+        for outer, inner in BOX_ID_PATHS:
+            o = data.get(outer)
+            if isinstance(o, dict) and o.get(inner):
+                box = o[inner]
+                break
+    return CreatedExecution(
+        str(data["execution_id"]), task_id, None if box is None else str(box), data
+    )
+
+
+def _num(v: Any, what: str, raw: Any) -> float | None:
+    if v is None:
+        return None
+    if isinstance(v, bool) or not isinstance(v, int | float):
+        raise GymError(f"evaluate answer has a non-numeric {what}: {v!r}", body=raw)
+    return float(v)
+
+
+def _flag(v: Any, what: str, raw: Any) -> bool | None:
+    if v is None or isinstance(v, bool):
+        return v
+    raise GymError(f"evaluate answer has a non-boolean {what}: {v!r}", body=raw)
+
+
+def parse_evaluation(data: Any) -> EvaluationResult:
+    """Parse every evaluate shape of FACTS §1; an answer with no verdict at all is a ``GymError``.
+
+    Shapes: ``{"success", "result": {...}}``, older ``{"final_result": {"checks": [...]}}`` and
+    ``{"evaluation_result": {"final_result": {...}}}``. Nothing is defaulted: a missing score
+    stays ``None`` rather than becoming a silent zero.
+    """
+    if not isinstance(data, dict):
+        raise GymError("evaluate answered something other than a JSON object", body=data)
+    final = data.get("result")
+    if not isinstance(final, dict):
+        final = data.get("final_result")
+    if not isinstance(final, dict):
+        er = data.get("evaluation_result")
+        final = er.get("final_result") if isinstance(er, dict) else None
+    call_ok = _flag(data.get("success"), "top-level success", data)
+    if not isinstance(final, dict):
+        why = data.get("detail") or data.get("error") or data.get("message") or "no result object"
+        raise GymError(f"evaluate answer carries no verdict ({str(why)[:200]})", body=data)
+    entries = final.get("validators", final.get("checks", []))
+    if not isinstance(entries, list):
+        raise GymError("evaluate answer's validators are not a list", body=data)
+    validators = []
+    for i, v in enumerate(entries):
+        if not isinstance(v, dict):
+            raise GymError(f"evaluate validator #{i} is not an object: {v!r}", body=data)
+        passed = next((v[k] for k in ("pass", "passed", "success") if k in v), None)
+        passed = _flag(passed, f"validator #{i} pass", data)
+        if passed is None:
+            raise GymError(f"evaluate validator #{i} has no pass/passed flag", body=data)
+        vid = v.get("id", v.get("name", v.get("validator_id", f"#{i}")))
+        msg = v.get("message", v.get("reason"))
+        validators.append(
+            ValidatorResult(
+                str(vid),
+                passed,
+                _num(v.get("score"), f"validator #{i} score", data),
+                _num(v.get("weight"), f"validator #{i} weight", data),
+                None if msg is None else str(msg),
+                v,
+            )
+        )
+    score = _num(final.get("score"), "score", data)
+    success = _flag(final.get("success", final.get("passed")), "result success", data)
+    if score is None and success is None and not validators:
+        raise GymError("evaluate answer carries no score, success or validators", body=data)
+    return EvaluationResult(call_ok, score, success, tuple(validators), data)
+
+
+class GenvClient:
+    """Async client for one gym. Inject ``client`` to share a connection pool or to add faults."""
+
+    def __init__(
+        self,
+        base_url: str,
+        gym_id: str,
+        *,
+        client: httpx.AsyncClient | None = None,
+        timeouts: GenvTimeouts | None = None,
+    ):
+        if not base_url or not base_url.startswith(("http://", "https://")):
+            raise ConfigError(
+                f"gym base_url={base_url!r} must be an http(s) URL such as http://127.0.0.1:8800"
+            )
+        if not gym_id or "/" in gym_id:
+            raise ConfigError(
+                f"gym_id={gym_id!r} is required (there is no safe default); set it to the gym's id, e.g. 'sim'"
+            )
+        self.base = f"{base_url.rstrip('/')}/api/v1/{gym_id}"
+        self.gym_id = gym_id
+        self.timeouts = timeouts or GenvTimeouts()
+        self._own = client is None
+        self._client = client or httpx.AsyncClient(
+            limits=httpx.Limits(max_connections=512, max_keepalive_connections=128)
+        )
+        self._background: set[asyncio.Task] = set()
+        self.stats: Counter[str] = Counter()
+
+    async def __aenter__(self) -> GenvClient:
+        return self
+
+    async def __aexit__(self, *exc: object) -> None:
+        await self.aclose()
+
+    async def aclose(self, timeout: float | None = None) -> None:
+        """Wait (bounded) for background terminates of late creates, then close an owned client."""
+        pending = list(self._background)
+        if pending:
+            bound = (
+                timeout
+                if timeout is not None
+                else self.timeouts.create_grace_s + self.timeouts.terminate_budget_s
+            )
+            _done, still = await asyncio.wait(pending, timeout=bound)
+            for t in still:
+                t.cancel()
+            if still:
+                log.warning("gave up on %d background gym cleanups at close", len(still))
+        if self._own:
+            await self._client.aclose()
+
+    # -- transport ------------------------------------------------------------------------
+    async def _call(
+        self, method: str, path: str, op: str, timeout: float, json: Any = None, strict: bool = True
+    ) -> Any:
+        t = httpx.Timeout(timeout, connect=min(self.timeouts.connect_s, timeout))
+        try:
+            async with asyncio.timeout(timeout):
+                r = await self._client.request(method, self.base + path, json=json, timeout=t)
+        except (TimeoutError, httpx.TimeoutException) as e:
+            raise GymError(f"gym {op} timed out after {timeout:g}s") from e
+        except httpx.HTTPError as e:
+            raise GymError(f"gym {op} failed in transport: {type(e).__name__}: {e}") from e
+        if r.status_code >= 400:
+            detail, body = _detail(r)
+            raise GymError(
+                f"gym {op} answered {r.status_code}: {detail}", status=r.status_code, body=body
+            )
+        try:
+            return r.json()
+        except ValueError:
+            if not strict:  # an answer the caller ignores anyway (terminate)
+                return {"answer": r.text[:2000]}
+            raise GymError(
+                f"gym {op} answered {r.status_code} with non-JSON",
+                status=r.status_code,
+                body=r.text[:2000],
+            ) from None
+
+    async def _retry(self, fn: Callable[[], Awaitable[T]], attempts: int, op: str) -> T:
+        delay = self.timeouts.backoff_s
+        for attempt in range(1, attempts + 1):
+            try:
+                return await fn()
+            except GymError as e:
+                if attempt == attempts or not _retryable(e):
+                    raise
+                log.info("gym %s attempt %d/%d failed (%s); retrying", op, attempt, attempts, e)
+                self.stats[f"{op}_retries"] += 1
+                await asyncio.sleep(delay)
+                delay *= 2
+        raise AssertionError("unreachable")
+
+    def _track(self, task: asyncio.Task) -> asyncio.Task:
+        self._background.add(task)
+        task.add_done_callback(self._background.discard)
+        return task
+
+    # -- endpoints ------------------------------------------------------------------------
+    async def list_tasks(self) -> list[dict]:
+        """``GET /tasks``: the raw task entries (``{"tasks": [...]}`` or a bare list)."""
+        data = await self._retry(
+            lambda: self._call("GET", "/tasks", "list tasks", self.timeouts.request_s),
+            self.timeouts.read_attempts,
+            "list_tasks",
+        )
+        tasks = data.get("tasks") if isinstance(data, dict) else data
+        if not isinstance(tasks, list) or not all(isinstance(t, dict) for t in tasks):
+            raise GymError(
+                "list tasks answered neither a list of task objects nor {'tasks': [...]}", body=data
+            )
+        return tasks
+
+    async def get_task(self, task_id: str) -> dict:
+        """``GET /tasks/{task_id}``: the full task object."""
+        path = f"/tasks/{quote(task_id, safe='')}"
+        data = await self._retry(
+            lambda: self._call("GET", path, f"get task {task_id}", self.timeouts.request_s),
+            self.timeouts.read_attempts,
+            "get_task",
+        )
+        if not isinstance(data, dict):
+            raise GymError(f"get task {task_id!r} answered a non-object", body=data)
+        return data
+
+    async def create_execution(self, task_id: str, options: dict | None = None) -> CreatedExecution:
+        """``POST /tasks/{task_id}``. Only a 429 (the gym refused, nothing was created) is retried;
+        timeouts, transport failures and 5xx never are (see the module docstring)."""
+        delay = self.timeouts.backoff_s
+        for attempt in range(1, self.timeouts.create_refused_attempts + 1):
+            try:
+                return await self._create_once(task_id, options)
+            except GymError as e:
+                if e.status != 429 or attempt == self.timeouts.create_refused_attempts:
+                    raise
+                self.stats["create_refused_retries"] += 1
+                await asyncio.sleep(delay)
+                delay *= 2
+        raise AssertionError("unreachable")
+
+    async def _create_once(self, task_id: str, options: dict | None) -> CreatedExecution:
+        t = self.timeouts
+        path = f"/tasks/{quote(task_id, safe='')}"
+        body = {"options": dict(options or {})}
+        req = asyncio.ensure_future(
+            self._call("POST", path, f"create {task_id}", t.create_s + t.create_grace_s, json=body)
+        )
+        try:
+            data = await asyncio.wait_for(asyncio.shield(req), t.create_s)
+        except (TimeoutError, asyncio.CancelledError) as e:
+            self._adopt_late_create(req, task_id)
+            if isinstance(e, asyncio.CancelledError):
+                raise
+            self.stats["create_timeouts"] += 1
+            raise GymError(
+                f"gym create for task {task_id!r} timed out after {t.create_s:g}s; not retried (a late answer is terminated in the background)"
+            ) from None
+        return parse_created(data, task_id)
+
+    def _adopt_late_create(self, req: asyncio.Future, task_id: str) -> None:
+        async def reap() -> None:
+            try:
+                created = parse_created(await req, task_id)
+            except Exception as e:  # the create failed for good: nothing was revealed to terminate
+                log.info("abandoned create for %s ended without an execution id: %s", task_id, e)
+                return
+            self.stats["late_creates_terminated"] += 1
+            log.warning(
+                "terminating execution %s whose create answered after the caller gave up",
+                created.execution_id,
+            )
+            try:
+                await self.terminate(created.execution_id)
+            except GymError as e:
+                self.stats["terminate_failed"] += 1
+                log.error("could not terminate late execution %s: %s", created.execution_id, e)
+
+        self._track(asyncio.ensure_future(reap()))
+
+    async def evaluate(
+        self,
+        execution_id: str,
+        execution_data: Any = None,
+        answer_text: str | None = None,
+        context_text: str | None = None,
+        facts: Any = None,
+    ) -> EvaluationResult:
+        """``POST /executions/{id}/evaluate``; only the fields given are sent."""
+        body = {
+            k: v
+            for k, v in (
+                ("execution_data", execution_data),
+                ("answer_text", answer_text),
+                ("context_text", context_text),
+                ("facts", facts),
+            )
+            if v is not None
+        }
+        path = f"/executions/{quote(execution_id, safe='')}/evaluate"
+        data = await self._retry(
+            lambda: self._call(
+                "POST", path, f"evaluate {execution_id}", self.timeouts.evaluate_s, json=body
+            ),
+            self.timeouts.evaluate_attempts,
+            "evaluate",
+        )
+        return parse_evaluation(data)
+
+    async def terminate(self, execution_id: str) -> dict:
+        """``POST /executions/{id}/terminate``, retried and idempotent, bounded by ``terminate_budget_s``."""
+        t = self.timeouts
+        path = f"/executions/{quote(execution_id, safe='')}/terminate"
+        delay = t.backoff_s
+        try:
+            async with asyncio.timeout(t.terminate_budget_s):
+                for attempt in range(1, t.terminate_attempts + 1):
+                    try:
+                        data = await self._call(
+                            "POST", path, f"terminate {execution_id}", t.terminate_s, strict=False
+                        )
+                        self.stats["terminated"] += 1
+                        return data if isinstance(data, dict) else {"answer": data}
+                    except GymError as e:
+                        if e.status == 404 and attempt > 1:
+                            # An earlier attempt most likely succeeded but its answer was lost.
+                            self.stats["terminated"] += 1
+                            return {"already_terminated": True, "status": 404}
+                        if attempt == t.terminate_attempts or not _retryable(e):
+                            raise
+                        self.stats["terminate_retries"] += 1
+                        log.info(
+                            "terminate %s attempt %d failed (%s); retrying",
+                            execution_id,
+                            attempt,
+                            e,
+                        )
+                    await asyncio.sleep(delay)
+                    delay *= 2
+        except TimeoutError:
+            raise GymError(
+                f"gym terminate {execution_id} did not succeed within {t.terminate_budget_s:g}s"
+            ) from None
+        raise AssertionError("unreachable")
+
+    # -- execution scope ------------------------------------------------------------------
+    @asynccontextmanager
+    async def execution(
+        self, task_id: str, options: dict | None = None
+    ) -> AsyncIterator[ExecutionHandle]:
+        """Create an execution and terminate it on every exit, shielded and bounded.
+
+        If terminate fails for good and the body raised nothing, ``GymError`` is raised (the
+        episode must be rejected); if the body raised, its exception wins and the failure is
+        logged and counted in ``stats["terminate_failed"]``.
+        """
+        created = await self.create_execution(task_id, options)
+        handle = ExecutionHandle(self, created)
+        failed = False
+        try:
+            yield handle
+        except BaseException:
+            failed = True
+            raise
+        finally:
+            await handle._close(raise_on_failure=not failed)
+
+
+class ExecutionHandle:
+    """One live execution inside ``GenvClient.execution``."""
+
+    def __init__(self, client: GenvClient, created: CreatedExecution):
+        self.client = client
+        self.created = created
+        self.execution_id = created.execution_id
+        self.task_id = created.task_id
+        self.box_id = created.box_id
+        self._terminate: asyncio.Task | None = None
+
+    async def evaluate(
+        self,
+        execution_data: Any = None,
+        answer_text: str | None = None,
+        context_text: str | None = None,
+        facts: Any = None,
+    ) -> EvaluationResult:
+        return await self.client.evaluate(
+            self.execution_id, execution_data, answer_text, context_text, facts
+        )
+
+    async def terminate(self) -> None:
+        """Terminate now (idempotent: the scope's exit then has nothing left to do)."""
+        await self._close(raise_on_failure=True)
+
+    async def _terminate_quietly(self) -> GymError | None:
+        try:
+            await self.client.terminate(self.execution_id)
+            return None
+        except GymError as e:
+            self.client.stats["terminate_failed"] += 1
+            log.error("could not terminate execution %s: %s", self.execution_id, e)
+            return e
+
+    async def _close(self, raise_on_failure: bool) -> None:
+        if self._terminate is None:
+            self._terminate = self.client._track(asyncio.ensure_future(self._terminate_quietly()))
+        task = self._terminate
+        cancelled = False
+        # Cancellation must not skip the terminate: let it finish (it is bounded), then re-raise.
+        while not task.done():
+            try:
+                await asyncio.shield(task)
+            except asyncio.CancelledError:
+                cancelled = True
+        if cancelled:
+            raise asyncio.CancelledError
+        err = task.result()
+        if err is not None and raise_on_failure:
+            raise GymError(
+                f"execution {self.execution_id} could not be terminated: {err}",
+                status=err.status,
+                body=err.body,
+            )

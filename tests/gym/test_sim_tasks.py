@@ -1,0 +1,201 @@
+"""Every sim task: a scripted correct action sequence solves it, a wrong one fails it.
+
+Scripts go through the HTTP action endpoint with coordinates read off the 360x640 screenshots
+(written here by hand, not taken from the phone's layout code), and verdicts come from the
+genv evaluate endpoint.
+"""
+
+from __future__ import annotations
+
+import pytest
+
+from .conftest import open_executions
+
+HOME = {"settings": (70, 130), "notes": (180, 130), "calculator": (290, 130), "clock": (180, 260)}
+WIFI, BLUETOOTH = (300, 116), (300, 186)
+SLIDER_Y = 290  # track runs from x=30 (0%) to x=330 (100%)
+NEW_NOTE, SAVE, CANCEL = (305, 50), (280, 345), (80, 345)
+CALC = {
+    k: (51 + 86 * c, 239 + 90 * r)
+    for r, row in enumerate(("789/", "456*", "123-", "C0=+"))
+    for c, k in enumerate(row)
+}
+
+
+def tap(xy):
+    return ("tap", {"x": xy[0], "y": xy[1]})
+
+
+def typ(text):
+    return ("type", {"text": text})
+
+
+def app(name):
+    return tap(HOME[name])
+
+
+def keys(seq):
+    return [tap(CALC[k]) for k in seq]
+
+
+def note(text):
+    return [tap(NEW_NOTE), typ(text), tap(SAVE)]
+
+
+# task id -> (correct script, correct answer, wrong script, wrong answer)
+SCRIPTS = {
+    "sim-001-wifi-on": (
+        [app("settings"), tap(WIFI)],
+        None,
+        [app("settings"), tap(BLUETOOTH)],
+        None,
+    ),
+    "sim-002-wifi-off": (
+        [app("settings"), tap(WIFI)],
+        None,
+        [app("settings"), tap(BLUETOOTH)],
+        None,
+    ),
+    "sim-003-bluetooth-off": (
+        [app("settings"), tap(BLUETOOTH)],
+        None,
+        [app("settings"), tap(WIFI)],
+        None,
+    ),
+    "sim-004-open-calculator": ([app("calculator")], None, [app("clock")], None),
+    "sim-005-brightness-max": (
+        [app("settings"), ("swipe", {"x1": 120, "y1": SLIDER_Y, "x2": 359, "y2": SLIDER_Y})],
+        None,
+        [app("settings"), tap((250, SLIDER_Y))],
+        None,
+    ),
+    "sim-006-brightness-half": (
+        [app("settings"), tap((180, SLIDER_Y))],
+        None,
+        [app("settings"), tap((90, SLIDER_Y))],
+        None,
+    ),
+    "sim-007-note-milk": (
+        [app("notes"), *note("buy milk")],
+        None,
+        [app("notes"), tap(NEW_NOTE), typ("buy milk"), ("back", {})],  # back discards the draft
+        None,
+    ),
+    "sim-008-calc-add": (
+        [app("calculator"), *keys("12+7=")],
+        None,
+        [app("calculator"), *keys("12+8=")],
+        None,
+    ),
+    "sim-009-bluetooth-on-wifi-off": (
+        [app("settings"), tap(WIFI), tap(BLUETOOTH)],
+        None,
+        [app("settings"), tap(WIFI)],
+        None,
+    ),
+    "sim-010-quiet-mode": (
+        [app("settings"), tap(WIFI), tap(BLUETOOTH), tap((60, SLIDER_Y))],
+        None,
+        [app("settings"), tap(WIFI), tap(BLUETOOTH)],
+        None,
+    ),
+    "sim-011-two-notes": (
+        [app("notes"), *note("alpha"), *note("beta")],
+        None,
+        [app("notes"), *note("alpha"), tap(NEW_NOTE), typ("beta"), tap(CANCEL)],
+        None,
+    ),
+    # Starting notes: "keep me", "old plan", "shopping" (rows at y=112, 168, 224).
+    "sim-012-delete-old-note": (
+        [app("notes"), tap((320, 168))],
+        None,
+        [app("notes"), tap((320, 112))],
+        None,
+    ),
+    "sim-013-calc-answer": (
+        [app("calculator"), *keys("37*3=")],
+        "111",
+        [app("calculator"), *keys("37*3=")],
+        "112",
+    ),
+}
+
+
+async def run_script(genv, gym, http, task_id, script, answer):
+    async with genv.execution(task_id) as ex:
+        for name, args in script:
+            r = await http.post(
+                f"{gym.base_url}/executions/{ex.execution_id}/actions",
+                json={"name": name, "args": args},
+            )
+            assert r.status_code == 200, r.text
+            assert r.json()["ok"], (name, args, r.json())
+        return await ex.evaluate(answer_text=answer)
+
+
+async def test_every_served_task_has_a_script_and_all_levels_exist(genv):
+    tasks = await genv.list_tasks()
+    assert {t["task_id"] for t in tasks} == set(SCRIPTS)
+    assert {"easy", "normal", "hard"} <= {tag for t in tasks for tag in t["tags"]}
+
+
+@pytest.mark.parametrize("task_id", sorted(SCRIPTS))
+async def test_correct_script_solves_the_task(genv, gym, http, task_id):
+    script, answer, _, _ = SCRIPTS[task_id]
+    result = await run_script(genv, gym, http, task_id, script, answer)
+    assert result.success is True
+    assert result.score == 1.0
+    assert result.validators and all(v.passed for v in result.validators)
+    assert await open_executions(http, gym) == []
+
+
+@pytest.mark.parametrize("task_id", sorted(SCRIPTS))
+async def test_wrong_script_fails_the_task(genv, gym, http, task_id):
+    _, _, script, answer = SCRIPTS[task_id]
+    result = await run_script(genv, gym, http, task_id, script, answer)
+    assert result.success is False
+    assert result.score < 1.0
+    assert any(not v.passed for v in result.validators)
+
+
+@pytest.mark.parametrize("task_id", sorted(SCRIPTS))
+async def test_doing_nothing_fails_the_task(genv, task_id):
+    async with genv.execution(task_id) as ex:
+        result = await ex.evaluate()
+    assert result.success is False and result.score == 0.0
+
+
+async def test_partial_credit_follows_validator_weights(genv, gym, http):
+    # quiet_mode weights: wifi 1, bluetooth 1, brightness 2 -> both toggles alone score 2/4.
+    _, _, script, _ = SCRIPTS["sim-010-quiet-mode"]
+    result = await run_script(genv, gym, http, "sim-010-quiet-mode", script, None)
+    assert result.score == pytest.approx(0.5)
+    assert {v.id: v.passed for v in result.validators} == {
+        "wifi_off": True,
+        "bluetooth_off": True,
+        "brightness_low": False,
+    }
+
+
+async def test_typing_into_the_calculator_works_like_tapping(genv, gym, http):
+    result = await run_script(
+        genv, gym, http, "sim-008-calc-add", [app("calculator"), typ("12+7=")], None
+    )
+    assert result.success is True
+
+
+@pytest.mark.parametrize(
+    "answer, passes",
+    [
+        ("111", True),
+        ("111.", True),
+        ("The result is 1,11", True),
+        ("1111", False),
+        ("111.5", False),
+        ("", False),
+    ],
+)
+async def test_final_answer_must_state_the_number(genv, gym, http, answer, passes):
+    script, _, _, _ = SCRIPTS["sim-013-calc-answer"]
+    result = await run_script(genv, gym, http, "sim-013-calc-answer", script, answer)
+    assert result.success is passes
