@@ -1,0 +1,235 @@
+"""The monitor's HTTP API: ``POST /api/ingest/batch`` (FACTS §3) and the dashboard's reads.
+
+Every error, from any layer (auth, body limit, JSON, validation, routing), has one shape:
+``{"error": {"code": ..., "message": ..., "details": ...}}``. The body limit is enforced while
+reading the stream, so an oversized body is never held in memory. Store calls run in worker
+threads; the store serialises writes itself and gives each thread its own read connection.
+"""
+
+from __future__ import annotations
+
+import hmac
+import json
+import logging
+from typing import Any
+
+import anyio
+from fastapi import FastAPI, Request
+from fastapi.exceptions import RequestValidationError
+from fastapi.responses import Response
+from starlette.exceptions import HTTPException as StarletteHTTPException
+
+from cua_rl.monitor.store import IngestValidationError, MonitorStore
+
+try:  # orjson is several times faster on large batches; the stdlib is the fallback.
+    import orjson
+
+    def _loads(data: bytes) -> Any:
+        return orjson.loads(data)
+
+    def _dumps(obj: Any) -> bytes:
+        return orjson.dumps(obj, default=str)
+
+    _JSON_ERRORS: tuple[type[Exception], ...] = (orjson.JSONDecodeError, UnicodeDecodeError)
+except ImportError:  # pragma: no cover - depends on the environment
+
+    def _loads(data: bytes) -> Any:
+        return json.loads(data)
+
+    def _dumps(obj: Any) -> bytes:
+        return json.dumps(obj, default=str, separators=(",", ":")).encode()
+
+    _JSON_ERRORS = (json.JSONDecodeError, UnicodeDecodeError)
+
+log = logging.getLogger(__name__)
+
+DEFAULT_MAX_BODY_BYTES = 16 * 1024 * 1024
+
+
+class ApiError(Exception):
+    def __init__(self, status: int, code: str, message: str, details: Any = None):
+        super().__init__(message)
+        self.status = status
+        self.code = code
+        self.message = message
+        self.details = details
+
+
+def _json(obj: Any, status: int = 200, headers: dict[str, str] | None = None) -> Response:
+    return Response(_dumps(obj), status_code=status, media_type="application/json", headers=headers)
+
+
+def _error(status: int, code: str, message: str, details: Any = None, headers=None) -> Response:
+    body = {"error": {"code": code, "message": message, "details": details}}
+    return _json(body, status, headers)
+
+
+_STATUS_CODES = {
+    400: "bad_request",
+    401: "unauthorized",
+    404: "not_found",
+    405: "method_not_allowed",
+    413: "body_too_large",
+    422: "validation_error",
+}
+
+
+def create_app(
+    store: MonitorStore, *, token: str | None = None, max_body_bytes: int = DEFAULT_MAX_BODY_BYTES
+) -> FastAPI:
+    """The ASGI app over ``store``; with ``token`` set, every /api route needs the Bearer token."""
+    app = FastAPI(title="cua-rl Training Monitor", docs_url=None, redoc_url=None, openapi_url=None)
+    app.state.store = store
+    expected = f"Bearer {token}".encode() if token else None
+
+    @app.exception_handler(ApiError)
+    async def _api_error(request: Request, exc: ApiError):
+        headers = {"WWW-Authenticate": "Bearer"} if exc.status == 401 else None
+        return _error(exc.status, exc.code, exc.message, exc.details, headers)
+
+    @app.exception_handler(StarletteHTTPException)
+    async def _http_error(request: Request, exc: StarletteHTTPException):
+        code = _STATUS_CODES.get(exc.status_code, "http_error")
+        message = exc.detail if isinstance(exc.detail, str) else code
+        if exc.status_code == 404:
+            message = f"no route {request.method} {request.url.path}"
+        return _error(exc.status_code, code, message)
+
+    @app.exception_handler(RequestValidationError)
+    async def _validation_error(request: Request, exc: RequestValidationError):
+        details = [
+            {"field": ".".join(str(p) for p in e.get("loc", ())), "message": e.get("msg")}
+            for e in exc.errors()
+        ]
+        return _error(422, "validation_error", "invalid request parameters", details)
+
+    @app.exception_handler(Exception)
+    async def _internal(request: Request, exc: Exception):
+        log.exception("monitor: unhandled error on %s %s", request.method, request.url.path)
+        return _error(500, "internal_error", f"{type(exc).__name__}: {exc}")
+
+    def check_auth(request: Request) -> None:
+        if expected is None:
+            return
+        given = request.headers.get("authorization", "").encode()
+        if not given:
+            raise ApiError(401, "unauthorized", "missing Authorization: Bearer <project token>")
+        if not hmac.compare_digest(given, expected):
+            raise ApiError(401, "unauthorized", "wrong project token")
+
+    async def read_body(request: Request) -> bytes:
+        length = request.headers.get("content-length")
+        if length is not None and length.isdigit() and int(length) > max_body_bytes:
+            raise ApiError(
+                413,
+                "body_too_large",
+                f"body of {length} bytes exceeds the limit of {max_body_bytes} bytes; "
+                "send smaller batches",
+                {"limit": max_body_bytes},
+            )
+        chunks, size = [], 0
+        async for chunk in request.stream():
+            size += len(chunk)
+            if size > max_body_bytes:
+                raise ApiError(
+                    413,
+                    "body_too_large",
+                    f"body exceeds the limit of {max_body_bytes} bytes; send smaller batches",
+                    {"limit": max_body_bytes},
+                )
+            chunks.append(chunk)
+        return b"".join(chunks)
+
+    @app.get("/healthz")
+    async def healthz():
+        return _json({"ok": True})
+
+    @app.post("/api/ingest/batch")
+    async def ingest(request: Request):
+        check_auth(request)
+        body = await read_body(request)
+        try:
+            batch = _loads(body)
+        except _JSON_ERRORS as exc:
+            raise ApiError(400, "bad_json", f"the body is not valid JSON: {exc}") from None
+        try:
+            result = await anyio.to_thread.run_sync(store.ingest, batch)
+        except IngestValidationError as exc:
+            raise ApiError(422, "validation_error", str(exc), exc.details()) from None
+        return _json(result)
+
+    def _int_param(request: Request, name: str, default: int, lo: int, hi: int) -> int:
+        raw = request.query_params.get(name)
+        if raw is None:
+            return default
+        try:
+            value = int(raw)
+        except ValueError:
+            raise ApiError(
+                422, "validation_error", f"{name} must be an integer", {"field": name}
+            ) from None
+        if not lo <= value <= hi:
+            raise ApiError(
+                422, "validation_error", f"{name} must be in [{lo}, {hi}]", {"field": name}
+            )
+        return value
+
+    async def _read(fn, *args, **kwargs):
+        return await anyio.to_thread.run_sync(lambda: fn(*args, **kwargs))
+
+    @app.get("/api/trainings")
+    async def trainings(request: Request):
+        check_auth(request)
+        limit = _int_param(request, "limit", 50, 1, 1000)
+        before = request.query_params.get("before_id")
+        before_id = _int_param(request, "before_id", 0, 0, 2**62) if before else None
+        rows = await _read(store.list_trainings, limit=limit, before_id=before_id)
+        return _json({"trainings": rows})
+
+    @app.get("/api/trainings/{training_id}")
+    async def training(request: Request, training_id: int):
+        check_auth(request)
+        row = await _read(store.get_training, training_id)
+        if row is None:
+            raise ApiError(404, "not_found", f"no training with id {training_id}")
+        return _json({"training": row})
+
+    async def _rollouts_of(request: Request, source: str, source_id: int):
+        check_auth(request)
+        limit = _int_param(request, "limit", 500, 1, 5000)
+        after_id = _int_param(request, "after_id", 0, 0, 2**62)
+        rows = await _read(store.list_rollouts, source, source_id, limit=limit, after_id=after_id)
+        if rows is None:
+            raise ApiError(404, "not_found", f"no {source} with id {source_id}")
+        return _json({"rollouts": rows})
+
+    @app.get("/api/steps/{step_id}/rollouts")
+    async def step_rollouts(request: Request, step_id: int):
+        return await _rollouts_of(request, "step", step_id)
+
+    @app.get("/api/evals/{eval_id}/rollouts")
+    async def eval_rollouts(request: Request, eval_id: int):
+        return await _rollouts_of(request, "eval", eval_id)
+
+    @app.get("/api/baselines/{baseline_id}/rollouts")
+    async def baseline_rollouts(request: Request, baseline_id: int):
+        return await _rollouts_of(request, "baseline", baseline_id)
+
+    @app.get("/api/rollouts/{rollout_id}")
+    async def rollout(request: Request, rollout_id: int):
+        check_auth(request)
+        row = await _read(store.get_rollout, rollout_id)
+        if row is None:
+            raise ApiError(404, "not_found", f"no rollout with id {rollout_id}")
+        return _json({"rollout": row})
+
+    @app.get("/api/status-history/{entity_type}/{entity_id}")
+    async def status_history(request: Request, entity_type: str, entity_id: int):
+        check_auth(request)
+        try:
+            rows = await _read(store.status_history, entity_type, entity_id)
+        except ValueError as exc:
+            raise ApiError(404, "not_found", str(exc)) from None
+        return _json({"entity_type": entity_type, "entity_id": entity_id, "history": rows})
+
+    return app

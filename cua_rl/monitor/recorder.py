@@ -1,0 +1,296 @@
+"""Record one rollout, change by change, through a :class:`MonitorClient`.
+
+Each method enqueues only the fields that changed (rollout fields already sent with the same
+value are not sent again) and returns at once; no method awaits the network or raises into the
+workflow. Records carry stable client ids derived from the rollout uuid (``{uuid}:env``,
+``{uuid}:turn:{n}``, ``{uuid}:turn:{n}:action:{i}``, ``{uuid}:turn:{n}:obs:{i}``,
+``{uuid}:validation``) and reference each other by client id, so they can be sent before the
+server has answered, spooled and replayed, or sent twice, and still land exactly once.
+
+Rollout status: ``start`` creates it ``pending``; ``environment("creating")`` moves it to
+``env_creation`` and ``environment("running")`` to ``running``; ``complete`` ends it
+``completed``, ``fail(reason)`` ends it ``failed`` (``cancelled`` when the reason is
+"cancelled"). Any method called before ``start`` starts the rollout first.
+"""
+
+from __future__ import annotations
+
+import logging
+import time
+from typing import Any
+
+from cua_rl.monitor.client import MonitorClient, utc_now
+from cua_rl.monitor.context import MonitorContext, current, ref_field
+
+log = logging.getLogger(__name__)
+
+
+class RolloutRecorder:
+    """Recorder of one rollout. ``client=None`` or a missing source makes every call a no-op."""
+
+    def __init__(
+        self,
+        client: MonitorClient | None,
+        rollout_uuid: str,
+        *,
+        task_id: str,
+        model_path: str,
+        source: MonitorContext | None = None,
+        task: dict[str, Any] | None = None,
+        env_type: str = "android",
+        **fields: Any,
+    ):
+        self.client = client
+        self.uuid = rollout_uuid
+        self.task_id = task_id
+        self.model_path = model_path
+        self.env_type = env_type
+        self.task = dict(task or {})
+        self.fields = fields
+        ctx = source if source is not None else current()
+        self.source = ctx.source()
+        if client is not None and self.source is None:
+            log.warning(
+                "monitor: rollout %s has no step/eval/baseline in context; not recorded",
+                rollout_uuid,
+            )
+        self.enabled = client is not None and self.source is not None
+        self._sent: dict[str, Any] = {}
+        self._env_sent = False
+        self._t0: float | None = None
+        self._turn_t0: dict[int, float] = {}
+        self._turns: set[int] = set()
+        self._actions: set[tuple[int, int]] = set()
+
+    # ------------------------------------------------------------------ helpers
+
+    def turn_client_id(self, n: int) -> str:
+        return f"{self.uuid}:turn:{n}"
+
+    def _enqueue(self, kind: str, record: dict[str, Any]) -> None:
+        if self.enabled:
+            self.client.enqueue(kind, record)
+
+    def _rollout(self, **fields: Any) -> None:
+        changed = {k: v for k, v in fields.items() if k not in self._sent or self._sent[k] != v}
+        if not changed:
+            return
+        self._sent.update(changed)
+        self._enqueue("rollouts", {"client_id": self.uuid, **changed})
+
+    # ------------------------------------------------------------------ lifecycle
+
+    async def start(self, **fields: Any) -> None:
+        """Create the task (upsert) and the rollout; later calls only send changed fields."""
+        if not self.enabled:
+            return
+        if self._t0 is not None:
+            self._rollout(**fields)
+            return
+        self._t0 = time.monotonic()
+        task = {"name": self.task_id, "description": "", **self.task}
+        self._enqueue("tasks", {"client_id": self.task_id, "task_id": self.task_id, **task})
+        kind, ref = self.source
+        record = {
+            "rollout_id": self.uuid,
+            "source_type": kind,
+            **ref_field(kind, ref),
+            "task_client_id": self.task_id,
+            "model_path": self.model_path,
+            "is_eval": 1 if kind == "eval" else 0,
+            "status": "pending",
+            "start_time": utc_now(),
+            **self.fields,
+            **fields,
+        }
+        self._rollout(**record)
+
+    async def _ensure_started(self) -> None:
+        # A record that references the rollout must follow its creation in the queue; a caller
+        # that fails before start() still gets a complete rollout row.
+        if self._t0 is None:
+            await self.start()
+
+    async def environment(self, status: str, **fields: Any) -> None:
+        if not self.enabled:
+            return
+        await self._ensure_started()
+        record: dict[str, Any] = {
+            "client_id": f"{self.uuid}:env",
+            "rollout_client_id": self.uuid,
+            "status": status,
+        }
+        if not self._env_sent:
+            record["env_type"] = fields.pop("env_type", self.env_type)
+            self._env_sent = True
+        now = utc_now()
+        if status == "creating":
+            record["creation_time"] = now
+        if status in ("terminated", "error"):
+            record["termination_time"] = now
+        record.update(fields)
+        self._enqueue("environments", record)
+        # The rollout's own status follows the environment until the task runs; it never moves
+        # back (terminated/error after the task are the environment's business).
+        if status == "creating" and self._sent.get("status") == "pending":
+            self._rollout(status="env_creation", current_phase="env_creation")
+        elif status == "running" and self._sent.get("status") in ("pending", "env_creation"):
+            self._rollout(
+                status="running",
+                current_phase="task_execution",
+                env_creation_time=now,
+                task_start_time=now,
+            )
+
+    async def turn_start(self, n: int, **fields: Any) -> None:
+        if not self.enabled:
+            return
+        await self._ensure_started()
+        self._turn_t0[n] = time.monotonic()
+        self._turns.add(n)
+        self._enqueue(
+            "turns",
+            {
+                "client_id": self.turn_client_id(n),
+                "rollout_client_id": self.uuid,
+                "turn": n,
+                "start_time": utc_now(),
+                **fields,
+            },
+        )
+        self._rollout(current_turn=n)
+
+    async def turn_end(
+        self,
+        n: int,
+        *,
+        model_response: str | None = None,
+        timings: dict[str, float] | None = None,
+        **fields: Any,
+    ) -> None:
+        if not self.enabled:
+            return
+        await self._ensure_started()
+        self._turns.add(n)
+        record: dict[str, Any] = {
+            "client_id": self.turn_client_id(n),
+            "rollout_client_id": self.uuid,
+            "turn": n,
+            "end_time": utc_now(),
+        }
+        if n in self._turn_t0:
+            record["turn_time"] = time.monotonic() - self._turn_t0.pop(n)
+        if model_response is not None:
+            record["model_response"] = model_response
+        if timings is not None:
+            record["metrics_json"] = {"timings": timings, **(fields.pop("metrics", None) or {})}
+        record.update(fields)
+        self._enqueue("turns", record)
+
+    async def action(
+        self,
+        turn: int,
+        index: int,
+        name: str,
+        args: dict[str, Any] | None = None,
+        *,
+        tokens: list | None = None,
+        logprobs: list | None = None,
+        num_tokens: int | None = None,
+        **fields: Any,
+    ) -> None:
+        if not self.enabled:
+            return
+        await self._ensure_started()
+        if turn not in self._turns:  # the action's turn row must exist before it
+            await self.turn_start(turn)
+        self._actions.add((turn, index))
+        record: dict[str, Any] = {
+            "client_id": f"{self.turn_client_id(turn)}:action:{index}",
+            "turn_client_id": self.turn_client_id(turn),
+            "action_type": fields.pop("action_type", name),
+            "tool_name": name,
+            "tool_args": args if args is not None else {},
+        }
+        if tokens is not None:
+            record["tokens"] = tokens
+        if logprobs is not None:
+            record["logprobs"] = logprobs
+        if num_tokens is None and tokens is not None:
+            num_tokens = len(tokens)
+        if num_tokens is not None:
+            record["num_tokens"] = num_tokens
+        record.update(fields)
+        self._enqueue("actions", record)
+
+    async def observation(self, turn: int, index: int, **fields: Any) -> None:
+        if not self.enabled:
+            return
+        await self._ensure_started()
+        if turn not in self._turns:
+            await self.turn_start(turn)
+        self._enqueue(
+            "observations",
+            {
+                "client_id": f"{self.turn_client_id(turn)}:obs:{index}",
+                "turn_client_id": self.turn_client_id(turn),
+                **fields,
+            },
+        )
+
+    async def validation(self, *, success: bool, **fields: Any) -> None:
+        if not self.enabled:
+            return
+        await self._ensure_started()
+        now = utc_now()
+        self._enqueue(
+            "validations",
+            {
+                "client_id": f"{self.uuid}:validation",
+                "rollout_client_id": self.uuid,
+                "success": bool(success),
+                "validation_time": now,
+                **fields,
+            },
+        )
+        self._rollout(validation_passed=int(bool(success)), validation_time=now)
+
+    def _final(self) -> dict[str, Any]:
+        out: dict[str, Any] = {
+            "end_time": utc_now(),
+            "num_turns": len(self._turns),
+            "num_total_actions": len(self._actions),
+        }
+        if self._t0 is not None:
+            out["rollout_time"] = time.monotonic() - self._t0
+        return out
+
+    async def complete(self, *, reward: float, **fields: Any) -> None:
+        if not self.enabled:
+            return
+        await self._ensure_started()
+        self._rollout(
+            **{
+                "status": "completed",
+                "reward": reward,
+                "progress_percent": 100.0,
+                **self._final(),
+                **fields,
+            }
+        )
+
+    async def fail(self, reason: str, **fields: Any) -> None:
+        if not self.enabled:
+            return
+        await self._ensure_started()
+        # A cancelled episode is not a failed one (the seed has a status for each).
+        status = "cancelled" if reason == "cancelled" else "failed"
+        self._rollout(
+            **{
+                "status": status,
+                "error_message": reason,
+                "status_message": reason,
+                **self._final(),
+                **fields,
+            }
+        )

@@ -1,0 +1,209 @@
+"""The training-side client: faults injected through a hand-written fake monitor (a real store
+behind an ``httpx.MockTransport`` that can fail), contracts against the real server process."""
+
+from __future__ import annotations
+
+import asyncio
+import json
+
+import httpx
+import pytest
+
+from cua_rl.errors import ConfigError
+from cua_rl.monitor.client import MonitorClient, MonitorClientConfig
+
+from .conftest import FlakyMonitor, uid
+
+
+def _task(task_id: str) -> dict:
+    return {"client_id": task_id, "task_id": task_id, "name": "n", "description": "d"}
+
+
+@pytest.fixture
+def fake(store):
+    return FlakyMonitor(store)
+
+
+def make_client(fake: FlakyMonitor, tmp_path, **overrides) -> MonitorClient:
+    settings = dict(
+        base_url="http://monitor.test",
+        token="t",
+        flush_interval_s=0.02,
+        backoff_initial_s=0.01,
+        backoff_max_s=0.05,
+        replay_interval_s=0.05,
+        max_retries=2,
+        spool_path=str(tmp_path / "spool.jsonl"),
+    )
+    cfg = MonitorClientConfig(**{**settings, **overrides})
+    http = httpx.AsyncClient(transport=httpx.MockTransport(fake.handler))
+    return MonitorClient(cfg, client=http)
+
+
+def task_count(store) -> int:
+    return store._reader().execute("SELECT count(*) FROM task").fetchone()[0]
+
+
+async def test_retries_then_sends(fake, tmp_path, store):
+    fake.fail_next = [503, 500]
+    async with make_client(fake, tmp_path) as client:
+        for i in range(5):
+            assert client.enqueue("tasks", _task(f"t{i}"))
+        assert await client.flush(timeout=10)
+        assert (client.counters.retried, client.counters.sent, client.counters.spooled) == (2, 5, 0)
+    assert task_count(store) == 5
+
+
+async def test_spools_while_down_then_replays_in_order(fake, tmp_path, store):
+    fake.down = True
+    client = make_client(fake, tmp_path)
+    await client.start()
+    client.enqueue("tasks", _task("t-a"))
+    assert not await client.flush(timeout=0.5)
+    assert client.counters.spooled == 1
+    spool = tmp_path / "spool.jsonl"
+    assert spool.exists() and len(spool.read_text().splitlines()) == 1
+    # While the spool is not empty new batches queue behind it, even a dependent one.
+    client.enqueue("validators", {"task_client_id": "t-a", "validator_type": "state"})
+    await asyncio.sleep(0.2)
+    assert client.counters.spooled == 2 and task_count(store) == 0
+    fake.down = False
+    assert await client.flush(timeout=10)
+    assert client.counters.replayed == 2 and client.counters.dropped == 0
+    assert not spool.exists()
+    assert task_count(store) == 1
+    assert store._reader().execute("SELECT count(*) FROM validator").fetchone()[0] == 1
+    await client.close()
+
+
+async def test_refused_record_is_dropped_alone(fake, tmp_path, store):
+    async with make_client(fake, tmp_path, flush_interval_s=0.3) as client:
+        client.enqueue("tasks", _task("good-1"))
+        client.enqueue("tasks", {"task_id": "bad", "name": "n"})  # description missing
+        client.enqueue("tasks", _task("good-2"))
+        assert await client.flush(timeout=10)
+        assert client.counters.dropped == 1 and client.counters.sent == 2
+        assert "description" in client.counters.last_error
+    assert task_count(store) == 2
+
+
+async def test_oversized_batches_are_split(fake, tmp_path, store):
+    fake.max_records = 3
+    async with make_client(fake, tmp_path, flush_interval_s=0.3) as client:
+        for i in range(10):
+            client.enqueue("tasks", _task(f"s{i}"))
+        assert await client.flush(timeout=10)
+        assert client.counters.sent == 10 and client.counters.dropped == 0
+    assert task_count(store) == 10
+
+
+async def test_never_raises_never_blocks_and_close_spools_leftovers(fake, tmp_path, store):
+    fake.hang = True
+    client = make_client(fake, tmp_path, request_timeout_s=30)
+    await client.start()
+    assert client.enqueue("nonsense", {}) is False
+    assert client.enqueue("tasks", "not a dict") is False
+    assert client.counters.dropped == 2
+    for i in range(50):
+        assert client.enqueue("tasks", _task(f"h{i}"))
+    await asyncio.sleep(0.1)  # the worker is now stuck in a hanging POST
+    loop = asyncio.get_running_loop()
+    t0 = loop.time()
+    await client.close(timeout=0.3)
+    assert loop.time() - t0 < 5
+    # The batch in flight and whatever was queued are in the spool, not lost.
+    lines = (tmp_path / "spool.jsonl").read_text().splitlines()
+    spooled = [t["task_id"] for line in lines for t in json.loads(line).get("tasks", [])]
+    assert sorted(spooled) == sorted(f"h{i}" for i in range(50))
+
+    # A new client on the same spool replays it once the monitor answers.
+    fake.hang = False
+    async with make_client(fake, tmp_path) as again:
+        assert await again.flush(timeout=10)
+        assert again.counters.replayed == 50
+    assert task_count(store) == 50
+
+
+async def test_queue_limit_drops_and_counts(fake, tmp_path):
+    fake.down = True
+    client = make_client(fake, tmp_path, max_queue_records=3, flush_interval_s=10)
+    assert [client.enqueue("tasks", _task(f"q{i}")) for i in range(5)] == [True] * 3 + [False] * 2
+    assert client.counters.dropped == 2
+
+
+def test_config_validates_with_fix_hints(monkeypatch):
+    monkeypatch.delenv("MONITOR_BASE_URL", raising=False)
+    monkeypatch.delenv("MONITOR_PROJECT_TOKEN", raising=False)
+    with pytest.raises(ConfigError, match="MONITOR_BASE_URL"):
+        MonitorClientConfig(base_url="")
+    with pytest.raises(ConfigError, match="batch_max_records"):
+        MonitorClientConfig(base_url="http://x", batch_max_records=0)
+    monkeypatch.setenv("MONITOR_BASE_URL", "http://127.0.0.1:1/")
+    monkeypatch.setenv("MONITOR_PROJECT_TOKEN", "tok")
+    cfg = MonitorClientConfig.from_env()
+    assert (cfg.base_url, cfg.token) == ("http://127.0.0.1:1", "tok")
+    assert MonitorClientConfig().token == "tok"  # not configured: read from the environment
+    assert MonitorClientConfig(base_url="http://h:2", token="mine").token == "mine"
+
+
+async def test_real_server_round_trip(monitor_process, tmp_path):
+    cfg = MonitorClientConfig(
+        base_url=monitor_process.base_url,
+        token=monitor_process.token,
+        flush_interval_s=0.05,
+        spool_path=str(tmp_path / "s.jsonl"),
+    )
+    run = uid("run-")
+    async with MonitorClient(cfg) as client:
+        client.enqueue("training", {"run_name": run, "log_path": "l", "model_name": "m"})
+        client.enqueue("tasks", _task("rt-1"))
+        assert await client.flush(timeout=20)
+        assert client.counters.sent == 2
+    bad = MonitorClientConfig(
+        base_url=monitor_process.base_url,
+        token="wrong",
+        flush_interval_s=0.05,
+        spool_path=str(tmp_path / "b.jsonl"),
+    )
+    client = MonitorClient(bad)
+    await client.start()
+    client.enqueue("tasks", _task("rt-2"))
+    assert not await client.flush(timeout=1)
+    # A wrong token is kept in the spool rather than lost.
+    assert client.counters.spooled == 1 and "401" in client.counters.last_error
+    await client.close(timeout=0.5)
+    assert (tmp_path / "b.jsonl").exists()
+
+
+async def test_answer_lost_after_commit_is_not_duplicated(fake, tmp_path, store):
+    # The server committed but the client never heard back: it retries, and the retry must not
+    # create a second copy of anything (actions included, which carry no natural key).
+    fake.lose_answers = 2
+    async with make_client(fake, tmp_path, flush_interval_s=0.2) as client:
+        client.enqueue("tasks", _task("lost-1"))
+        for i in range(3):
+            client.enqueue("validators", {"task_client_id": "lost-1", "validator_type": f"v{i}"})
+        assert await client.flush(timeout=10)
+        assert client.counters.retried == 2 and client.counters.dropped == 0
+    assert len(fake.batches) == 3  # the same batch was ingested three times
+    assert task_count(store) == 1
+    assert store._reader().execute("SELECT count(*) FROM validator").fetchone()[0] == 3
+
+
+async def test_updates_of_one_record_in_one_batch_are_merged(fake, tmp_path, store):
+    client = make_client(fake, tmp_path)
+    client.enqueue("tasks", _task("m-1"))
+    client.enqueue("tasks", {"client_id": "m-1", "difficulty": "easy"})
+    client.enqueue("tasks", _task("m-2"))
+    client.enqueue("tasks", {"client_id": "m-1", "category": "settings"})
+    await client.start()  # everything above goes in the first batch
+    assert await client.flush(timeout=10)
+    await client.close()
+    (batch,) = fake.batches
+    assert [t["client_id"] for t in batch["tasks"]] == ["m-1", "m-2"]
+    row = (
+        store._reader()
+        .execute("SELECT difficulty, category, name FROM task WHERE task_id = 'm-1'")
+        .fetchone()
+    )
+    assert tuple(row) == ("easy", "settings", "n")
