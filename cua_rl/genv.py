@@ -45,7 +45,7 @@ BOX_ID_KEYS = ("box_id", "gbox_id", "boxId", "container_id", "env_id", "environm
 BOX_ID_PATHS = (("device", "device_serial"), ("environment", "id"), ("box", "id"))
 
 
-@dataclass(frozen=True)
+@dataclass
 class GenvTimeouts:
     connect_s: float = field(default=10.0, metadata={"help": "TCP connect timeout for every call"})
     request_s: float = field(default=60.0, metadata={"help": "list / get task calls, per attempt"})

@@ -25,20 +25,18 @@ import base64
 import json
 import logging
 import random
-import socket
 import sys
-import threading
 import time
 import uuid
 from collections import OrderedDict
 from contextlib import asynccontextmanager
 from dataclasses import asdict, dataclass, field
 
-import uvicorn
 from fastapi import FastAPI, HTTPException, Request
 from fastapi.responses import JSONResponse, Response
 
 from cua_rl.errors import ConfigError
+from cua_rl.serving import ThreadedServer
 from cua_rl.sim.phone import (
     TASKS,
     TASKS_BY_ID,
@@ -545,14 +543,7 @@ def create_app(gym: SimGym) -> FastAPI:
     return app
 
 
-def free_port(host: str = "127.0.0.1") -> socket.socket:
-    sock = socket.socket(socket.AF_INET, socket.SOCK_STREAM)
-    sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
-    sock.bind((host, 0))
-    return sock
-
-
-class GymServer:
+class GymServer(ThreadedServer):
     """The sim gym on a free loopback port in a background thread: ``with GymServer() as g``."""
 
     def __init__(
@@ -560,21 +551,12 @@ class GymServer:
         config: SimGymConfig | None = None,
         host: str = "127.0.0.1",
         log_level: str = "warning",
+        port: int = 0,
     ):
         self.gym = SimGym(config)
-        self.host = host
-        self._sock = free_port(host)
-        self.port = self._sock.getsockname()[1]
-        self._server = uvicorn.Server(
-            uvicorn.Config(
-                create_app(self.gym), log_level=log_level, lifespan="on", timeout_keep_alive=30
-            )
+        super().__init__(
+            create_app(self.gym), host=host, port=port, name="sim-gym", log_level=log_level
         )
-        self._thread: threading.Thread | None = None
-
-    @property
-    def url(self) -> str:
-        return f"http://{self.host}:{self.port}"
 
     @property
     def gym_id(self) -> str:
@@ -585,28 +567,8 @@ class GymServer:
         return f"{self.url}/api/v1/{self.gym_id}"
 
     def start(self, timeout: float = 20.0) -> GymServer:
-        self._thread = threading.Thread(
-            target=self._server.run, kwargs={"sockets": [self._sock]}, daemon=True, name="sim-gym"
-        )
-        self._thread.start()
-        deadline = time.monotonic() + timeout
-        while not self._server.started:
-            if not self._thread.is_alive() or time.monotonic() > deadline:
-                raise RuntimeError(f"sim gym did not start on {self.url} within {timeout}s")
-            time.sleep(0.02)
+        super().start(timeout)
         return self
-
-    def stop(self, timeout: float = 10.0) -> None:
-        self._server.should_exit = True
-        if self._thread is not None:
-            self._thread.join(timeout)
-        self._sock.close()
-
-    def __enter__(self) -> GymServer:
-        return self.start()
-
-    def __exit__(self, *exc: object) -> None:
-        self.stop()
 
 
 def _parser() -> argparse.ArgumentParser:
@@ -668,23 +630,18 @@ def main(argv: list[str] | None = None) -> int:
     except ConfigError as e:
         print(f"error: {e}", file=sys.stderr)
         return 2
-    sock = socket.socket(socket.AF_INET, socket.SOCK_STREAM)
-    sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
     try:
-        sock.bind((args.host, args.port))
+        server = GymServer(cfg, host=args.host, port=args.port, log_level=args.log_level)
     except OSError as e:
         print(f"error: cannot listen on {args.host}:{args.port}: {e}", file=sys.stderr)
         return 2
-    port = sock.getsockname()[1]
-    server = uvicorn.Server(
-        uvicorn.Config(create_app(SimGym(cfg)), log_level=args.log_level, timeout_keep_alive=30)
-    )
-    orig_startup = server.startup
-
-    async def startup(sockets=None):
-        await orig_startup(sockets=sockets)
-        print(f"ready http://{args.host}:{port}/api/v1/{cfg.gym_id}", flush=True)
-
-    server.startup = startup  # type: ignore[method-assign]
-    server.run(sockets=[sock])
+    server.start()
+    print(f"ready {server.base_url}", flush=True)
+    try:
+        while server._thread.is_alive():
+            server._thread.join(1.0)
+    except KeyboardInterrupt:
+        pass
+    finally:
+        server.stop()
     return 0
