@@ -1,0 +1,205 @@
+"""Screenshots -> pixel values through the model's own processor, with a fetch policy.
+
+Split in two so conversion stays network-free: :func:`fetch_images` is the only I/O (async,
+http(s) from configured hosts only, every URL checked before the first request, size and time
+bounded); :func:`load_images` and :func:`process_images` are pure and take its result. data: URLs
+never need a fetch. Pixel values come from the processor saved with the model (the Qwen2-VL image
+processor), the same family vLLM uses, and the number of image tokens each image needs is derived
+from its grid so the row builder can check it against the prompt ids vLLM returned.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import base64
+import binascii
+import io
+import itertools
+from collections.abc import Iterable, Mapping, Sequence
+from urllib.parse import urlsplit
+
+import httpx
+
+from cua_rl.errors import RejectedEpisode
+from cua_rl.trajectory.config import TrajectoryConfig
+
+
+def check_image_url(url: str, config: TrajectoryConfig) -> str:
+    """Return ``"data"`` or ``"http"``; refuse (RejectedEpisode) anything the config does not allow."""
+    if url.startswith("data:"):
+        return "data"
+    try:
+        parts = urlsplit(url)
+    except ValueError as exc:
+        raise RejectedEpisode("image_url_refused", f"unparsable image URL: {exc}") from exc
+    allowed_schemes = ("https", "http") if config.allow_http else ("https",)
+    if parts.scheme not in allowed_schemes:
+        raise RejectedEpisode(
+            "image_url_refused",
+            f"scheme {parts.scheme!r} not allowed for images (allowed: {', '.join(allowed_schemes)})",
+        )
+    host = (parts.hostname or "").lower()
+    if host not in {h.lower() for h in config.allowed_image_hosts}:
+        raise RejectedEpisode(
+            "image_url_refused",
+            f"image host {host!r} is not in allowed_image_hosts {list(config.allowed_image_hosts)}",
+        )
+    return "http"
+
+
+def decode_data_url(url: str, config: TrajectoryConfig) -> bytes:
+    header, sep, payload = url.partition(",")
+    if not sep or not header.startswith("data:image/"):
+        raise RejectedEpisode("image_decode_failed", f"not an image data URL: {header[:40]!r}")
+    # Base64 expands 3 bytes to 4: refuse oversize payloads before decoding them.
+    if len(payload) * 3 // 4 > config.max_image_bytes:
+        raise RejectedEpisode(
+            "image_too_large",
+            f"data URL of ~{len(payload) * 3 // 4} bytes > {config.max_image_bytes}",
+        )
+    if not header.endswith(";base64"):
+        raise RejectedEpisode("image_decode_failed", "only base64 image data URLs are supported")
+    try:
+        return base64.b64decode(payload, validate=True)
+    except (binascii.Error, ValueError) as exc:
+        raise RejectedEpisode("image_decode_failed", f"bad base64 in data URL: {exc}") from exc
+
+
+async def _fetch_one(client: httpx.AsyncClient, url: str, config: TrajectoryConfig) -> bytes:
+    try:
+        async with asyncio.timeout(config.image_fetch_timeout_s):
+            async with client.stream("GET", url, follow_redirects=False) as resp:
+                if resp.status_code != 200:
+                    raise RejectedEpisode(
+                        "image_fetch_failed", f"GET {url} answered {resp.status_code}"
+                    )
+                declared = resp.headers.get("content-length")
+                if declared and declared.isdigit() and int(declared) > config.max_image_bytes:
+                    raise RejectedEpisode(
+                        "image_too_large",
+                        f"{url} declares {declared} bytes > {config.max_image_bytes}",
+                    )
+                buf = bytearray()
+                async for chunk in resp.aiter_bytes():
+                    buf += chunk
+                    if len(buf) > config.max_image_bytes:
+                        raise RejectedEpisode(
+                            "image_too_large", f"{url} exceeds {config.max_image_bytes} bytes"
+                        )
+                return bytes(buf)
+    except TimeoutError as exc:
+        raise RejectedEpisode(
+            "image_fetch_timeout", f"{url} took over {config.image_fetch_timeout_s}s"
+        ) from exc
+    except httpx.HTTPError as exc:
+        raise RejectedEpisode("image_fetch_failed", f"GET {url}: {exc!r}") from exc
+
+
+async def fetch_images(
+    urls: Iterable[str],
+    config: TrajectoryConfig,
+    *,
+    client: httpx.AsyncClient | None = None,
+    concurrency: int = 8,
+) -> dict[str, bytes]:
+    """Fetch the http(s) images among ``urls``; data: URLs are skipped (decoded later, offline).
+
+    Every URL is checked first, so a refused host rejects the episode before any request.
+    """
+    wanted: list[str] = []
+    for url in urls:
+        if check_image_url(url, config) == "http" and url not in wanted:
+            wanted.append(url)
+    if not wanted:
+        return {}
+    own = client is None
+    client = client or httpx.AsyncClient()
+    sem = asyncio.Semaphore(concurrency)
+
+    async def one(url: str) -> tuple[str, bytes]:
+        async with sem:
+            return url, await _fetch_one(client, url, config)
+
+    try:
+        return dict(await asyncio.gather(*(one(u) for u in wanted)))
+    finally:
+        if own:
+            await client.aclose()
+
+
+def load_images(
+    urls: Sequence[str], fetched: Mapping[str, bytes], config: TrajectoryConfig
+) -> list:
+    """Decode the images of ``urls`` (in order) into RGB PIL images. Pure: no network."""
+    return list(iter_images(urls, fetched, config))
+
+
+def iter_images(urls: Iterable[str], fetched: Mapping[str, bytes], config: TrajectoryConfig):
+    """Like :func:`load_images`, one image at a time (bounded memory on long episodes)."""
+    from PIL import Image, UnidentifiedImageError
+
+    for url in urls:
+        kind = check_image_url(url, config)
+        if kind == "data":
+            raw = decode_data_url(url, config)
+        else:
+            if url not in fetched:
+                raise RejectedEpisode("image_not_fetched", f"{url} was not fetched")
+            raw = fetched[url]
+        try:
+            img = Image.open(io.BytesIO(raw))
+            img.load()
+        except (UnidentifiedImageError, OSError, ValueError) as exc:
+            raise RejectedEpisode("image_decode_failed", f"{url[:60]}: {exc}") from exc
+        yield img.convert("RGB")
+
+
+def image_processor_of(processor):
+    return getattr(processor, "image_processor", processor)
+
+
+def tokenizer_of(processor):
+    return getattr(processor, "tokenizer", processor)
+
+
+def image_token_ids(processor) -> tuple[int, int | None]:
+    """(image pad id, video pad id) of the model's tokenizer."""
+    tok = tokenizer_of(processor)
+    image_id = getattr(processor, "image_token_id", None)
+    if image_id is None:
+        image_id = tok.convert_tokens_to_ids("<|image_pad|>")
+    video_id = getattr(processor, "video_token_id", None)
+    if video_id is None:
+        vid = tok.convert_tokens_to_ids("<|video_pad|>")
+        video_id = vid if isinstance(vid, int) and vid != tok.unk_token_id else None
+    if not isinstance(image_id, int) or image_id < 0:
+        raise RejectedEpisode("processor_unsupported", "the tokenizer has no <|image_pad|> token")
+    return image_id, video_id
+
+
+def process_images(processor, images: Iterable, *, chunk: int = 4) -> tuple:
+    """(pixel_values [N_patches, D], image_grid_thw [n, 3] long, tokens per image).
+
+    Images go through the processor a few at a time: its float intermediates at full
+    resolution would otherwise dominate peak memory on long episodes (see the bench).
+    """
+    import torch
+
+    improc = image_processor_of(processor)
+    merge = int(getattr(improc, "merge_size", 2))
+    images = iter(images)
+    pixels, grids = [], []
+    while batch := list(itertools.islice(images, chunk)):
+        out = improc(images=batch, return_tensors="pt")
+        pixels.append(out["pixel_values"].to(torch.float32))
+        grids.append(out["image_grid_thw"].to(torch.long))
+        del batch, out
+    if not pixels:
+        patch = int(getattr(improc, "patch_size", 14))
+        tps = int(getattr(improc, "temporal_patch_size", 2))
+        dim = 3 * tps * patch * patch
+        return torch.zeros((0, dim), dtype=torch.float32), torch.zeros((0, 3), dtype=torch.long), []
+    pixel_values = torch.cat(pixels) if len(pixels) > 1 else pixels[0]
+    grid = torch.cat(grids) if len(grids) > 1 else grids[0]
+    per_image = [int(g.prod().item()) // (merge * merge) for g in grid]
+    return pixel_values, grid, per_image
