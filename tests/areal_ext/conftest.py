@@ -1,0 +1,34 @@
+"""Fixtures for the AReaL-on-CPU glue: our vLLM server module started as AReaL would start it."""
+
+from __future__ import annotations
+
+import pytest
+
+from cua_rl.areal_ext import cpu
+from cua_rl.testing.vllm_server import VLLMServer, vllm_python
+
+
+class AReaLVLLMServer(VLLMServer):
+    """A VLLMServer whose command is the one the patched rollout worker runs."""
+
+    def command(self) -> list[str]:
+        from areal.api.cli_args import vLLMConfig
+
+        # AReaL's defaults (worker_extension_cls included) plus what a CPU run sets; the
+        # server must rewrite AReaL's extension itself.
+        config = vLLMConfig(
+            model=str(self.model_dir),
+            dtype="float32",
+            enforce_eager=True,
+            max_model_len=self.max_model_len,
+            block_size=32,
+            max_num_seqs=8,
+        )
+        args = vLLMConfig.build_args(config, tp_size=1, pp_size=1, host=self.host, port=self.port)
+        return cpu.server_command(args, vllm_python=str(vllm_python()))
+
+
+@pytest.fixture(scope="module")
+def areal_vllm_server(tiny_text_model_dir):
+    with AReaLVLLMServer(tiny_text_model_dir, model="areal-text", max_model_len=1024) as server:
+        yield server

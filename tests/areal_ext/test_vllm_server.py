@@ -1,0 +1,147 @@
+"""cua_rl.areal_ext.vllm_server against AReaL's own vLLM client payloads (real vLLM CPU)."""
+
+from __future__ import annotations
+
+import asyncio
+import shutil
+
+import httpx
+import pytest
+import torch
+from areal.api.cli_args import GenerationHyperparameters
+from areal.api.io_struct import ModelRequest, WeightUpdateMeta
+from areal.engine.vllm_remote import VLLMBackend
+from safetensors.torch import load_file, save_file
+
+pytestmark = pytest.mark.slow
+
+PROMPT = [5, 17, 33, 64, 101, 7]
+
+
+def _root(server) -> str:
+    return f"http://{server.host}:{server.port}"
+
+
+async def _send(client: httpx.AsyncClient, req) -> httpx.Response:
+    return await client.request(req.method, req.endpoint, json=req.payload)
+
+
+async def _greedy(client, n_tokens: int = 6) -> tuple[list[int], list[float]]:
+    backend = VLLMBackend()
+    gconfig = GenerationHyperparameters(
+        max_new_tokens=n_tokens, min_new_tokens=n_tokens, greedy=True
+    )
+    req = backend.build_generation_request(
+        ModelRequest(input_ids=PROMPT, gconfig=gconfig), False, 0
+    )
+    resp = await _send(client, req)
+    assert resp.status_code == 200, resp.text
+    result = backend.parse_generation_response(resp.json())
+    return result.output_tokens, result.output_logprobs
+
+
+def _update(path) -> object:
+    meta = WeightUpdateMeta(type="disk", path=str(path))
+    (req,) = VLLMBackend().build_disk_weight_update_requests(meta).requests
+    return req
+
+
+def _transformers_logprobs(model_dir, tokens: list[int]) -> list[float]:
+    from transformers import AutoModelForCausalLM
+
+    model = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32).eval()
+    ids = torch.tensor([PROMPT + tokens])
+    with torch.no_grad():
+        logits = model(ids).logits[0, len(PROMPT) - 1 : -1]
+    return torch.log_softmax(logits, -1).gather(-1, torch.tensor(tokens)[:, None])[:, 0].tolist()
+
+
+@pytest.fixture
+def scaled_checkpoint(tmp_path, tiny_text_model_dir):
+    # Same architecture, different weights: lm_head scaled by 3 sharpens every distribution.
+    dst = tmp_path / "scaled"
+    shutil.copytree(tiny_text_model_dir, dst)
+    weights = load_file(dst / "model.safetensors")
+    weights["lm_head.weight"] = weights["lm_head.weight"] * 3.0
+    save_file(weights, dst / "model.safetensors", metadata={"format": "pt"})
+    return dst
+
+
+async def test_areal_generation_request_round_trips(areal_vllm_server, tiny_text_model_dir):
+    async with httpx.AsyncClient(base_url=_root(areal_vllm_server), timeout=120) as client:
+        tokens, logprobs = await _greedy(client)
+    assert len(tokens) == len(logprobs) == 6
+    expected = _transformers_logprobs(tiny_text_model_dir, tokens)
+    assert logprobs == pytest.approx(expected, abs=2e-3)
+
+
+async def test_pause_holds_completions_until_continue(areal_vllm_server):
+    backend = VLLMBackend()
+    async with httpx.AsyncClient(base_url=_root(areal_vllm_server), timeout=120) as client:
+        paused = await _send(client, backend.get_pause_request())
+        assert paused.status_code == 200 and paused.json()["success"] is True
+        pending = asyncio.create_task(_greedy(client))
+        try:
+            await asyncio.sleep(2.0)
+            assert not pending.done(), "a completion ran while generation was paused"
+        finally:
+            resumed = await _send(client, backend.get_resume_request())
+        assert resumed.status_code == 200 and resumed.json()["success"] is True
+        tokens, _ = await asyncio.wait_for(pending, 60)
+    assert len(tokens) == 6
+
+
+async def test_disk_update_loads_new_weights_and_back(
+    areal_vllm_server, tiny_text_model_dir, scaled_checkpoint
+):
+    async with httpx.AsyncClient(base_url=_root(areal_vllm_server), timeout=120) as client:
+        tokens0, logprobs0 = await _greedy(client)
+        resp = await _send(client, _update(scaled_checkpoint))
+        assert resp.status_code == 200, resp.text
+        assert resp.json()["success"] is True
+        tokens1, logprobs1 = await _greedy(client)
+        # Served by the new weights: matches transformers on the scaled checkpoint.
+        assert logprobs1 == pytest.approx(
+            _transformers_logprobs(scaled_checkpoint, tokens1), abs=2e-3
+        )
+        assert logprobs1 != pytest.approx(logprobs0, abs=1e-2)
+        resp = await _send(client, _update(tiny_text_model_dir))
+        assert resp.status_code == 200, resp.text
+        tokens2, logprobs2 = await _greedy(client)
+    assert tokens2 == tokens0
+    assert logprobs2 == pytest.approx(logprobs0, abs=1e-5)
+
+
+@pytest.mark.parametrize("kind", ["missing", "no-weights", "relative"])
+async def test_failed_update_is_a_400_and_the_server_keeps_serving(
+    areal_vllm_server, tmp_path, kind
+):
+    if kind == "missing":
+        path, needle = tmp_path / "no-such-checkpoint", "does not exist"
+    elif kind == "no-weights":
+        path, needle = tmp_path / "empty", "no *.safetensors"
+        path.mkdir()
+        (path / "config.json").write_text("{}")
+    else:
+        path, needle = "relative/ckpt", "not absolute"
+    async with httpx.AsyncClient(base_url=_root(areal_vllm_server), timeout=120) as client:
+        tokens0, logprobs0 = await _greedy(client)
+        resp = await _send(client, _update(path))
+        assert resp.status_code == 400
+        body = resp.json()
+        assert (
+            body["success"] is False and needle in body["message"] and str(path) in body["message"]
+        )
+        tokens1, logprobs1 = await _greedy(client)
+    assert tokens1 == tokens0
+    assert logprobs1 == pytest.approx(logprobs0, abs=1e-5)
+
+
+@pytest.mark.parametrize(
+    "route", ["/areal_update_weights_xccl", "/areal_init_weights_update_group"]
+)
+async def test_nccl_routes_answer_how_to_fix(areal_vllm_server, route):
+    async with httpx.AsyncClient(base_url=_root(areal_vllm_server), timeout=30) as client:
+        resp = await client.post(route, json={})
+    assert resp.status_code == 400
+    assert "weight_update_mode=disk" in resp.json()["message"]
