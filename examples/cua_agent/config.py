@@ -1,0 +1,295 @@
+"""Configuration of the CUA agent example: AReaL's GRPO config plus one section per concern.
+
+``CUAConfig`` is what ``load_expr_config(argv, CUAConfig)`` builds from a YAML file and
+``key=value`` overrides. The sections reuse the library's own config dataclasses (task selection,
+trajectory policies, reward shaping, run driver, gym timeouts) so each knob is documented once.
+``CUAConfig.workflow_settings()`` extracts the part the rollout workers need: a plain dataclass
+that AReaL can ship to workers as ``workflow_kwargs``.
+"""
+
+from __future__ import annotations
+
+import json
+from dataclasses import dataclass, field
+from urllib.parse import urlsplit
+
+from areal.api.cli_args import GRPOConfig, vLLMConfig
+
+from cua_rl.errors import ConfigError
+from cua_rl.genv import GenvTimeouts
+from cua_rl.mini_agent import DriverConfig
+from cua_rl.reward import RewardConfig
+from cua_rl.tasks import TaskSelectionConfig, TaskSourceConfig
+from cua_rl.trajectory.config import TrajectoryConfig
+
+
+@dataclass
+class CUAvLLMConfig(vLLMConfig):
+    """vLLM server options AReaL's ``vLLMConfig`` lacks. AReaL turns every non-empty field into
+    ``--kebab-name value`` (a list into one flag followed by its items), so these reach vLLM."""
+
+    limit_mm_per_prompt: str = field(
+        default="",
+        metadata={
+            "help": 'JSON object, e.g. \'{"image": 64, "video": 0}\': most images per prompt. '
+            "A multi-turn GUI episode keeps every screenshot in its prompt, so this bounds the "
+            "episode length in steps."
+        },
+    )
+    allowed_media_domains: list[str] = field(
+        default_factory=list,
+        metadata={
+            "help": "Hostnames vLLM may fetch image URLs from (exact match, no port). Empty "
+            "means any URL, loopback included: set it in production."
+        },
+    )
+
+    def __post_init__(self):
+        if self.limit_mm_per_prompt:
+            try:
+                parsed = json.loads(self.limit_mm_per_prompt)
+            except json.JSONDecodeError as e:
+                raise ConfigError(
+                    f"vllm.limit_mm_per_prompt={self.limit_mm_per_prompt!r} is not JSON ({e}); "
+                    "write it as a JSON string, e.g. '{\"image\": 64}'"
+                ) from None
+            if not isinstance(parsed, dict):
+                raise ConfigError(
+                    'vllm.limit_mm_per_prompt must be a JSON object like {"image": 64}'
+                )
+        for domain in self.allowed_media_domains:
+            if not domain or any(c in domain for c in ":/*"):
+                raise ConfigError(
+                    f"vllm.allowed_media_domains entry {domain!r} must be a bare hostname "
+                    "(vLLM matches hostnames exactly: no scheme, port or wildcard)"
+                )
+
+
+@dataclass
+class GymSection:
+    base_url: str = field(
+        default="", metadata={"help": "Gym server URL without /api/v1, e.g. http://gym:8800"}
+    )
+    gym_id: str = field(
+        default="", metadata={"help": "Gym id on that server (required: no default is safe)"}
+    )
+    source: TaskSourceConfig = field(
+        default_factory=TaskSourceConfig, metadata={"help": "Where tasks come from"}
+    )
+    selection: TaskSelectionConfig = field(
+        default_factory=TaskSelectionConfig,
+        metadata={"help": "Train/eval split, name and tag filters, limits"},
+    )
+    timeouts: GenvTimeouts = field(
+        default_factory=GenvTimeouts, metadata={"help": "Gym call timeouts and retry bounds"}
+    )
+
+
+@dataclass
+class AgentSection:
+    base_url: str = field(
+        default="", metadata={"help": "gbox-mini-agent URL, e.g. http://agent:3000 (required)"}
+    )
+    agent: str = field(default="mai-ui", metadata={"help": "Agent flavour: mai-ui or qwen3-vl"})
+    action_space: str = field(
+        default="mobile", metadata={"help": "standardActionSpace: mobile (Android) or pc (Linux)"}
+    )
+    max_steps: int = field(default=15, metadata={"help": "maxSteps of a run (agent-side)"})
+    max_run_time_s: float = field(
+        default=600.0, metadata={"help": "maxRunTimeSec: the agent stops the run after this"}
+    )
+    max_step_time_s: float = field(
+        default=120.0, metadata={"help": "maxStepTimeSec: limit of one step, model call included"}
+    )
+    model_options: dict = field(
+        default_factory=lambda: {"logprobs": True},
+        metadata={
+            "help": "Extra keys of the run's model object (the patched agent reads 'logprobs'; "
+            "the local agent also reads 'constrain', 'maxTokens', 'temperature')"
+        },
+    )
+    screenshot_hosts: list[str] = field(
+        default_factory=list,
+        metadata={
+            "help": "Hosts the agent's screenshot URLs come from (e.g. the object store). They "
+            "must be in vllm.allowed_media_domains and trajectory.allowed_image_hosts. Empty when "
+            "screenshots travel as data URLs."
+        },
+    )
+    driver: DriverConfig = field(
+        default_factory=DriverConfig, metadata={"help": "Client-side polling and deadline"}
+    )
+
+
+@dataclass
+class EndpointSection:
+    base_url: str = field(
+        default="",
+        metadata={
+            "help": "OpenAI base URL (ending in /v1) the agent calls. Empty: the engine's own "
+            "inference servers, spread round-robin (the normal case). Set it only to roll out "
+            "against an external server; its tokens then carry no engine version."
+        },
+    )
+    model_name: str = field(
+        default="",
+        metadata={"help": "Served model name. Empty: the actor's model path (AReaL's default)"},
+    )
+    provider: str = field(default="openai", metadata={"help": "Model provider of the run"})
+
+
+@dataclass
+class MonitorSection:
+    enabled: bool = field(default=True, metadata={"help": "Record the run in a Training Monitor"})
+    base_url: str = field(
+        default="",
+        metadata={
+            "help": "Monitor URL (default $MONITOR_BASE_URL). Empty with db_path set: train.py "
+            "serves an embedded monitor on a free loopback port."
+        },
+    )
+    token: str = field(
+        default="", metadata={"help": "Project token (default $MONITOR_PROJECT_TOKEN)"}
+    )
+    db_path: str = field(
+        default="",
+        metadata={"help": "SQLite file of the embedded monitor (used when base_url is empty)"},
+    )
+    run_name: str = field(
+        default="",
+        metadata={"help": "Training run name (unique). Empty: {experiment_name}-{trial_name}"},
+    )
+    spool_path: str = field(
+        default="",
+        metadata={"help": "Spool file for records the monitor could not take (default: temp dir)"},
+    )
+
+
+@dataclass
+class WorkflowSettings:
+    """Everything a rollout worker needs; passed to the workflow as one serialisable kwarg."""
+
+    gym: GymSection
+    agent: AgentSection
+    endpoint: EndpointSection
+    trajectory: TrajectoryConfig
+    reward: RewardConfig
+    processor_path: str
+    monitor_base_url: str = ""
+    monitor_token: str = ""
+    monitor_spool_path: str = ""
+    # The training's monitor client id (its run name); empty: rollouts are not recorded.
+    training_ref: str = ""
+    # "train", "eval" or "baseline": which monitor record the rollouts belong to.
+    phase: str = "train"
+    temperature: float = 1.0
+    max_new_tokens: int = 64
+
+
+@dataclass
+class CUAConfig(GRPOConfig):
+    gym: GymSection = field(default_factory=GymSection, metadata={"help": "The gym server"})
+    agent: AgentSection = field(
+        default_factory=AgentSection, metadata={"help": "The gbox-mini-agent service"}
+    )
+    endpoint: EndpointSection = field(
+        default_factory=EndpointSection, metadata={"help": "Model endpoint the agent calls"}
+    )
+    trajectory: TrajectoryConfig = field(
+        default_factory=TrajectoryConfig, metadata={"help": "Event log -> training row policies"}
+    )
+    reward: RewardConfig = field(
+        default_factory=RewardConfig, metadata={"help": "Evaluation -> reward, and shaping"}
+    )
+    monitor: MonitorSection = field(
+        default_factory=MonitorSection, metadata={"help": "Training Monitor"}
+    )
+    vllm: CUAvLLMConfig = field(default_factory=CUAvLLMConfig)
+
+    def __post_init__(self):
+        super().__post_init__()
+        self.validate()
+
+    def validate(self) -> None:
+        """Cross-section checks; each message says how to fix the config."""
+        if not self.gym.gym_id:
+            raise ConfigError(
+                "gym.gym_id is missing: set the id of the gym on your gym server "
+                "(e.g. gym.gym_id=android-tasks); there is no default that is safe to assume"
+            )
+        if self.gym.source.kind == "gym" and not self.gym.base_url:
+            raise ConfigError("gym.base_url is missing: set the gym server URL (without /api/v1)")
+        if self.gconfig.n_samples > 1 and self.gconfig.temperature == 0:
+            raise ConfigError(
+                f"gconfig.temperature=0 with gconfig.n_samples={self.gconfig.n_samples}: every "
+                "member of a group would act the same, so group advantages are all zero; set "
+                "gconfig.temperature (e.g. 1.0) or gconfig.n_samples=1"
+            )
+        if self.rollout.max_concurrent_rollouts is None:
+            raise ConfigError(
+                "rollout.max_concurrent_rollouts is unset: each rollout holds a gym box and an "
+                "agent run, so bound it to what your gym can host (e.g. "
+                "rollout.max_concurrent_rollouts=32)"
+            )
+        allowed = set(self.vllm.allowed_media_domains)
+        fetchable = set(self.trajectory.allowed_image_hosts)
+        for host in self.agent.screenshot_hosts:
+            if allowed and host not in allowed:
+                raise ConfigError(
+                    f"screenshot host {host!r} (agent.screenshot_hosts) is not in "
+                    f"vllm.allowed_media_domains {sorted(allowed)}: vLLM would refuse the "
+                    f"screenshots; add {host!r} to vllm.allowed_media_domains"
+                )
+            if host not in fetchable:
+                raise ConfigError(
+                    f"screenshot host {host!r} (agent.screenshot_hosts) is not in "
+                    f"trajectory.allowed_image_hosts {sorted(fetchable)}: the converter would "
+                    f"refuse its images; add {host!r} to trajectory.allowed_image_hosts"
+                )
+        if self.endpoint.base_url:
+            parts = urlsplit(self.endpoint.base_url)
+            if parts.scheme not in ("http", "https") or not parts.path.rstrip("/").endswith("/v1"):
+                raise ConfigError(
+                    f"endpoint.base_url={self.endpoint.base_url!r} must be an http(s) OpenAI "
+                    "base URL ending in /v1, or empty for the engine's own servers"
+                )
+        if self.monitor.enabled and not (self.monitor.base_url or self.monitor.db_path):
+            import os
+
+            if not os.environ.get("MONITOR_BASE_URL"):
+                raise ConfigError(
+                    "monitor.enabled is true but neither monitor.base_url, $MONITOR_BASE_URL nor "
+                    "monitor.db_path is set: point it at a monitor, give an SQLite path for the "
+                    "embedded one, or set monitor.enabled=false"
+                )
+
+    @property
+    def run_name(self) -> str:
+        return self.monitor.run_name or f"{self.experiment_name}-{self.trial_name}"
+
+    def model_path(self) -> str:
+        return self.actor.path or self.tokenizer_path
+
+    def workflow_settings(
+        self, *, monitor_base_url: str = "", phase: str = "train"
+    ) -> WorkflowSettings:
+        """Settings for the train workflow, or (``phase`` eval / baseline) the eval workflow."""
+        if phase not in ("train", "eval", "baseline"):
+            raise ConfigError(f"phase must be train, eval or baseline, not {phase!r}")
+        is_eval = phase != "train"
+        gconfig = self.eval_gconfig if (is_eval and self.eval_gconfig) else self.gconfig
+        return WorkflowSettings(
+            gym=self.gym,
+            agent=self.agent,
+            endpoint=self.endpoint,
+            trajectory=self.trajectory,
+            reward=self.reward,
+            processor_path=self.tokenizer_path or self.actor.path,
+            monitor_base_url=monitor_base_url if self.monitor.enabled else "",
+            monitor_token=self.monitor.token,
+            monitor_spool_path=self.monitor.spool_path,
+            training_ref=self.run_name if (self.monitor.enabled and monitor_base_url) else "",
+            phase=phase,
+            temperature=gconfig.temperature,
+            max_new_tokens=gconfig.max_new_tokens,
+        )

@@ -1,0 +1,219 @@
+"""``make demo``: the main job on the embedded default, on one machine with no GPU and no services.
+
+Starts, as child processes in their own process groups: the monitor on a SQLite file, the local
+gym and the local agent; builds the tiny Qwen2-VL (cached, no download); then runs
+``python -m examples.cua_agent.train --config configs/local.yaml`` with the URLs and the model
+filled in, streaming its output. Whatever happens (failure, Ctrl-C) it stops what it started,
+then prints where the monitor database and the logs are and what the monitor recorded.
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import signal
+import sqlite3
+import subprocess
+import sys
+import time
+from datetime import datetime
+from pathlib import Path
+
+from cua_rl.serving import bind_free_port
+
+ROOT = Path(__file__).resolve().parents[2]
+
+
+class Child:
+    """A service process whose output goes to a log file; stopped by process group."""
+
+    def __init__(self, name: str, argv: list[str], log_dir: Path, env: dict | None = None):
+        self.name = name
+        self.log_path = log_dir / f"{name}.log"
+        self._log = open(self.log_path, "wb")  # noqa: SIM115 - closed in stop()
+        self.proc = subprocess.Popen(
+            argv,
+            cwd=ROOT,
+            stdout=self._log,
+            stderr=subprocess.STDOUT,
+            start_new_session=True,
+            env={**os.environ, **(env or {})},
+        )
+
+    def wait_for_line(self, prefix: str, timeout: float) -> str:
+        deadline = time.monotonic() + timeout
+        while time.monotonic() < deadline:
+            if self.proc.poll() is not None:
+                break
+            for line in self.log_path.read_text(errors="replace").splitlines():
+                if line.startswith(prefix):
+                    return line[len(prefix) :].strip()
+            time.sleep(0.2)
+        tail = self.log_path.read_text(errors="replace")[-2000:]
+        raise RuntimeError(f"{self.name} did not become ready (log {self.log_path}):\n{tail}")
+
+    def stop(self, timeout: float = 10.0) -> None:
+        if self.proc.poll() is None:
+            try:
+                os.killpg(self.proc.pid, signal.SIGTERM)
+                self.proc.wait(timeout)
+            except subprocess.TimeoutExpired:
+                os.killpg(self.proc.pid, signal.SIGKILL)
+                self.proc.wait(5)
+            except ProcessLookupError:
+                pass
+        self._log.close()
+
+
+def free_port() -> int:
+    sock = bind_free_port()
+    port = sock.getsockname()[1]
+    sock.close()
+    return port
+
+
+def wait_http(url: str, timeout: float) -> None:
+    import httpx
+
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        try:
+            if httpx.get(url, timeout=2).status_code < 500:
+                return
+        except httpx.HTTPError:
+            pass
+        time.sleep(0.2)
+    raise RuntimeError(f"{url} did not answer within {timeout}s")
+
+
+def summary(db_path: Path) -> list[str]:
+    if not db_path.exists():
+        return ["monitor database was not created"]
+    db = sqlite3.connect(db_path)
+    try:
+        out = []
+        for name, status, err in db.execute(
+            "SELECT run_name, status, error_message FROM training ORDER BY id"
+        ):
+            out.append(f"training {name}: {status}" + (f" ({err[:200]})" if err else ""))
+        for table in ("step", "baseline", "eval", "rollout", "turn", "action", "validation"):
+            n = db.execute(f"SELECT COUNT(*) FROM {table}").fetchone()[0]  # noqa: S608
+            out.append(f"  {table}: {n} rows")
+        for step, status, reward, n, tokens in db.execute(
+            "SELECT step, status, reward_mean, num_trajectories, num_tokens FROM step ORDER BY step"
+        ):
+            out.append(
+                f"  step {step}: {status}, reward_mean={reward}, trajectories={n}, tokens={tokens}"
+            )
+        return out
+    finally:
+        db.close()
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(prog="python -m examples.cua_agent.demo", description=__doc__)
+    parser.add_argument("--config", default="configs/local.yaml")
+    parser.add_argument("--run-dir", default="", help="default runs/demo-<time>")
+    parser.add_argument("overrides", nargs="*", help="extra key=value overrides for train.py")
+    args = parser.parse_args(argv)
+
+    stamp = datetime.now().strftime("%Y%m%d-%H%M%S")
+    run_dir = (ROOT / (args.run_dir or f"runs/demo-{stamp}")).resolve()
+    log_dir = run_dir / "logs"
+    log_dir.mkdir(parents=True, exist_ok=True)
+    db_path = run_dir / "monitor.db"
+    py = sys.executable
+    children: list[Child] = []
+    rc = 1
+    t0 = time.monotonic()
+    try:
+        print("[demo] building the tiny Qwen2-VL (cached after the first run)", flush=True)
+        from cua_rl.testing.models import ensure_model
+
+        model_dir = ensure_model("qwen2-vl-byte")
+
+        mon_port = free_port()
+        children.append(
+            Child(
+                "monitor",
+                [
+                    py,
+                    "-m",
+                    "cua_rl.monitor",
+                    "serve",
+                    "--db",
+                    str(db_path),
+                    "--port",
+                    str(mon_port),
+                ],
+                log_dir,
+            )
+        )
+        monitor_url = f"http://127.0.0.1:{mon_port}"
+        wait_http(f"{monitor_url}/healthz", 60)
+        print(f"[demo] monitor  {monitor_url} -> {db_path}", flush=True)
+
+        gym = Child("gym", [py, "-m", "cua_rl.sim", "gym", "--port", "0"], log_dir)
+        children.append(gym)
+        # The ready line names the genv base (.../api/v1/sim); the config wants the server URL.
+        gym_url = gym.wait_for_line("ready ", 60).split("/api/v1/")[0]
+        print(f"[demo] gym      {gym_url}", flush=True)
+
+        agent = Child("agent", [py, "-m", "cua_rl.sim", "agent", "--port", "0"], log_dir)
+        children.append(agent)
+        agent_url = agent.wait_for_line("ready ", 60)
+        print(f"[demo] agent    {agent_url}", flush=True)
+
+        cmd = [
+            py,
+            "-m",
+            "examples.cua_agent.train",
+            "--config",
+            args.config,
+            f"actor.path={model_dir}",
+            f"gym.base_url={gym_url}",
+            f"agent.base_url={agent_url}",
+            f"monitor.base_url={monitor_url}",
+            f"cluster.fileroot={run_dir / 'areal'}",
+            f"cluster.name_resolve.nfs_record_root={run_dir / 'name_resolve'}",
+            *args.overrides,
+        ]
+        print(f"[demo] training: {' '.join(cmd[1:])}", flush=True)
+        train_log = log_dir / "train.log"
+        with open(train_log, "wb") as tee:
+            proc = subprocess.Popen(
+                cmd, cwd=ROOT, stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
+                start_new_session=True,
+            )  # fmt: skip
+            try:
+                for line in proc.stdout:
+                    tee.write(line)
+                    sys.stdout.write(line.decode(errors="replace"))
+                    sys.stdout.flush()
+                rc = proc.wait()
+            except KeyboardInterrupt:
+                os.killpg(proc.pid, signal.SIGINT)
+                rc = proc.wait(60)
+                raise
+            finally:
+                if proc.poll() is None:
+                    os.killpg(proc.pid, signal.SIGKILL)
+    except KeyboardInterrupt:
+        print("\n[demo] interrupted", flush=True)
+        rc = 130
+    except Exception as exc:
+        print(f"[demo] failed: {exc}", flush=True)
+        rc = 1
+    finally:
+        for child in reversed(children):
+            child.stop()
+        print(f"[demo] finished with exit code {rc} in {time.monotonic() - t0:.0f}s", flush=True)
+        print(f"[demo] monitor database: {db_path}", flush=True)
+        print(f"[demo] logs: {log_dir} (train.log, monitor.log, gym.log, agent.log)", flush=True)
+        for line in summary(db_path):
+            print(f"[demo] {line}", flush=True)
+    return rc
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,494 @@
+"""The training's own monitor records: training, tasks, steps, baseline and evals.
+
+``PPOTrainer.train`` is synchronous and has no step callback, so this module gives train.py a
+synchronous facade (``TrainingMonitor``) over the async ``MonitorClient``, running on a private
+event loop in a daemon thread: every method enqueues records and returns at once, and nothing
+here raises into training. ``attach(trainer)`` hooks the trainer at the few points it exposes:
+``stats_logger.commit`` (one call per finished step, with the merged stats), the actor's
+``ppo_update`` / ``update_weights`` (the step's phases) and ``_evaluate_fn`` (an eval pass).
+
+Ids: the training's client id is its run name; steps, evals and baselines use the formats of
+the existing clients with the run name in place of the server id (``step-{run}-{n}-0``,
+``eval-{run}-{n}``, ``baseline-{run}-0``), so the rollout workers can derive them without
+asking the server. Step ``n`` is AReaL's ``global_step + 1``; rollouts sampled by policy version
+``v`` are recorded under step ``v + 1`` (the step that trains them when off-policyness is 0).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import logging
+import math
+import threading
+import time
+from collections.abc import Callable, Iterable, Mapping
+from dataclasses import asdict
+from typing import Any
+
+from cua_rl.monitor.client import MonitorClient, MonitorClientConfig, utc_now
+
+log = logging.getLogger("cua_rl.lifecycle")
+
+
+def step_client_id(run: str, step: int) -> str:
+    return f"step-{run}-{step}-0"
+
+
+def eval_client_id(run: str, step: int) -> str:
+    return f"eval-{run}-{step}"
+
+
+def baseline_client_id(run: str) -> str:
+    return f"baseline-{run}-0"
+
+
+# AReaL stat keys -> step columns. Each entry lists candidates in order of preference: the key
+# names moved between AReaL releases and depend on the loss in use.
+STEP_COLUMNS: dict[str, tuple[str, ...]] = {
+    "loss": ("ppo_actor/update/actor_loss/avg", "ppo_actor/update/loss/avg"),
+    "kl_divergence": ("ppo_actor/update/approx_kl/avg", "ppo_actor/approx_kl/avg"),
+    "policy_gradient_norm": ("ppo_actor/update/grad_norm", "ppo_actor/update/grad_norm/avg"),
+    "learning_rate": ("ppo_actor/update/lr", "ppo_actor/update/lr/avg"),
+    "reward_mean": ("rollout/cua/reward", "ppo_actor/task_reward/avg", "rollout/reward"),
+    "num_trajectories": ("ppo_actor/n_seqs", "ppo_actor/update/n_seqs"),
+    # Trained (loss-masked) tokens of the step, summed over its rows.
+    "num_tokens": ("ppo_actor/n_valid_tokens", "ppo_actor/update/n_valid_tokens"),
+}
+
+
+def _first(stats: Mapping[str, Any], keys: Iterable[str]) -> float | None:
+    for k in keys:
+        v = stats.get(k)
+        if isinstance(v, int | float) and math.isfinite(float(v)):
+            return float(v)
+    return None
+
+
+def _clean(stats: Mapping[str, Any]) -> dict[str, float]:
+    """JSON-safe numbers only (NaN/inf would make the batch invalid JSON)."""
+    out = {}
+    for k, v in stats.items():
+        try:
+            f = float(v)
+        except (TypeError, ValueError):
+            continue
+        if math.isfinite(f):
+            out[str(k)] = f
+    return out
+
+
+def step_fields(stats: Mapping[str, Any]) -> dict[str, Any]:
+    """Step columns from one commit's merged stats (pure; tested without a trainer)."""
+    fields: dict[str, Any] = {}
+    for column, keys in STEP_COLUMNS.items():
+        v = _first(stats, keys)
+        if v is not None:
+            fields[column] = int(v) if column.startswith("num_") else v
+    # AReaL's rollout stats arrive as means over episodes (counts are dropped when the workers'
+    # stats are merged), so the workflow logs reward and reward^2 and the spread is derived here.
+    mean = _first(stats, ("rollout/cua/reward",))
+    sq = _first(stats, ("rollout/cua/reward_sq",))
+    if mean is not None and sq is not None:
+        fields["reward_std"] = math.sqrt(max(sq - mean * mean, 0.0))
+    return fields
+
+
+def eval_fields(stats: Mapping[str, Any], prefix: str = "eval-rollout") -> dict[str, Any]:
+    fields: dict[str, Any] = {}
+    for column, key in (
+        ("success_rate", f"{prefix}/cua/success"),
+        ("avg_reward", f"{prefix}/cua/reward"),
+        ("avg_turns", f"{prefix}/cua/turns"),
+    ):
+        v = _first(stats, (key,))
+        if v is not None:
+            fields[column] = v
+    fields["metrics_json"] = {k: v for k, v in _clean(stats).items() if k.startswith(prefix)}
+    return fields
+
+
+class TrainingMonitor:
+    """Synchronous, never-raising recorder of one training run."""
+
+    def __init__(self, client_config: MonitorClientConfig | None, run_name: str):
+        self.run = run_name
+        self.enabled = client_config is not None
+        self._cfg = client_config
+        self._client: MonitorClient | None = None
+        self._loop: asyncio.AbstractEventLoop | None = None
+        self._thread: threading.Thread | None = None
+        self._step_started: set[int] = set()
+        self._finished = False
+
+    # ------------------------------------------------------------------ plumbing
+
+    def start(self) -> None:
+        if not self.enabled or self._thread is not None:
+            return
+        ready = threading.Event()
+
+        def run() -> None:
+            loop = asyncio.new_event_loop()
+            self._loop = loop
+            asyncio.set_event_loop(loop)
+            self._client = MonitorClient(self._cfg)
+            loop.run_until_complete(self._client.start())
+            ready.set()
+            loop.run_forever()
+
+        self._thread = threading.Thread(target=run, name="cua-monitor", daemon=True)
+        self._thread.start()
+        ready.wait(10)
+
+    def _send(self, kind: str, record: dict[str, Any]) -> None:
+        if self._client is None:
+            return
+        try:
+            self._client.enqueue(kind, record)
+        except Exception as exc:  # the client does not raise; this guards a broken record
+            log.warning("monitor: %s record not sent: %s", kind, exc)
+
+    def flush(self, timeout: float = 10.0) -> bool:
+        if self._client is None or self._loop is None:
+            return True
+        fut = asyncio.run_coroutine_threadsafe(self._client.flush(timeout), self._loop)
+        try:
+            return bool(fut.result(timeout + 5))
+        except Exception:
+            return False
+
+    def close(self, timeout: float = 10.0) -> None:
+        if self._client is None or self._loop is None:
+            return
+        fut = asyncio.run_coroutine_threadsafe(self._client.close(timeout), self._loop)
+        try:
+            fut.result(timeout + 10)
+        except Exception as exc:
+            log.warning("monitor: close: %s", exc)
+        self._loop.call_soon_threadsafe(self._loop.stop)
+        self._thread.join(5)
+        self._client = None
+
+    @property
+    def counters(self) -> dict[str, Any]:
+        return self._client.counters.as_dict() if self._client else {}
+
+    # ------------------------------------------------------------------ training
+
+    def training_started(self, *, config: Any, total_steps: int | None, **fields: Any) -> None:
+        try:
+            config_json = json.loads(json.dumps(asdict(config), default=str))
+        except Exception:
+            config_json = None
+        gconfig = getattr(config, "gconfig", None)
+        actor = getattr(config, "actor", None)
+        record = {
+            "run_name": self.run,
+            "log_path": fields.pop("log_path", ""),
+            "model_name": getattr(actor, "path", "") or "",
+            "learning_rate": getattr(getattr(actor, "optimizer", None), "lr", None),
+            "batch_size": getattr(getattr(config, "train_dataset", None), "batch_size", None),
+            "group_size": getattr(gconfig, "n_samples", None),
+            "max_tokens": getattr(gconfig, "max_new_tokens", None),
+            "temperature": getattr(gconfig, "temperature", None),
+            "kl_penalty_coef": getattr(actor, "kl_ctl", None),
+            "max_turns": getattr(getattr(config, "agent", None), "max_steps", None),
+            "seed": getattr(config, "seed", None),
+            "status": "running",
+            "current_phase": "initialization",
+            "total_steps": total_steps,
+            "start_time": utc_now(),
+            "last_heartbeat": utc_now(),
+            "config_json": config_json,
+            **fields,
+        }
+        self._send("training", {k: v for k, v in record.items() if v is not None})
+
+    def _training(self, **fields: Any) -> None:
+        self._send("training", {"run_name": self.run, "last_heartbeat": utc_now(), **fields})
+
+    def tasks(self, rows: Iterable[Mapping[str, Any]]) -> int:
+        n = 0
+        for row in rows:
+            task_id = str(row["task_id"])
+            record = {
+                "client_id": task_id,
+                "task_id": task_id,
+                "name": str(row.get("name") or task_id),
+                "description": str(row.get("description") or row.get("instruction") or ""),
+                "tags": list(row.get("tags") or []),
+                "source_type": row.get("split"),
+            }
+            self._send("tasks", {k: v for k, v in record.items() if v is not None})
+            n += 1
+        return n
+
+    def training_finished(self) -> None:
+        if not self._finished:
+            self._finished = True
+            self._training(
+                status="completed",
+                current_phase="completed",
+                progress_percent=100.0,
+                end_time=utc_now(),
+            )
+
+    def training_failed(self, error: BaseException | str) -> None:
+        if self._finished:
+            return
+        self._finished = True
+        cancelled = isinstance(error, KeyboardInterrupt)
+        message = str(error) if isinstance(error, str) else f"{type(error).__name__}: {error}"
+        self._training(
+            status="cancelled" if cancelled else "failed",
+            error_message=message[:4000],
+            status_message="interrupted (Ctrl-C)" if cancelled else "failed",
+            end_time=utc_now(),
+        )
+
+    # ------------------------------------------------------------------ steps
+
+    def step_started(self, step: int, *, total_steps: int | None = None) -> None:
+        if step in self._step_started:
+            return
+        self._step_started.add(step)
+        now = utc_now()
+        self._send(
+            "steps",
+            {
+                "client_id": step_client_id(self.run, step),
+                "training_client_id": self.run,
+                "step": step,
+                "batch": 0,
+                "status": "rollout_running",
+                "current_phase": "rollout_execution",
+                "start_time": now,
+                "rollout_start_time": now,
+            },
+        )
+        progress = None
+        if total_steps:
+            progress = 100.0 * (step - 1) / total_steps
+        self._training(current_step=step, current_phase="rollout", progress_percent=progress)
+
+    def step_phase(self, step: int, status: str, phase: str, **fields: Any) -> None:
+        self._send(
+            "steps",
+            {
+                "client_id": step_client_id(self.run, step),
+                "training_client_id": self.run,
+                "step": step,
+                "status": status,
+                "current_phase": phase,
+                **fields,
+            },
+        )
+        training_phase = {"training": "training", "checkpointing": "checkpointing"}.get(phase)
+        if training_phase:
+            self._training(current_phase=training_phase)
+
+    def step_committed(self, step: int, stats: Mapping[str, Any], *, total_steps: int | None):
+        now = utc_now()
+        self._send(
+            "steps",
+            {
+                "client_id": step_client_id(self.run, step),
+                "training_client_id": self.run,
+                "step": step,
+                "status": "completed",
+                "current_phase": "completed",
+                "progress_percent": 100.0,
+                "end_time": now,
+                "training_end_time": now,
+                **step_fields(stats),
+                "metrics_json": _clean(stats),
+            },
+        )
+        progress = 100.0 * step / total_steps if total_steps else None
+        self._training(current_step=step, progress_percent=progress)
+
+    def step_failed(self, step: int, error: BaseException) -> None:
+        if step not in self._step_started:
+            return
+        self.step_phase(
+            step, "failed", "failed", error_message=f"{type(error).__name__}: {error}"[:4000]
+        )
+
+    # ------------------------------------------------------------------ evals
+
+    def eval_started(self, step: int, *, model_path: str, total_tasks: int | None) -> None:
+        self._send(
+            "evals",
+            {
+                "client_id": eval_client_id(self.run, step),
+                "training_client_id": self.run,
+                "step": step,
+                "model_path": model_path,
+                "status": "running",
+                "current_phase": "rollout",
+                "total_tasks": total_tasks,
+                "start_time": utc_now(),
+            },
+        )
+        self._training(current_phase="evaluation")
+
+    def eval_finished(
+        self, step: int, stats: Mapping[str, Any], *, total_tasks: int | None = None
+    ) -> None:
+        now = utc_now()
+        counts = {}
+        if total_tasks and "success_rate" in eval_fields(stats):
+            rate = eval_fields(stats)["success_rate"]
+            counts = {"completed_tasks": total_tasks, "successful_tasks": round(rate * total_tasks)}
+        self._send(
+            "evals",
+            {
+                "client_id": eval_client_id(self.run, step),
+                "training_client_id": self.run,
+                "step": step,
+                "status": "completed",
+                "progress_percent": 100.0,
+                "current_phase": "aggregation",
+                "end_time": now,
+                "eval_time": now,
+                **eval_fields(stats),
+                **counts,
+            },
+        )
+
+    def baseline_started(self, *, model_path: str, total_tasks: int | None) -> None:
+        self._send(
+            "baselines",
+            {
+                "client_id": baseline_client_id(self.run),
+                "training_client_id": self.run,
+                "model_path": model_path,
+                "status": "running",
+                "current_phase": "rollout",
+                "total_tasks": total_tasks,
+                "start_time": utc_now(),
+            },
+        )
+        self._training(current_phase="evaluation", status_message="baseline evaluation")
+
+    def baseline_finished(self, stats: Mapping[str, Any], *, error: str | None = None) -> None:
+        now = utc_now()
+        record: dict[str, Any] = {
+            "client_id": baseline_client_id(self.run),
+            "training_client_id": self.run,
+            "end_time": now,
+        }
+        if error:
+            record.update(status="failed", error_message=error[:4000])
+        else:
+            record.update(
+                status="completed", progress_percent=100.0, eval_time=now, **eval_fields(stats)
+            )
+        self._send("baselines", record)
+
+
+class TrainerHooks:
+    """Wraps the few trainer entry points that mark step phases and evals.
+
+    Each wrapper records, then calls the original; recording never changes what the trainer does
+    or raises into it.
+    """
+
+    def __init__(
+        self,
+        monitor: TrainingMonitor,
+        *,
+        total_steps: int | None,
+        model_path: str,
+        eval_tasks: int | None,
+        learning_rate: float | None = None,
+    ):
+        self.learning_rate = learning_rate
+        self._n_rows: int | None = None
+        self.monitor = monitor
+        self.total_steps = total_steps
+        self.model_path = model_path
+        self.eval_tasks = eval_tasks
+        self.current_step = 1
+        self.committed: list[tuple[int, dict[str, float]]] = []
+
+    def _safe(self, fn: Callable[[], None]) -> None:
+        try:
+            fn()
+        except Exception as exc:  # a monitor bug must not stop training
+            log.warning("monitor hook failed: %s", exc)
+
+    def attach(self, trainer: Any) -> None:
+        m = self.monitor
+        self._safe(lambda: m.step_started(1, total_steps=self.total_steps))
+
+        commit = trainer.stats_logger.commit
+
+        def on_commit(epoch, epoch_step, global_step, data, *a, **kw):
+            result = commit(epoch, epoch_step, global_step, data, *a, **kw)
+            stats = data[0] if isinstance(data, list) and data else data
+            stats = dict(stats or {})
+            step = int(global_step) + 1
+            # What AReaL 1.0.4 does not log: the step's row count (seen in ppo_update) and the
+            # learning rate (constant schedules log nothing).
+            if self._n_rows is not None:
+                stats.setdefault("ppo_actor/n_seqs", self._n_rows)
+                self._n_rows = None
+            if self.learning_rate is not None:
+                stats.setdefault("ppo_actor/update/lr", self.learning_rate)
+            self.committed.append((step, _clean(stats)))
+            self._safe(lambda: m.step_committed(step, stats, total_steps=self.total_steps))
+            if any(k.startswith("eval-rollout/") for k in stats):
+                self._safe(lambda: m.eval_finished(step, stats, total_tasks=self.eval_tasks))
+            nxt = step + 1
+            if self.total_steps is None or nxt <= self.total_steps:
+                self.current_step = nxt
+                self._safe(lambda: m.step_started(nxt, total_steps=self.total_steps))
+            return result
+
+        trainer.stats_logger.commit = on_commit
+
+        actor = trainer.actor
+        for name, status, phase in (
+            ("ppo_update", "training", "training"),
+            ("update_weights", "training", "checkpointing"),
+        ):
+            original = getattr(actor, name, None)
+            if original is None:
+                continue
+
+            def wrapped(*a, _orig=original, _status=status, _phase=phase, **kw):
+                fields = {"training_start_time": utc_now()} if _phase == "training" else {}
+                if _phase == "training":
+                    fields["rollout_end_time"] = fields["training_start_time"]
+                    batch = a[0] if a else kw.get("data")
+                    if isinstance(batch, list | tuple):
+                        self._n_rows = len(batch)
+                self._safe(lambda: m.step_phase(self.current_step, _status, _phase, **fields))
+                return _orig(*a, **kw)
+
+            setattr(actor, name, wrapped)
+
+        evaluate_fn = getattr(trainer, "_evaluate_fn", None)
+        if evaluate_fn is not None:
+
+            def on_eval(*a, **kw):
+                step = self.current_step
+                self._safe(
+                    lambda: m.eval_started(
+                        step, model_path=self.model_path, total_tasks=self.eval_tasks
+                    )
+                )
+                return evaluate_fn(*a, **kw)
+
+            trainer._evaluate_fn = on_eval
+
+
+def wait_for(predicate: Callable[[], bool], timeout: float, interval: float = 0.2) -> bool:
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        if predicate():
+            return True
+        time.sleep(interval)
+    return predicate()
