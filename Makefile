@@ -14,6 +14,7 @@ export CUA_VLLM_PYTHON ?= $(abspath $(PY_VLLM))
 .PHONY: help envs venv venv-vllm test test-fast lint format demo clean-envs freeze-vllm models
 
 help:
+	@echo "make demo       create/reuse both environments and run the main job on the embedded default"
 	@echo "make test       create/reuse both environments and run the whole suite (slow tests included)"
 	@echo "make test-fast  the suite without tests marked slow"
 	@echo "make lint       ruff check + format check"
@@ -51,6 +52,11 @@ models: venv
 envs:
 	@# The two environments are independent: build them side by side.
 	$(MAKE) -j2 venv venv-vllm
+
+# The main job on the embedded default: monitor, local gym, local agent, and AReaL's PPOTrainer
+# with a vLLM CPU server and a tiny Qwen2-VL, all on this machine (examples/cua_agent/demo.py).
+demo: envs
+	$(PY) -m examples.cua_agent.demo $(DEMO_ARGS)
 
 test: envs
 	$(PY) -m pytest -ra --durations=15

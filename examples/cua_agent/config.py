@@ -182,6 +182,9 @@ class WorkflowSettings:
     training_ref: str = ""
     # "train", "eval" or "baseline": which monitor record the rollouts belong to.
     phase: str = "train"
+    # Steps this run trains (0: unknown). Rollouts the trainer prefetches for a step after the
+    # last one are never trained, so they are not recorded against a step that never opens.
+    total_steps: int = 0
     temperature: float = 1.0
     max_new_tokens: int = 64
 
@@ -271,7 +274,7 @@ class CUAConfig(GRPOConfig):
         return self.actor.path or self.tokenizer_path
 
     def workflow_settings(
-        self, *, monitor_base_url: str = "", phase: str = "train"
+        self, *, monitor_base_url: str = "", phase: str = "train", total_steps: int = 0
     ) -> WorkflowSettings:
         """Settings for the train workflow, or (``phase`` eval / baseline) the eval workflow."""
         if phase not in ("train", "eval", "baseline"):
@@ -290,6 +293,7 @@ class CUAConfig(GRPOConfig):
             monitor_spool_path=self.monitor.spool_path,
             training_ref=self.run_name if (self.monitor.enabled and monitor_base_url) else "",
             phase=phase,
+            total_steps=total_steps,
             temperature=gconfig.temperature,
             max_new_tokens=gconfig.max_new_tokens,
         )

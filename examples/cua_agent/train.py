@@ -317,7 +317,9 @@ def run_training(config: CUAConfig) -> int:
         try:
             prepare_platform(config)
             settings = {
-                phase: config.workflow_settings(monitor_base_url=endpoint.url, phase=phase)
+                phase: config.workflow_settings(
+                    monitor_base_url=endpoint.url, phase=phase, total_steps=n_steps
+                )
                 for phase in ("train", "eval", "baseline")
             }
             valid = eval_ds if len(eval_ds) else None
@@ -341,7 +343,8 @@ def run_training(config: CUAConfig) -> int:
         monitor.close()
         for step, stats in hooks.committed:
             print(f"step {step}: {summarise(stats)}", flush=True)
-        print(f"monitor: {config.monitor.db_path or endpoint.url}; logs: {log_dir}", flush=True)
+        where = endpoint.url if endpoint.server is None else config.monitor.db_path
+        print(f"monitor: {where or 'disabled'}; logs: {log_dir}", flush=True)
         if monitor.counters:
             print(f"monitor client: {monitor.counters}", flush=True)
     return 0

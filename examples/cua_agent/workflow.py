@@ -268,13 +268,27 @@ class CUAAgentWorkflow(RolloutWorkflow):
         # Policy version v is trained by step v + 1 (train.py opens that step's record first).
         return MonitorContext(training_id=run, step_id=step_client_id(run, version + 1))
 
+    def is_surplus(self, version: int) -> bool:
+        """A training rollout of a policy the run never trains again: the trainer prefetches a
+        batch after the last step, and those episodes belong to no step record."""
+        s = self.settings
+        in_training = s.phase == "train" and not workflow_context.get().is_eval
+        return in_training and bool(s.total_steps) and version + 1 > s.total_steps
+
     async def arun_episode(self, engine, data: dict[str, Any]) -> dict[str, Any] | None:
         scope = workflow_context.stat_scope()
         episode = Episode(
             data=dict(data), rollout_uuid=str(uuid.uuid4()), version=int(engine.get_version())
         )
+        surplus = self.is_surplus(episode.version)
+        if surplus:
+            log.info(
+                "episode %s samples policy version %d after the last step: not recorded",
+                episode.rollout_uuid,
+                episode.version,
+            )
         recorder = RolloutRecorder(
-            await self._monitor_client(),
+            None if surplus else await self._monitor_client(),
             episode.rollout_uuid,
             task_id=episode.task_id,
             model_path=self.settings.processor_path,

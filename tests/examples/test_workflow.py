@@ -290,3 +290,27 @@ def test_external_endpoint_overrides_the_engine(gym, agent, vllm_server, tiny_vl
     settings.endpoint = EndpointSection()
     wf = CUAAgentWorkflow(settings)
     assert wf.model_base_url(engine) == vllm_server.base_url
+
+
+def test_rollouts_after_the_last_step_are_not_recorded_against_a_step():
+    def wf(phase: str, total_steps: int) -> CUAAgentWorkflow:
+        return CUAAgentWorkflow(
+            WorkflowSettings(
+                gym=GymSection(),
+                agent=AgentSection(),
+                endpoint=EndpointSection(),
+                trajectory=TrajectoryConfig(),
+                reward=RewardConfig(),
+                processor_path="unused",
+                training_ref=RUN,
+                phase=phase,
+                total_steps=total_steps,
+            )
+        )
+
+    two_steps = wf("train", 2)
+    # Versions 0 and 1 are trained by steps 1 and 2; version 2 was prefetched and never trained.
+    assert [two_steps.is_surplus(v) for v in (0, 1, 2, 3)] == [False, False, True, True]
+    assert two_steps.monitor_source(1).step_id == step_client_id(RUN, 2)
+    assert not wf("train", 0).is_surplus(50)  # unknown length: everything is recorded
+    assert not wf("eval", 2).is_surplus(2)  # the eval after the last step has its own record

@@ -1,0 +1,123 @@
+"""The main job on the local stack, for real: ``make demo``'s launcher and a crashing run.
+
+The first test runs ``python -m examples.cua_agent.demo`` (monitor on SQLite, local gym, local
+agent, AReaL's PPOTrainer with a vLLM CPU server and the tiny Qwen2-VL) and reads the monitor's
+database afterwards. The second starts train.py against a model folder that holds no model, so the
+real PPOTrainer fails while it starts, and checks that the training is left failed with its error.
+"""
+
+from __future__ import annotations
+
+import os
+import signal
+import sqlite3
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+from cua_rl.sim.gym import GymServer
+
+ROOT = Path(__file__).resolve().parents[2]
+
+pytestmark = pytest.mark.slow
+
+
+def _rows(db: Path, sql: str, *args) -> list[tuple]:
+    con = sqlite3.connect(db)
+    try:
+        return con.execute(sql, args).fetchall()
+    finally:
+        con.close()
+
+
+def _leftovers(marker: str) -> list[str]:
+    """Processes whose command line names ``marker`` (the run folder): none may outlive a run."""
+    out = subprocess.run(["ps", "-eo", "pid,args"], capture_output=True, text=True).stdout
+    return [line for line in out.splitlines() if marker in line and "ps -eo" not in line]
+
+
+@pytest.mark.timeout(1800)
+def test_demo_trains_two_steps_and_records_everything(tmp_path, tiny_vl_model_dir):
+    run_dir = tmp_path / "demo"
+    proc = subprocess.Popen(
+        [sys.executable, "-m", "examples.cua_agent.demo", "--run-dir", str(run_dir)],
+        cwd=ROOT,
+        stdout=subprocess.PIPE,
+        stderr=subprocess.STDOUT,
+        start_new_session=True,
+        env={**os.environ, "PYTHONUNBUFFERED": "1"},
+    )
+    try:
+        out, _ = proc.communicate(timeout=1700)
+    finally:
+        if proc.poll() is None:
+            os.killpg(proc.pid, signal.SIGKILL)
+            proc.wait()
+    text = out.decode(errors="replace")
+    assert proc.returncode == 0, text[-6000:]
+
+    db = run_dir / "monitor.db"
+    assert db.exists(), text[-3000:]
+    (status, err, total), *_ = _rows(db, "SELECT status, error_message, total_steps FROM training")
+    assert status == "completed", (status, err)
+
+    steps = _rows(db, "SELECT step, status, num_trajectories FROM step ORDER BY step")
+    completed = [s for s in steps if s[1] == "completed"]
+    assert len(completed) >= 2, steps
+    assert all(n and n > 0 for _, _, n in completed), steps
+
+    # Every step's rollouts hang off that step, with turns and token-carrying actions below them.
+    n_rollouts = _rows(db, "SELECT COUNT(*) FROM rollout WHERE source_type = 'step'")[0][0]
+    assert n_rollouts >= 2 * 2, steps  # two steps of at least one group of two
+    assert _rows(db, "SELECT COUNT(*) FROM turn")[0][0] >= n_rollouts
+    n_actions = _rows(db, "SELECT COUNT(*) FROM action WHERE num_tokens > 0")[0][0]
+    assert n_actions >= n_rollouts
+    assert _rows(db, "SELECT COUNT(*) FROM baseline WHERE status = 'completed'")[0][0] == 1
+
+    # The launcher printed where things are, and a line per committed step.
+    assert f"monitor database: {db}" in text
+    assert "step 1:" in text and "step 2:" in text, text[-3000:]
+    assert not _leftovers(str(run_dir)), _leftovers(str(run_dir))
+
+
+@pytest.mark.timeout(900)
+def test_a_crashing_run_leaves_the_training_failed_with_its_error(tmp_path):
+    not_a_model = tmp_path / "not-a-model"
+    not_a_model.mkdir()
+    db = tmp_path / "monitor.db"
+    with GymServer() as gym:
+        proc = subprocess.run(
+            [
+                sys.executable,
+                "-m",
+                "examples.cua_agent.train",
+                "--config",
+                "configs/local.yaml",
+                f"actor.path={not_a_model}",
+                f"gym.base_url={gym.url}",
+                f"monitor.db_path={db}",
+                f"cluster.fileroot={tmp_path / 'areal'}",
+                f"cluster.name_resolve.nfs_record_root={tmp_path / 'name_resolve'}",
+            ],
+            cwd=ROOT,
+            capture_output=True,
+            text=True,
+            timeout=800,
+        )
+    assert proc.returncode != 0, proc.stdout[-3000:]
+    rows = _rows(db, "SELECT status, error_message FROM training")
+    assert len(rows) == 1, rows
+    status, err = rows[0]
+    assert status == "failed"
+    # The recorded error is the exception the process died of, as its traceback shows it.
+    assert err, rows
+    assert err.splitlines()[0].split(": ", 1)[-1] in proc.stderr, (err, proc.stderr[-3000:])
+    history = _rows(
+        db,
+        "SELECT new_status FROM status_history WHERE entity_type = 'training' ORDER BY id",
+    )
+    # (A crash this early can reach the monitor in the same batch as the start: the client merges
+    # the two updates of one record, so "running" need not appear in the history.)
+    assert history and history[-1][0] == "failed", history
