@@ -100,6 +100,10 @@ def test_vllm_command_line_reaches_vllm(tmp_path):
         (["reward.shaping=[{penalty:0.1}]"], "unknown shaping term 'penalty'"),
         (["vllm.limit_mm_per_prompt='image 64'"], "vllm.limit_mm_per_prompt"),
         (["endpoint.base_url=http://vllm:8000"], "ending in /v1"),
+        (
+            ["+agent.model_options.constrain=regex", "actor.use_decoupled_loss=true"],
+            "actor.use_decoupled_loss=false",
+        ),
     ],
 )
 def test_each_bad_input_names_its_fix(tmp_path, overrides, fix):
