@@ -58,7 +58,10 @@ envs:
 demo: envs
 	$(PY) -m examples.cua_agent.demo $(DEMO_ARGS)
 
+# Lint first: it takes a second and CI then catches style drift too.
 test: envs
+	$(VENV)/bin/ruff check .
+	$(VENV)/bin/ruff format --check .
 	$(PY) -m pytest -ra --durations=15
 
 test-fast: venv

@@ -374,6 +374,8 @@ def main(argv: list[str] | None = None) -> int:
         level=os.environ.get("CUA_RL_LOG_LEVEL", "INFO"),
         format="%(asctime)s %(levelname)s %(name)s: %(message)s",
     )
+    # One line per HTTP request (monitor batches, gym calls) would drown the trainer's progress.
+    logging.getLogger("httpx").setLevel(logging.WARNING)
     check, rest = split_argv(list(sys.argv[1:] if argv is None else argv))
     try:
         config = load_config(rest)
