@@ -66,6 +66,20 @@ class ThreadedServer:
             self._thread.join(timeout)
         self._sock.close()
 
+    def serve_until_interrupted(self, *, ready: str) -> int:
+        """For a command-line server: start, print ``ready`` (launchers wait for that line), serve
+        until Ctrl-C or the server exits, then stop. Returns the exit code."""
+        self.start()
+        print(ready, flush=True)
+        try:
+            while self._thread.is_alive():
+                self._thread.join(1.0)
+        except KeyboardInterrupt:
+            pass
+        finally:
+            self.stop()
+        return 0
+
     def __enter__(self) -> ThreadedServer:
         return self.start()
 

@@ -39,6 +39,7 @@ import httpx
 from fastapi import FastAPI, HTTPException, Request
 from fastapi.responses import JSONResponse
 
+from cua_rl.serving import ThreadedServer
 from cua_rl.sim.actions import (
     ACTION_NAMES,
     SYSTEM_PROMPT,
@@ -609,7 +610,7 @@ def create_app(config: AgentServerConfig | None = None, client: httpx.AsyncClien
     return app
 
 
-class AgentServer:
+class AgentServer(ThreadedServer):
     """The local agent on a free loopback port in a background thread: ``with AgentServer() as a``.
 
     ``a.url`` is the base URL to give ``MiniAgentClient``; ``a.service`` exposes the runs.
@@ -622,51 +623,13 @@ class AgentServer:
         port: int = 0,
         log_level: str = "warning",
     ):
-        import socket
-
-        import uvicorn
-
-        self.host = host
-        self._sock = socket.socket(socket.AF_INET, socket.SOCK_STREAM)
-        self._sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
-        self._sock.bind((host, port))
-        self.port = self._sock.getsockname()[1]
         self.app = create_app(config)
         self.service: AgentService = self.app.state.service
-        self._server = uvicorn.Server(
-            uvicorn.Config(self.app, log_level=log_level, lifespan="on", timeout_keep_alive=30)
-        )
-        self._thread = None
+        super().__init__(self.app, host=host, port=port, name="sim-agent", log_level=log_level)
 
-    @property
-    def url(self) -> str:
-        return f"http://{self.host}:{self.port}"
-
-    def start(self, timeout_s: float = 20.0) -> AgentServer:
-        import threading
-
-        self._thread = threading.Thread(
-            target=self._server.run, kwargs={"sockets": [self._sock]}, daemon=True, name="sim-agent"
-        )
-        self._thread.start()
-        deadline = time.monotonic() + timeout_s
-        while not self._server.started:
-            if not self._thread.is_alive() or time.monotonic() > deadline:
-                raise RuntimeError(f"local agent did not start on {self.url} within {timeout_s}s")
-            time.sleep(0.02)
+    def start(self, timeout: float = 20.0) -> AgentServer:
+        super().start(timeout)
         return self
-
-    def stop(self, timeout_s: float = 10.0) -> None:
-        self._server.should_exit = True
-        if self._thread is not None:
-            self._thread.join(timeout_s)
-        self._sock.close()
-
-    def __enter__(self) -> AgentServer:
-        return self.start()
-
-    def __exit__(self, *exc) -> None:
-        self.stop()
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -691,13 +654,4 @@ def main(argv: list[str] | None = None) -> int:
         print(f"error: {exc}", file=sys.stderr)
         return 2
     server = AgentServer(config, host=args.host, port=args.port, log_level=args.log_level)
-    server.start()
-    print(f"ready {server.url}", flush=True)
-    try:
-        while server._thread.is_alive():
-            server._thread.join(1.0)
-    except KeyboardInterrupt:
-        pass
-    finally:
-        server.stop()
-    return 0
+    return server.serve_until_interrupted(ready=f"ready {server.url}")

@@ -635,13 +635,4 @@ def main(argv: list[str] | None = None) -> int:
     except OSError as e:
         print(f"error: cannot listen on {args.host}:{args.port}: {e}", file=sys.stderr)
         return 2
-    server.start()
-    print(f"ready {server.base_url}", flush=True)
-    try:
-        while server._thread.is_alive():
-            server._thread.join(1.0)
-    except KeyboardInterrupt:
-        pass
-    finally:
-        server.stop()
-    return 0
+    return server.serve_until_interrupted(ready=f"ready {server.base_url}")
