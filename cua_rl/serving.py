@@ -7,6 +7,7 @@ and there is no race between picking a free port and serving on it.
 
 from __future__ import annotations
 
+import signal
 import socket
 import threading
 import time
@@ -68,7 +69,17 @@ class ThreadedServer:
 
     def serve_until_interrupted(self, *, ready: str) -> int:
         """For a command-line server: start, print ``ready`` (launchers wait for that line), serve
-        until Ctrl-C or the server exits, then stop. Returns the exit code."""
+        until SIGINT, SIGTERM or the server exits, then stop. Returns the exit code.
+
+        Both signals are handled explicitly: a process started in the background by a
+        non-interactive shell inherits SIGINT as ignored, and a launcher's SIGTERM should stop
+        the server as cleanly as Ctrl-C does."""
+
+        def interrupt(signum: int, frame: Any) -> None:
+            raise KeyboardInterrupt(signal.Signals(signum).name)
+
+        for sig in (signal.SIGINT, signal.SIGTERM):
+            signal.signal(sig, interrupt)
         self.start()
         print(ready, flush=True)
         try:

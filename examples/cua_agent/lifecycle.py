@@ -243,7 +243,7 @@ class TrainingMonitor:
         self._training(
             status="cancelled" if cancelled else "failed",
             error_message=message[:4000],
-            status_message="interrupted (Ctrl-C)" if cancelled else "failed",
+            status_message=f"interrupted ({error or 'Ctrl-C'})" if cancelled else "failed",
             end_time=utc_now(),
         )
 

@@ -4,7 +4,9 @@ The script loads the config (AReaL's ``load_expr_config``: a YAML plus ``key=val
 selects the tasks into train and eval datasets, opens the run's monitor records (an embedded
 SQLite monitor when only ``monitor.db_path`` is given), runs a baseline evaluation, then
 ``PPOTrainer.train`` with ``CUAAgentWorkflow`` and the complete-group filter passed by dotted
-path. The training record ends completed, or failed with the error (cancelled on Ctrl-C).
+path. The training record ends completed, or failed with the error (cancelled on Ctrl-C or
+SIGTERM: a first SIGTERM stops as Ctrl-C does, AReaL's workers and servers included; a second one
+kills at once).
 
 ``--check`` validates the config and reaches the gym, the agent, the model endpoint and the
 monitor, printing one line per service, and exits 1 if any is unreachable, without training.
@@ -16,6 +18,7 @@ import argparse
 import asyncio
 import logging
 import os
+import signal
 import sys
 from dataclasses import dataclass
 from pathlib import Path
@@ -350,6 +353,17 @@ def run_training(config: CUAConfig) -> int:
     return 0
 
 
+class Terminated(KeyboardInterrupt):
+    """SIGTERM, raised where Ctrl-C would be: AReaL stops its workers and inference servers on
+    an interrupt but not on SIGTERM, and a batch scheduler ends jobs with SIGTERM."""
+
+
+def _terminate_like_ctrl_c(signum: int, frame: Any) -> None:
+    # A second SIGTERM during the clean-up takes the default action: the operator insists.
+    signal.signal(signal.SIGTERM, signal.SIG_DFL)
+    raise Terminated(signal.Signals(signum).name)
+
+
 def summarise(stats: dict[str, float]) -> str:
     keys = {
         "reward": "rollout/cua/reward",
@@ -375,7 +389,12 @@ def main(argv: list[str] | None = None) -> int:
         format="%(asctime)s %(levelname)s %(name)s: %(message)s",
     )
     # One line per HTTP request (monitor batches, gym calls) would drown the trainer's progress.
-    logging.getLogger("httpx").setLevel(logging.WARNING)
+    # A filter on the handler, not a logger level: AReaL replaces the logging manager whenever it
+    # creates a logger, so getLogger("httpx") here may not be the logger httpx writes to.
+    for handler in logging.root.handlers:
+        handler.addFilter(
+            lambda r: not (r.name.startswith("httpx") and r.levelno < logging.WARNING)
+        )
     check, rest = split_argv(list(sys.argv[1:] if argv is None else argv))
     try:
         config = load_config(rest)
@@ -384,7 +403,13 @@ def main(argv: list[str] | None = None) -> int:
         return 2
     if check:
         return run_check(config)
-    return run_training(config)
+    signal.signal(signal.SIGTERM, _terminate_like_ctrl_c)
+    try:
+        return run_training(config)
+    except Terminated as exc:
+        # Already recorded as cancelled and cleaned up; exit as a process killed by it would.
+        print(f"stopped by {exc}", file=sys.stderr)
+        return 128 + signal.SIGTERM
 
 
 if __name__ == "__main__":

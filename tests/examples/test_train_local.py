@@ -13,6 +13,7 @@ import signal
 import sqlite3
 import subprocess
 import sys
+import time
 from pathlib import Path
 
 import pytest
@@ -36,6 +37,29 @@ def _leftovers(marker: str) -> list[str]:
     """Processes whose command line names ``marker`` (the run folder): none may outlive a run."""
     out = subprocess.run(["ps", "-eo", "pid,args"], capture_output=True, text=True).stdout
     return [line for line in out.splitlines() if marker in line and "ps -eo" not in line]
+
+
+def _descendants(root: int) -> list[int]:
+    """Every process whose parent chain leads to ``root`` (AReaL's workers, the vLLM server)."""
+    out = subprocess.run(["ps", "-eo", "pid=,ppid="], capture_output=True, text=True).stdout
+    children: dict[int, list[int]] = {}
+    for line in out.splitlines():
+        pid, ppid = map(int, line.split())
+        children.setdefault(ppid, []).append(pid)
+    found, stack = [], [root]
+    while stack:
+        for child in children.get(stack.pop(), []):
+            found.append(child)
+            stack.append(child)
+    return found
+
+
+def _alive(pid: int) -> bool:
+    try:
+        status = Path(f"/proc/{pid}/status").read_text()
+    except OSError:
+        return False
+    return "\nState:\tZ" not in status  # a zombie has exited; only its parent's wait is missing
 
 
 @pytest.mark.timeout(1800)
@@ -121,3 +145,58 @@ def test_a_crashing_run_leaves_the_training_failed_with_its_error(tmp_path):
     # (A crash this early can reach the monitor in the same batch as the start: the client merges
     # the two updates of one record, so "running" need not appear in the history.)
     assert history and history[-1][0] == "failed", history
+
+
+@pytest.mark.timeout(900)
+def test_sigterm_mid_run_cancels_the_training_and_stops_every_worker(tmp_path, tiny_vl_model_dir):
+    """A scheduler's SIGTERM while episodes run: AReaL's workers and vLLM stop, the record says so."""
+    from cua_rl.sim.agent import AgentServer
+
+    db = tmp_path / "monitor.db"
+    fileroot = tmp_path / "areal"
+    with GymServer() as gym, AgentServer() as agent:
+        proc = subprocess.Popen(
+            [
+                sys.executable,
+                "-m",
+                "examples.cua_agent.train",
+                "--config",
+                "configs/local.yaml",
+                f"actor.path={tiny_vl_model_dir}",
+                f"gym.base_url={gym.url}",
+                f"agent.base_url={agent.url}",
+                f"monitor.db_path={db}",
+                f"cluster.fileroot={fileroot}",
+                f"cluster.name_resolve.nfs_record_root={tmp_path / 'name_resolve'}",
+                # Enough steps that the signal lands mid-run, never after the end.
+                "total_train_steps=50",
+                "total_train_epochs=50",
+            ],
+            cwd=ROOT,
+            stdout=subprocess.DEVNULL,
+            stderr=subprocess.PIPE,
+            text=True,
+            start_new_session=True,
+        )
+        try:
+            # Wait until the trainer's vLLM served an episode: workers and servers all exist.
+            deadline = time.monotonic() + 600
+            while time.monotonic() < deadline and proc.poll() is None:
+                if db.exists() and _rows(db, "SELECT COUNT(*) FROM turn")[0][0] > 0:
+                    break
+                time.sleep(1)
+            assert proc.poll() is None, proc.stderr.read()[-3000:]
+            workers = _descendants(proc.pid)
+            assert workers, "the trainer has started no worker process"
+            proc.send_signal(signal.SIGTERM)
+            rc = proc.wait(timeout=180)
+        finally:
+            if proc.poll() is None:
+                os.killpg(proc.pid, signal.SIGKILL)
+                proc.wait()
+    assert rc == 128 + signal.SIGTERM, proc.stderr.read()[-3000:]
+    status, message = _rows(db, "SELECT status, status_message FROM training")[0]
+    assert status == "cancelled" and "SIGTERM" in message, (status, message)
+    alive = [pid for pid in workers if _alive(pid)]
+    assert not alive, subprocess.run(["ps", "-o", "pid,args", "-p", ",".join(map(str, alive))],
+                                     capture_output=True, text=True).stdout  # fmt: skip
