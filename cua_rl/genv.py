@@ -26,7 +26,6 @@ into a reward is reward.py's job.
 from __future__ import annotations
 
 import asyncio
-import logging
 from collections import Counter
 from collections.abc import AsyncIterator, Awaitable, Callable
 from contextlib import asynccontextmanager
@@ -37,8 +36,9 @@ from urllib.parse import quote
 import httpx
 
 from cua_rl.errors import ConfigError, GymError
+from cua_rl.logs import get_logger
 
-log = logging.getLogger(__name__)
+log = get_logger(__name__)
 T = TypeVar("T")
 
 BOX_ID_KEYS = ("box_id", "gbox_id", "boxId", "container_id", "env_id", "environment_id")

@@ -21,7 +21,6 @@ If ``--worker-extension-cls`` names AReaL's extension, it is replaced by
 # No `from __future__ import annotations`: FastAPI resolves handler annotations at route
 # registration, and CompletionRequest is imported inside _install_routes, not at module level.
 import asyncio
-import logging
 import sys
 from http import HTTPStatus
 
@@ -29,7 +28,9 @@ from fastapi import APIRouter, Depends, Request
 from fastapi.responses import JSONResponse
 from pydantic import BaseModel
 
-log = logging.getLogger("cua_rl.areal_ext.vllm_server")
+from cua_rl.logs import get_logger
+
+log = get_logger("cua_rl.areal_ext.vllm_server")
 
 AREAL_EXTENSION = "areal.engine.vllm_ext.vllm_worker_extension.VLLMWorkerExtension"
 OUR_EXTENSION = "cua_rl.areal_ext.vllm_worker.DiskWeightReloadExtension"

@@ -12,10 +12,11 @@ Loaded by vLLM inside its engine-core process via ``--worker-extension-cls``.
 
 from __future__ import annotations
 
-import logging
 from pathlib import Path
 
-log = logging.getLogger("cua_rl.areal_ext.vllm_worker")
+from cua_rl.logs import get_logger
+
+log = get_logger("cua_rl.areal_ext.vllm_worker")
 
 
 def checkpoint_problem(path: str) -> str | None:

@@ -10,7 +10,6 @@ from __future__ import annotations
 
 import hmac
 import json
-import logging
 from typing import Any
 
 import anyio
@@ -19,6 +18,7 @@ from fastapi.exceptions import RequestValidationError
 from fastapi.responses import Response
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
+from cua_rl.logs import get_logger
 from cua_rl.monitor.store import IngestValidationError, MonitorStore
 
 try:  # orjson is several times faster on large batches; the stdlib is the fallback.
@@ -41,7 +41,7 @@ except ImportError:  # pragma: no cover - depends on the environment
 
     _JSON_ERRORS = (json.JSONDecodeError, UnicodeDecodeError)
 
-log = logging.getLogger(__name__)
+log = get_logger(__name__)
 
 DEFAULT_MAX_BODY_BYTES = 16 * 1024 * 1024
 

@@ -19,7 +19,6 @@ from __future__ import annotations
 import asyncio
 import collections
 import json
-import logging
 import os
 import tempfile
 import threading
@@ -31,8 +30,9 @@ from typing import Any
 import httpx
 
 from cua_rl.errors import ConfigError
+from cua_rl.logs import get_logger
 
-log = logging.getLogger(__name__)
+log = get_logger(__name__)
 
 BATCH_KEYS = (
     "training",

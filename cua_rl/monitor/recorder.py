@@ -15,14 +15,14 @@ Rollout status: ``start`` creates it ``pending``; ``environment("creating")`` mo
 
 from __future__ import annotations
 
-import logging
 import time
 from typing import Any
 
+from cua_rl.logs import get_logger
 from cua_rl.monitor.client import MonitorClient, utc_now
 from cua_rl.monitor.context import MonitorContext, current, ref_field
 
-log = logging.getLogger(__name__)
+log = get_logger(__name__)
 
 
 class RolloutRecorder:

@@ -36,6 +36,7 @@ from fastapi import FastAPI, HTTPException, Request
 from fastapi.responses import JSONResponse, Response
 
 from cua_rl.errors import ConfigError
+from cua_rl.logs import get_logger
 from cua_rl.serving import ThreadedServer
 from cua_rl.sim.phone import (
     TASKS,
@@ -47,7 +48,7 @@ from cua_rl.sim.phone import (
     run_validators,
 )
 
-log = logging.getLogger(__name__)
+log = get_logger(__name__)
 OPS = ("create", "evaluate", "terminate")
 
 

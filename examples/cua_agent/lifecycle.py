@@ -18,7 +18,6 @@ from __future__ import annotations
 
 import asyncio
 import json
-import logging
 import math
 import threading
 import time
@@ -26,9 +25,10 @@ from collections.abc import Callable, Iterable, Mapping
 from dataclasses import asdict
 from typing import Any
 
+from cua_rl.logs import get_logger
 from cua_rl.monitor.client import MonitorClient, MonitorClientConfig, utc_now
 
-log = logging.getLogger("cua_rl.lifecycle")
+log = get_logger("cua_rl.lifecycle")
 
 
 def step_client_id(run: str, step: int) -> str:

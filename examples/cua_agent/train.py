@@ -28,6 +28,7 @@ import httpx
 
 from cua_rl.errors import AgentError, ConfigError, CuaRlError, GymError
 from cua_rl.genv import GenvClient
+from cua_rl.logs import get_logger
 from cua_rl.tasks import Task, build_datasets, load_tasks, select_tasks
 from examples.cua_agent.config import CUAConfig
 from examples.cua_agent.lifecycle import TrainerHooks, TrainingMonitor
@@ -36,7 +37,7 @@ from examples.cua_agent.workflow import GROUP_SIZE_ENV
 WORKFLOW = "examples.cua_agent.workflow.CUAAgentWorkflow"
 GROUP_FILTER = "examples.cua_agent.workflow.complete_groups"
 
-log = logging.getLogger("cua_rl.train")
+log = get_logger("cua_rl.train")
 
 
 # ---------------------------------------------------------------------------- arguments

@@ -14,7 +14,6 @@ from __future__ import annotations
 
 import asyncio
 import itertools
-import logging
 import os
 import time
 import uuid
@@ -27,6 +26,7 @@ from areal.api.workflow_api import RolloutWorkflow
 
 from cua_rl.errors import ConfigError, CuaRlError, GymError, RejectedEpisode
 from cua_rl.genv import EvaluationResult, GenvClient
+from cua_rl.logs import get_logger
 from cua_rl.mini_agent import MiniAgentClient, RunDriver, RunResult, RunSpec
 from cua_rl.monitor.client import MonitorClient, MonitorClientConfig
 from cua_rl.monitor.context import MonitorContext
@@ -37,7 +37,7 @@ from cua_rl.trajectory.events import ParsedEvents
 from examples.cua_agent.config import WorkflowSettings
 from examples.cua_agent.lifecycle import baseline_client_id, eval_client_id, step_client_id
 
-log = logging.getLogger("cua_rl.workflow")
+log = get_logger("cua_rl.workflow")
 
 GROUP_SIZE_ENV = "CUA_RL_GROUP_SIZE"
 
