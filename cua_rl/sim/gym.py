@@ -181,6 +181,7 @@ class SimGym:
         self.retained_bytes = 0
         self.counters = {
             "created": 0,
+            "evaluations": 0,
             "terminated": 0,
             "expired": 0,
             "rejected_cap": 0,
@@ -461,6 +462,7 @@ def create_app(gym: SimGym) -> FastAPI:
         if answer is not None and not isinstance(answer, str):
             raise HTTPException(400, detail="answer_text must be a string")
         gym.get(execution_id)
+        gym.counters["evaluations"] += 1
         await gym.inject("evaluate", request)
         ex = gym.get(execution_id)  # it may have been terminated during the injected latency
         async with ex.lock:

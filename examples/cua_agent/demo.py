@@ -117,6 +117,13 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("overrides", nargs="*", help="extra key=value overrides for train.py")
     args = parser.parse_args(argv)
 
+    def interrupt(signum, frame):
+        raise KeyboardInterrupt(signal.Signals(signum).name)
+
+    # Ctrl-C and a SIGTERM to the launcher both stop everything it started, in order.
+    for sig in (signal.SIGINT, signal.SIGTERM):
+        signal.signal(sig, interrupt)
+
     stamp = datetime.now().strftime("%Y%m%d-%H%M%S")
     run_dir = (ROOT / (args.run_dir or f"runs/demo-{stamp}")).resolve()
     log_dir = run_dir / "logs"
@@ -192,12 +199,18 @@ def main(argv: list[str] | None = None) -> int:
                     sys.stdout.flush()
                 rc = proc.wait()
             except KeyboardInterrupt:
-                os.killpg(proc.pid, signal.SIGINT)
-                rc = proc.wait(60)
+                # train.py stops on SIGTERM as on Ctrl-C (AReaL stops its workers and vLLM, the
+                # training is recorded cancelled); SIGINT could be ignored by inheritance.
+                proc.send_signal(signal.SIGTERM)
+                try:
+                    rc = proc.wait(120)
+                except subprocess.TimeoutExpired:
+                    pass
                 raise
             finally:
                 if proc.poll() is None:
                     os.killpg(proc.pid, signal.SIGKILL)
+                    proc.wait(10)
     except KeyboardInterrupt:
         print("\n[demo] interrupted", flush=True)
         rc = 130

@@ -119,6 +119,9 @@ class TrainingMonitor:
         self._loop: asyncio.AbstractEventLoop | None = None
         self._thread: threading.Thread | None = None
         self._step_started: set[int] = set()
+        # Evals and the baseline that started and have not finished: a run that dies closes them.
+        self._open_evals: set[int] = set()
+        self._baseline_open = False
         self._finished = False
 
     # ------------------------------------------------------------------ plumbing
@@ -240,6 +243,13 @@ class TrainingMonitor:
         self._finished = True
         cancelled = isinstance(error, KeyboardInterrupt)
         message = str(error) if isinstance(error, str) else f"{type(error).__name__}: {error}"
+        ended = {"status": "cancelled" if cancelled else "failed", "error_message": message[:4000]}
+        for step in sorted(self._open_evals):
+            self._send("evals", {**self._eval_ref(step), **ended, "end_time": utc_now()})
+        self._open_evals.clear()
+        if self._baseline_open:
+            self._send("baselines", {**self._baseline_ref(), **ended, "end_time": utc_now()})
+            self._baseline_open = False
         self._training(
             status="cancelled" if cancelled else "failed",
             error_message=message[:4000],
@@ -317,13 +327,22 @@ class TrainingMonitor:
 
     # ------------------------------------------------------------------ evals
 
+    def _eval_ref(self, step: int) -> dict[str, Any]:
+        return {
+            "client_id": eval_client_id(self.run, step),
+            "training_client_id": self.run,
+            "step": step,
+        }
+
+    def _baseline_ref(self) -> dict[str, Any]:
+        return {"client_id": baseline_client_id(self.run), "training_client_id": self.run}
+
     def eval_started(self, step: int, *, model_path: str, total_tasks: int | None) -> None:
+        self._open_evals.add(step)
         self._send(
             "evals",
             {
-                "client_id": eval_client_id(self.run, step),
-                "training_client_id": self.run,
-                "step": step,
+                **self._eval_ref(step),
                 "model_path": model_path,
                 "status": "running",
                 "current_phase": "rollout",
@@ -341,12 +360,11 @@ class TrainingMonitor:
         if total_tasks and "success_rate" in eval_fields(stats):
             rate = eval_fields(stats)["success_rate"]
             counts = {"completed_tasks": total_tasks, "successful_tasks": round(rate * total_tasks)}
+        self._open_evals.discard(step)
         self._send(
             "evals",
             {
-                "client_id": eval_client_id(self.run, step),
-                "training_client_id": self.run,
-                "step": step,
+                **self._eval_ref(step),
                 "status": "completed",
                 "progress_percent": 100.0,
                 "current_phase": "aggregation",
@@ -358,11 +376,11 @@ class TrainingMonitor:
         )
 
     def baseline_started(self, *, model_path: str, total_tasks: int | None) -> None:
+        self._baseline_open = True
         self._send(
             "baselines",
             {
-                "client_id": baseline_client_id(self.run),
-                "training_client_id": self.run,
+                **self._baseline_ref(),
                 "model_path": model_path,
                 "status": "running",
                 "current_phase": "rollout",
@@ -374,11 +392,8 @@ class TrainingMonitor:
 
     def baseline_finished(self, stats: Mapping[str, Any], *, error: str | None = None) -> None:
         now = utc_now()
-        record: dict[str, Any] = {
-            "client_id": baseline_client_id(self.run),
-            "training_client_id": self.run,
-            "end_time": now,
-        }
+        self._baseline_open = False
+        record: dict[str, Any] = {**self._baseline_ref(), "end_time": now}
         if error:
             record.update(status="failed", error_message=error[:4000])
         else:
@@ -482,6 +497,8 @@ class TrainerHooks:
                 )
                 return evaluate_fn(*a, **kw)
 
+            # The baseline pass calls the original: it has a record of its own, not an eval's.
+            on_eval.__wrapped__ = evaluate_fn
             trainer._evaluate_fn = on_eval
 
 

@@ -276,7 +276,8 @@ def run_baseline(trainer: Any, config: CUAConfig, monitor: TrainingMonitor, sett
         return
     monitor.baseline_started(model_path=config.model_path(), total_tasks=n_eval)
     try:
-        trainer._evaluate_fn(eval_workflow=WORKFLOW, eval_workflow_kwargs={"settings": settings})
+        evaluate = getattr(trainer._evaluate_fn, "__wrapped__", trainer._evaluate_fn)
+        evaluate(eval_workflow=WORKFLOW, eval_workflow_kwargs={"settings": settings})
         stats = trainer.eval_rollout.export_stats()
     except Exception as exc:
         monitor.baseline_finished({}, error=f"{type(exc).__name__}: {exc}")
@@ -405,6 +406,8 @@ def main(argv: list[str] | None = None) -> int:
     if check:
         return run_check(config)
     signal.signal(signal.SIGTERM, _terminate_like_ctrl_c)
+    # A process started in the background by a non-interactive shell inherits SIGINT ignored.
+    signal.signal(signal.SIGINT, signal.default_int_handler)
     try:
         return run_training(config)
     except Terminated as exc:

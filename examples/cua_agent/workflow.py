@@ -40,6 +40,8 @@ from examples.cua_agent.lifecycle import baseline_client_id, eval_client_id, ste
 log = get_logger("cua_rl.workflow")
 
 GROUP_SIZE_ENV = "CUA_RL_GROUP_SIZE"
+# How long a cancelled episode waits for its last monitor records to go out.
+CANCEL_FLUSH_S = 5.0
 
 
 @dataclass
@@ -308,6 +310,10 @@ class CUAAgentWorkflow(RolloutWorkflow):
             return None
         except asyncio.CancelledError:
             await recorder.fail("cancelled")
+            # A cancel usually means the trainer is stopping: AReaL cancels the episodes, awaits
+            # them, then ends the loop that would have sent these last records. Send them now.
+            if self._monitor is not None:
+                await self._monitor.flush(timeout=CANCEL_FLUSH_S)
             raise
         except CuaRlError as exc:
             reason = type(exc).__name__

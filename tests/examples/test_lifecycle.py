@@ -191,3 +191,26 @@ def test_hooks_pass_calls_through_and_record_phases(monitor, tmp_path):
             TrainingMonitor(None, RUN), total_steps=1, model_path="m", eval_tasks=0
         ).attach(failing)
         failing.actor.ppo_update("b")
+
+
+@pytest.mark.parametrize(
+    ("error", "status"),
+    [(KeyboardInterrupt("SIGTERM"), "cancelled"), (RuntimeError("oom"), "failed")],
+)
+def test_a_run_that_dies_closes_its_open_baseline_and_eval(monitor, tmp_path, error, status):
+    tm = _tm(monitor.url, tmp_path)
+    tm.training_started(config=_Config(), total_steps=2)
+    tm.baseline_started(model_path="m", total_tasks=2)
+    tm.eval_started(3, model_path="m", total_tasks=2)
+    tm.training_failed(error)
+    assert tm.flush(20)
+    tm.close()
+    db = sqlite3.connect(monitor.db_path)
+    expected_message = f"{type(error).__name__}: {error}"
+    assert db.execute("SELECT status, error_message FROM baseline").fetchall() == [
+        (status, expected_message)
+    ]
+    assert db.execute("SELECT step, status, error_message FROM eval").fetchall() == [
+        (3, status, expected_message)
+    ]
+    db.close()

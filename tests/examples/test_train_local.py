@@ -16,9 +16,10 @@ import sys
 import time
 from pathlib import Path
 
+import httpx
 import pytest
 
-from cua_rl.sim.gym import GymServer
+from cua_rl.sim.gym import Fault, GymServer, SimGymConfig
 
 ROOT = Path(__file__).resolve().parents[2]
 
@@ -154,7 +155,10 @@ def test_sigterm_mid_run_cancels_the_training_and_stops_every_worker(tmp_path, t
 
     db = tmp_path / "monitor.db"
     fileroot = tmp_path / "areal"
-    with GymServer() as gym, AgentServer() as agent:
+    # Evaluate answers only after a minute, so the signal surely lands while episodes hold
+    # open executions (the baseline's, which run first).
+    slow_evaluate = SimGymConfig(faults={"evaluate": Fault(latency_s=60)})
+    with GymServer(slow_evaluate) as gym, AgentServer() as agent:
         proc = subprocess.Popen(
             [
                 sys.executable,
@@ -179,24 +183,40 @@ def test_sigterm_mid_run_cancels_the_training_and_stops_every_worker(tmp_path, t
             start_new_session=True,
         )
         try:
-            # Wait until the trainer's vLLM served an episode: workers and servers all exist.
+            # Wait until episodes have run their agent (vLLM served them) and sit in evaluate.
             deadline = time.monotonic() + 600
             while time.monotonic() < deadline and proc.poll() is None:
-                if db.exists() and _rows(db, "SELECT COUNT(*) FROM turn")[0][0] > 0:
+                if gym.gym.counters["evaluations"] > 0:
                     break
                 time.sleep(1)
             assert proc.poll() is None, proc.stderr.read()[-3000:]
+            assert httpx.get(f"{gym.base_url}/executions", timeout=10).json()["executions"]
             workers = _descendants(proc.pid)
             assert workers, "the trainer has started no worker process"
             proc.send_signal(signal.SIGTERM)
             rc = proc.wait(timeout=180)
+            # Episodes cut short still terminate their gym executions: no box is left running.
+            left_open = httpx.get(f"{gym.base_url}/executions", timeout=10).json()["executions"]
         finally:
             if proc.poll() is None:
                 os.killpg(proc.pid, signal.SIGKILL)
                 proc.wait()
     assert rc == 128 + signal.SIGTERM, proc.stderr.read()[-3000:]
+    assert left_open == [], left_open
     status, message = _rows(db, "SELECT status, status_message FROM training")[0]
     assert status == "cancelled" and "SIGTERM" in message, (status, message)
+    # Nothing the run started is left looking alive in the monitor: the episodes cut short, their
+    # environments, and the baseline they belonged to all carry an end state.
+    live = {
+        "rollout": _rows(db, "SELECT status FROM rollout WHERE status NOT IN "
+                             "('completed', 'failed', 'cancelled')"),
+        "environment": _rows(db, "SELECT status FROM environment WHERE status NOT IN "
+                                 "('terminated', 'error')"),
+        "baseline": _rows(db, "SELECT status FROM baseline WHERE status != 'cancelled'"),
+        "eval": _rows(db, "SELECT status FROM eval WHERE status NOT IN ('completed', 'cancelled')"),
+    }  # fmt: skip
+    assert not any(live.values()), live
+    assert _rows(db, "SELECT COUNT(*) FROM rollout WHERE status = 'cancelled'")[0][0] > 0
     alive = [pid for pid in workers if _alive(pid)]
     assert not alive, subprocess.run(["ps", "-o", "pid,args", "-p", ",".join(map(str, alive))],
                                      capture_output=True, text=True).stdout  # fmt: skip
