@@ -73,6 +73,18 @@ def spec_for(gym):
 
 
 @pytest.fixture
+def vllm_spec_for(spec_for, vllm_server):
+    """``vllm_spec_for(execution_id, **overrides)``: as ``spec_for``, with the real vLLM model."""
+
+    def make(execution_id: str, **overrides) -> RunSpec:
+        overrides.setdefault("model_base_url", vllm_server.base_url)
+        overrides.setdefault("model_name", vllm_server.model)
+        return spec_for(execution_id, **overrides)
+
+    return make
+
+
+@pytest.fixture
 def closed_port_url():
     """An http URL on a loopback port nothing listens on (connections are refused)."""
     import socket

@@ -35,13 +35,11 @@ def _requests(events):
 
 
 async def test_six_step_run_carries_token_ids_and_logprobs_every_step(
-    agent, gym, vllm_server, new_execution, spec_for
+    agent, gym, vllm_server, new_execution, vllm_spec_for
 ):
     ex = await new_execution()
-    spec = spec_for(
+    spec = vllm_spec_for(
         ex,
-        model_base_url=vllm_server.base_url,
-        model_name=vllm_server.model,
         max_steps=6,
         model_options=_model_options(),
     )
@@ -112,12 +110,12 @@ async def test_six_step_run_carries_token_ids_and_logprobs_every_step(
     assert len(gym.gym.get(ex).screenshots) == 6
 
 
-async def test_top_logprobs_and_gym_image_urls(agent, gym, vllm_server, new_execution, spec_for):
+async def test_top_logprobs_and_gym_image_urls(
+    agent, gym, vllm_server, new_execution, vllm_spec_for
+):
     ex = await new_execution()
-    spec = spec_for(
+    spec = vllm_spec_for(
         ex,
-        model_base_url=vllm_server.base_url,
-        model_name=vllm_server.model,
         max_steps=2,
         model_options=_model_options(topLogprobs=3, imageMode="url"),
     )
@@ -138,13 +136,11 @@ async def test_top_logprobs_and_gym_image_urls(agent, gym, vllm_server, new_exec
 
 
 async def test_unconstrained_garbage_is_reported_as_invalid_and_the_run_goes_on(
-    agent, gym, vllm_server, new_execution, spec_for
+    agent, gym, vllm_server, new_execution, vllm_spec_for
 ):
     ex = await new_execution()
-    spec = spec_for(
+    spec = vllm_spec_for(
         ex,
-        model_base_url=vllm_server.base_url,
-        model_name=vllm_server.model,
         max_steps=2,
         model_options={"logprobs": False},
     )
@@ -160,7 +156,7 @@ async def test_unconstrained_garbage_is_reported_as_invalid_and_the_run_goes_on(
 
 
 async def test_eight_parallel_runs_do_not_interfere(
-    agent, gym, vllm_server, new_execution, spec_for
+    agent, gym, vllm_server, new_execution, vllm_spec_for
 ):
     from cua_rl.sim.phone import TASKS
 
@@ -169,11 +165,9 @@ async def test_eight_parallel_runs_do_not_interfere(
     executions = [await new_execution(t) for t in task_ids]
     max_steps = [3, 4, 5, 3, 4, 5, 3, 4]
     specs = [
-        spec_for(
+        vllm_spec_for(
             ex,
             task=f"task number {i}",
-            model_base_url=vllm_server.base_url,
-            model_name=vllm_server.model,
             max_steps=n,
             model_options=_model_options(imageMode="url"),
         )
@@ -203,7 +197,7 @@ async def test_eight_parallel_runs_do_not_interfere(
 
 
 async def test_driver_survives_an_agent_that_drops_connections(
-    agent, gym, vllm_server, new_execution, spec_for
+    agent, gym, vllm_server, new_execution, vllm_spec_for
 ):
     ex = await new_execution()
 
@@ -215,10 +209,8 @@ async def test_driver_survives_an_agent_that_drops_connections(
         return None
 
     transport = FaultyTransport(drop_every_third_get)
-    spec = spec_for(
+    spec = vllm_spec_for(
         ex,
-        model_base_url=vllm_server.base_url,
-        model_name=vllm_server.model,
         max_steps=5,
         model_options=_model_options(),
     )
@@ -235,13 +227,11 @@ async def test_driver_survives_an_agent_that_drops_connections(
 
 
 async def test_run_that_never_ends_stops_at_the_client_deadline(
-    agent, gym, vllm_server, new_execution, spec_for
+    agent, gym, vllm_server, new_execution, vllm_spec_for
 ):
     ex = await new_execution()
-    spec = spec_for(
+    spec = vllm_spec_for(
         ex,
-        model_base_url=vllm_server.base_url,
-        model_name=vllm_server.model,
         max_steps=100_000,
         model_options=_model_options(),
     )
@@ -268,13 +258,11 @@ async def test_run_that_never_ends_stops_at_the_client_deadline(
 
 
 async def test_max_run_time_ends_the_run_agent_side(
-    agent, gym, vllm_server, new_execution, spec_for
+    agent, gym, vllm_server, new_execution, vllm_spec_for
 ):
     ex = await new_execution()
-    spec = spec_for(
+    spec = vllm_spec_for(
         ex,
-        model_base_url=vllm_server.base_url,
-        model_name=vllm_server.model,
         max_steps=100_000,
         max_run_time_s=2,
         model_options=_model_options(),
@@ -287,13 +275,11 @@ async def test_max_run_time_ends_the_run_agent_side(
 
 
 async def test_finished_ends_the_run_with_the_answer(
-    agent, gym, vllm_server, new_execution, spec_for
+    agent, gym, vllm_server, new_execution, vllm_spec_for
 ):
     ex = await new_execution()
-    spec = spec_for(
+    spec = vllm_spec_for(
         ex,
-        model_base_url=vllm_server.base_url,
-        model_name=vllm_server.model,
         max_steps=5,
         model_options={"constrain": "regex", "actions": ["finished"]},
     )
@@ -311,13 +297,11 @@ async def test_finished_ends_the_run_with_the_answer(
 
 
 async def test_ascii_constraint_keeps_tokens_printable_and_the_prefix_property(
-    agent, gym, vllm_server, new_execution, spec_for
+    agent, gym, vllm_server, new_execution, vllm_spec_for
 ):
     ex = await new_execution()
-    spec = spec_for(
+    spec = vllm_spec_for(
         ex,
-        model_base_url=vllm_server.base_url,
-        model_name=vllm_server.model,
         max_steps=4,
         model_options={"constrain": "ascii", "maxTokens": 16},
     )
