@@ -35,6 +35,7 @@ from urllib.parse import quote
 
 import httpx
 
+from cua_rl.aio import within
 from cua_rl.errors import ConfigError, GymError
 from cua_rl.logs import get_logger
 
@@ -389,7 +390,7 @@ class GenvClient:
             self._call("POST", path, f"create {task_id}", t.create_s + t.create_grace_s, json=body)
         )
         try:
-            data = await asyncio.wait_for(asyncio.shield(req), t.create_s)
+            data = await within(t.create_s, asyncio.shield(req))
         except (TimeoutError, asyncio.CancelledError) as e:
             self._adopt_late_create(req, task_id)
             if isinstance(e, asyncio.CancelledError):

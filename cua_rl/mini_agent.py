@@ -22,6 +22,7 @@ from typing import Any
 
 import httpx
 
+from cua_rl.aio import within
 from cua_rl.errors import AgentError, ConfigError
 
 TERMINAL_STATUSES = frozenset({"completed", "failed"})
@@ -381,8 +382,8 @@ class RunDriver:
         # A create is not retried: a retry after a lost answer would start a second run on the
         # same execution.
         try:
-            summary.run_id = await asyncio.wait_for(
-                self.client.create_run(spec.body()), timeout=max(0.01, deadline - time.monotonic())
+            summary.run_id = await within(
+                max(0.01, deadline - time.monotonic()), self.client.create_run(spec.body())
             )
         except (AgentError, TimeoutError) as exc:
             summary.status, summary.reason = "failed", "create_failed"
@@ -401,13 +402,13 @@ class RunDriver:
             # an agent that drops some connections still lets the run be followed.
             status, failures, new = None, [], 0
             try:
-                status = await asyncio.wait_for(self.client.get_run(run_id), timeout=remaining)
+                status = await within(remaining, self.client.get_run(run_id))
             except (AgentError, TimeoutError) as exc:
                 failures.append(exc)
             try:
-                events = await asyncio.wait_for(
+                events = await within(
+                    max(0.01, deadline - time.monotonic()),
                     self.client.get_events(run_id, from_=log.last_ts),
-                    timeout=max(0.01, deadline - time.monotonic()),
                 )
                 new = log.add(events)
             except MalformedEvent as exc:
@@ -457,7 +458,7 @@ class RunDriver:
             if left <= 0:
                 break
             try:
-                log.add(await asyncio.wait_for(self.client.get_events(run_id), timeout=left))
+                log.add(await within(left, self.client.get_events(run_id)))
                 return
             except (AgentError, TimeoutError) as exc:
                 last_exc = exc

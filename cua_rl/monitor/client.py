@@ -29,6 +29,7 @@ from typing import Any
 
 import httpx
 
+from cua_rl.aio import within
 from cua_rl.errors import ConfigError
 from cua_rl.logs import get_logger
 
@@ -392,7 +393,7 @@ class MonitorClient:
         while not self._stopping:
             try:
                 try:
-                    await asyncio.wait_for(self._wake.wait(), cfg.flush_interval_s)
+                    await within(cfg.flush_interval_s, self._wake.wait())
                 except TimeoutError:
                     pass
                 self._wake.clear()
