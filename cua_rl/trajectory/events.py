@@ -45,6 +45,10 @@ class Turn:
     action_ok: bool = False
     errors: list[str] = field(default_factory=list)
     missing: str | None = None  # which token data the model output lacked, if any
+    # The policy version that sampled each output token, when the source knows it (the
+    # gateway does); otherwise the row builder applies one version per turn.
+    output_versions: list[int] | None = None
+    response_id: str | None = None  # the chat completion's id (the gateway's turns match on it)
 
     @property
     def action(self) -> dict | None:
@@ -151,7 +155,7 @@ def parse_model_output(output: Any) -> dict:
     """Token data of one chat-completion response; absent pieces are reported in ``missing``."""
     if not isinstance(output, Mapping):
         return {"missing": "model_output", "prompt_ids": None, "output_ids": None,
-                "logprobs": None, "finish_reason": None, "text": None}  # fmt: skip
+                "logprobs": None, "finish_reason": None, "text": None, "id": None}  # fmt: skip
     choices = output.get("choices")
     choice = choices[0] if isinstance(choices, list) and choices else {}
     choice = choice if isinstance(choice, Mapping) else {}
@@ -188,6 +192,7 @@ def parse_model_output(output: Any) -> dict:
         "logprobs": logprobs,
         "finish_reason": choice.get("finish_reason"),
         "text": text,
+        "id": output.get("id") if isinstance(output.get("id"), str) else None,
     }
 
 
@@ -276,6 +281,7 @@ def events_to_turns(events: Any) -> ParsedEvents:
                 action_ok=bool(acts) and all(_action_ok(a) for a in acts),
                 errors=list(step_errors.get(step, [])) if last else [],
                 missing=data["missing"],
+                response_id=data["id"],
             )
             parsed.turns.append(turn)
             for a in acts:

@@ -65,7 +65,7 @@ def decode_data_url(url: str, config: TrajectoryConfig) -> bytes:
         raise RejectedEpisode("image_decode_failed", f"bad base64 in data URL: {exc}") from exc
 
 
-async def _fetch_one(client: httpx.AsyncClient, url: str, config: TrajectoryConfig) -> bytes:
+async def fetch_one(client: httpx.AsyncClient, url: str, config: TrajectoryConfig) -> bytes:
     try:
         async with asyncio.timeout(config.image_fetch_timeout_s):
             async with client.stream("GET", url, follow_redirects=False) as resp:
@@ -118,7 +118,7 @@ async def fetch_images(
 
     async def one(url: str) -> tuple[str, bytes]:
         async with sem:
-            return url, await _fetch_one(client, url, config)
+            return url, await fetch_one(client, url, config)
 
     try:
         return dict(await asyncio.gather(*(one(u) for u in wanted)))
@@ -139,13 +139,14 @@ def iter_images(urls: Iterable[str], fetched: Mapping[str, bytes], config: Traje
     from PIL import Image, UnidentifiedImageError
 
     for url in urls:
-        kind = check_image_url(url, config)
-        if kind == "data":
+        # Bytes already in hand (fetched, or captured by the gateway as the model received
+        # them) were vetted when they were obtained.
+        if url in fetched:
+            raw = fetched[url]
+        elif check_image_url(url, config) == "data":
             raw = decode_data_url(url, config)
         else:
-            if url not in fetched:
-                raise RejectedEpisode("image_not_fetched", f"{url} was not fetched")
-            raw = fetched[url]
+            raise RejectedEpisode("image_not_fetched", f"{url} was not fetched")
         try:
             img = Image.open(io.BytesIO(raw))
             img.load()

@@ -138,7 +138,8 @@ def convert_turns(
 ) -> ConversionResult:
     """Build the training row of one episode; never raises for bad episode data.
 
-    ``version`` is the engine's policy version for generated tokens: one int, or one per turn.
+    ``version`` is the engine's policy version for generated tokens: one int, or one per turn;
+    a turn's own ``output_versions`` (one per token) take precedence.
     ``fetched_images`` maps the http(s) image URLs to their bytes (see ``fetch_images``).
     """
     config = config or TrajectoryConfig()
@@ -237,11 +238,14 @@ def _convert(turns, processor, reward, version, config, fetched, stats) -> dict[
     versions = [-1] * n
     for start, end, turn in seg.spans:
         lp = turn.output_logprobs
+        per_token = turn.output_versions
+        if per_token is not None and len(per_token) != end - start:
+            raise ValueError(f"turn {turn.index}: {len(per_token)} versions for {end - start} ids")
         v = version_of[id(turn)]
         for k in range(end - start):
             loss_mask[start + k] = 1
             logprobs[start + k] = lp[k]
-            versions[start + k] = v
+            versions[start + k] = per_token[k] if per_token is not None else v
     stats["trained_tokens"] = sum(loss_mask)
     input_ids = torch.tensor(ids, dtype=torch.long).unsqueeze(0)
     return {

@@ -16,11 +16,17 @@ from urllib.parse import urlsplit
 from areal.api.cli_args import GRPOConfig, vLLMConfig
 
 from cua_rl.errors import ConfigError
+from cua_rl.failfast import FailFastConfig
+from cua_rl.gateway.config import GatewayConfig, Sampling
 from cua_rl.genv import GenvTimeouts
 from cua_rl.mini_agent import DriverConfig
 from cua_rl.reward import RewardConfig
 from cua_rl.tasks import TaskSelectionConfig, TaskSourceConfig
 from cua_rl.trajectory.config import TrajectoryConfig
+
+LOGPROBS_MODES = ("processed_logprobs", "raw_logprobs", "processed_logits", "raw_logits")
+ENDPOINT_MODES = ("gateway", "direct")
+DEFAULT_WORKFLOW = "examples.cua_agent.workflow.CUAAgentWorkflow"
 
 
 @dataclass
@@ -44,7 +50,27 @@ class CUAvLLMConfig(vLLMConfig):
         },
     )
 
+    enable_scale_out: bool = field(
+        default=True,
+        metadata={
+            "help": "Serve vLLM's tokens-in endpoint (POST /inference/v1/generate), which the "
+            "rollout gateway samples through (endpoint.mode=gateway)."
+        },
+    )
+    logprobs_mode: str = field(
+        default="processed_logprobs",
+        metadata={
+            "help": "Which logprobs vLLM returns. processed_logprobs: of the distribution "
+            "sampled from (after temperature), what decoupled PPO needs at any temperature; "
+            "raw_logprobs (vLLM's default) equal it only at temperature 1."
+        },
+    )
+
     def __post_init__(self):
+        if self.logprobs_mode not in LOGPROBS_MODES:
+            raise ConfigError(
+                f"vllm.logprobs_mode={self.logprobs_mode!r}; use one of {', '.join(LOGPROBS_MODES)}"
+            )
         if self.limit_mm_per_prompt:
             try:
                 parsed = json.loads(self.limit_mm_per_prompt)
@@ -104,8 +130,9 @@ class AgentSection:
     model_options: dict = field(
         default_factory=lambda: {"logprobs": True},
         metadata={
-            "help": "Extra keys of the run's model object (the patched agent reads 'logprobs'; "
-            "the local agent also reads 'constrain', 'maxTokens', 'temperature')"
+            "help": "Extra keys of the run's model object (the patched agent reads 'logprobs' "
+            "in direct mode; the local agent also reads 'parse', 'constrain', 'maxTokens', "
+            "'temperature'). Through the gateway the trainer's sampling settings win."
         },
     )
     screenshot_hosts: list[str] = field(
@@ -123,11 +150,20 @@ class AgentSection:
 
 @dataclass
 class EndpointSection:
+    mode: str = field(
+        default="gateway",
+        metadata={
+            "help": "gateway: each episode gives its agent a URL of the rollout gateway, which "
+            "samples through the trainer's engine (exact tokens, the trainer's sampling, weight "
+            "updates waited out). direct: the agent calls vLLM itself and must be patched to "
+            "return token ids and logprobs (for agents that cannot be pointed at the gateway)."
+        },
+    )
     base_url: str = field(
         default="",
         metadata={
-            "help": "OpenAI base URL (ending in /v1) the agent calls. Empty: the engine's own "
-            "inference servers, spread round-robin (the normal case). Set it only to roll out "
+            "help": "direct mode only: OpenAI base URL (ending in /v1) the agent calls. Empty: "
+            "the engine's own inference servers, spread round-robin. Set it only to roll out "
             "against an external server; its tokens then carry no engine version."
         },
     )
@@ -185,8 +221,10 @@ class WorkflowSettings:
     # Steps this run trains (0: unknown). Rollouts the trainer prefetches for a step after the
     # last one are never trained, so they are not recorded against a step that never opens.
     total_steps: int = 0
-    temperature: float = 1.0
-    max_new_tokens: int = 64
+    sampling: Sampling = field(default_factory=Sampling)
+    gateway: GatewayConfig = field(default_factory=GatewayConfig)
+    # Where workers append episode outcomes for the controller's rejection watch (empty: off).
+    outcome_dir: str = ""
 
 
 @dataclass
@@ -208,6 +246,21 @@ class CUAConfig(GRPOConfig):
         default_factory=MonitorSection, metadata={"help": "Training Monitor"}
     )
     vllm: CUAvLLMConfig = field(default_factory=CUAvLLMConfig)
+    gateway: GatewayConfig = field(
+        default_factory=GatewayConfig,
+        metadata={"help": "The rollout gateway (endpoint.mode=gateway)"},
+    )
+    failfast: FailFastConfig = field(
+        default_factory=FailFastConfig,
+        metadata={"help": "Stop a training whose episodes are all rejected for one reason"},
+    )
+    workflow: str = field(
+        default=DEFAULT_WORKFLOW,
+        metadata={
+            "help": "Rollout workflow class as a dotted path (pkg.module.Class): a subclass of "
+            "CUAAgentWorkflow with your hooks, in an importable module (not __main__)."
+        },
+    )
 
     def __post_init__(self):
         super().__post_init__()
@@ -234,8 +287,22 @@ class CUAConfig(GRPOConfig):
                 "agent run, so bound it to what your gym can host (e.g. "
                 "rollout.max_concurrent_rollouts=32)"
             )
-        if self.agent.model_options.get("constrain") == "regex" and (
-            self.actor.use_decoupled_loss or not self.actor.recompute_logprob
+        parts = self.workflow.split(".")
+        if len(parts) < 2 or not all(p.isidentifier() for p in parts) or parts[0] == "__main__":
+            raise ConfigError(
+                f"workflow={self.workflow!r} must be an importable dotted path to a class, e.g. "
+                "mypkg.workflows.MyWorkflow (AReaL's workers import it; __main__ is not importable)"
+            )
+        if self.endpoint.mode not in ENDPOINT_MODES:
+            raise ConfigError(
+                f"endpoint.mode={self.endpoint.mode!r}; use gateway (the default) or direct"
+            )
+        if self.endpoint.mode == "gateway":
+            self._validate_gateway()
+        if (
+            self.endpoint.mode == "direct"
+            and self.agent.model_options.get("constrain") == "regex"
+            and (self.actor.use_decoupled_loss or not self.actor.recompute_logprob)
         ):
             # vLLM applies a structured-output grammar mask to the logits before it computes
             # logprobs, so the recorded logprobs are those of the masked distribution (near 0 where
@@ -251,7 +318,7 @@ class CUAConfig(GRPOConfig):
         allowed = set(self.vllm.allowed_media_domains)
         fetchable = set(self.trajectory.allowed_image_hosts)
         for host in self.agent.screenshot_hosts:
-            if allowed and host not in allowed:
+            if allowed and host not in allowed and self.endpoint.mode == "direct":
                 raise ConfigError(
                     f"screenshot host {host!r} (agent.screenshot_hosts) is not in "
                     f"vllm.allowed_media_domains {sorted(allowed)}: vLLM would refuse the "
@@ -280,6 +347,35 @@ class CUAConfig(GRPOConfig):
                     "embedded one, or set monitor.enabled=false"
                 )
 
+    def _validate_gateway(self) -> None:
+        backend = (self.rollout.backend or "").split(":", 1)[0]
+        if backend != "vllm":
+            raise ConfigError(
+                f"endpoint.mode=gateway samples through vLLM's tokens-in endpoint; rollout.backend "
+                f"is {self.rollout.backend!r}: use a vllm backend, or endpoint.mode=direct"
+            )
+        if not self.vllm.enable_scale_out:
+            raise ConfigError(
+                "endpoint.mode=gateway needs vllm.enable_scale_out=true (it serves "
+                "/inference/v1/generate, the gateway's tokens-in endpoint)"
+            )
+        if self.vllm.logprobs_mode != "processed_logprobs":
+            raise ConfigError(
+                "endpoint.mode=gateway records the logprobs of the distribution it sampled "
+                "from: set vllm.logprobs_mode=processed_logprobs"
+            )
+        if self.endpoint.base_url:
+            raise ConfigError(
+                "endpoint.base_url points the agent at an external server, which is direct mode: "
+                "set endpoint.mode=direct, or empty endpoint.base_url to use the gateway"
+            )
+        if self.agent.model_options.get("constrain"):
+            raise ConfigError(
+                "agent.model_options.constrain is the local agent's own sampling; through the "
+                "gateway the trainer samples. Drop it (use agent.model_options.parse=lenient to "
+                "keep a random model's replies actionable), or use endpoint.mode=direct"
+            )
+
     @property
     def run_name(self) -> str:
         return self.monitor.run_name or f"{self.experiment_name}-{self.trial_name}"
@@ -288,7 +384,12 @@ class CUAConfig(GRPOConfig):
         return self.actor.path or self.tokenizer_path
 
     def workflow_settings(
-        self, *, monitor_base_url: str = "", phase: str = "train", total_steps: int = 0
+        self,
+        *,
+        monitor_base_url: str = "",
+        phase: str = "train",
+        total_steps: int = 0,
+        outcome_dir: str = "",
     ) -> WorkflowSettings:
         """Settings for the train workflow, or (``phase`` eval / baseline) the eval workflow."""
         if phase not in ("train", "eval", "baseline"):
@@ -308,6 +409,7 @@ class CUAConfig(GRPOConfig):
             training_ref=self.run_name if (self.monitor.enabled and monitor_base_url) else "",
             phase=phase,
             total_steps=total_steps,
-            temperature=gconfig.temperature,
-            max_new_tokens=gconfig.max_new_tokens,
+            sampling=Sampling.from_gconfig(gconfig),
+            gateway=self.gateway,
+            outcome_dir=outcome_dir if self.failfast.window else "",
         )

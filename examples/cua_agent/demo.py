@@ -114,6 +114,23 @@ def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(prog="python -m examples.cua_agent.demo", description=__doc__)
     parser.add_argument("--config", default="configs/local.yaml")
     parser.add_argument("--run-dir", default="", help="default runs/demo-<time>")
+    parser.add_argument(
+        "--model",
+        default="qwen2-vl-bpe",
+        choices=("qwen2-vl-bpe", "qwen2-vl-byte"),
+        help="tiny model to build and train: byte-level BPE tokenizer (as production models "
+        "have) or byte-only",
+    )
+    parser.add_argument(
+        "--step-latency",
+        type=float,
+        default=0.5,
+        help="seconds the local agent waits after each action, like a device settling: episodes "
+        "then last long enough to meet weight updates, as in production",
+    )
+    parser.add_argument(
+        "--box-startup", type=float, default=0.0, help="seconds the local gym takes to create a box"
+    )
     parser.add_argument("overrides", nargs="*", help="extra key=value overrides for train.py")
     args = parser.parse_args(argv)
 
@@ -134,10 +151,10 @@ def main(argv: list[str] | None = None) -> int:
     rc = 1
     t0 = time.monotonic()
     try:
-        print("[demo] building the tiny Qwen2-VL (cached after the first run)", flush=True)
+        print(f"[demo] building the tiny {args.model} (cached after the first run)", flush=True)
         from cua_rl.testing.models import ensure_model
 
-        model_dir = ensure_model("qwen2-vl-byte")
+        model_dir = ensure_model(args.model)
 
         mon_port = free_port()
         children.append(
@@ -160,13 +177,15 @@ def main(argv: list[str] | None = None) -> int:
         wait_http(f"{monitor_url}/healthz", 60)
         print(f"[demo] monitor  {monitor_url} -> {db_path}", flush=True)
 
-        gym = Child("gym", [py, "-m", "cua_rl.sim", "gym", "--port", "0"], log_dir)
+        gym_cmd = [py, "-m", "cua_rl.sim", "gym", "--port", "0"]
+        gym = Child("gym", [*gym_cmd, "--create-latency", str(args.box_startup)], log_dir)
         children.append(gym)
         # The ready line names the genv base (.../api/v1/sim); the config wants the server URL.
         gym_url = gym.wait_for_line("ready ", 60).split("/api/v1/")[0]
         print(f"[demo] gym      {gym_url}", flush=True)
 
-        agent = Child("agent", [py, "-m", "cua_rl.sim", "agent", "--port", "0"], log_dir)
+        agent_cmd = [py, "-m", "cua_rl.sim", "agent", "--port", "0"]
+        agent = Child("agent", [*agent_cmd, "--step-latency", str(args.step_latency)], log_dir)
         children.append(agent)
         agent_url = agent.wait_for_line("ready ", 60)
         print(f"[demo] agent    {agent_url}", flush=True)

@@ -27,6 +27,7 @@ from typing import Any
 
 from cua_rl.logs import get_logger
 from cua_rl.monitor.client import MonitorClient, MonitorClientConfig, utc_now
+from cua_rl.monitor.context import MonitorContext
 
 log = get_logger("cua_rl.lifecycle")
 
@@ -55,6 +56,31 @@ STEP_COLUMNS: dict[str, tuple[str, ...]] = {
     # Trained (loss-masked) tokens of the step, summed over its rows.
     "num_tokens": ("ppo_actor/n_valid_tokens", "ppo_actor/update/n_valid_tokens"),
 }
+
+
+def rollout_source(training_ref: str, phase: str, is_eval: bool, version: int) -> MonitorContext:
+    """Where an episode's rollout record belongs: the baseline pass, the eval pass of policy
+    ``version``, or the step that trains it (policy version v is trained by step v + 1; train.py
+    opens that step's record first). No training reference: not recorded against one."""
+    if not training_ref:
+        return MonitorContext()
+    if phase == "baseline":
+        return MonitorContext(
+            training_id=training_ref, baseline_id=baseline_client_id(training_ref)
+        )
+    if phase == "eval" or is_eval:
+        return MonitorContext(
+            training_id=training_ref, eval_id=eval_client_id(training_ref, version)
+        )
+    return MonitorContext(
+        training_id=training_ref, step_id=step_client_id(training_ref, version + 1)
+    )
+
+
+def is_surplus(phase: str, is_eval: bool, total_steps: int, version: int) -> bool:
+    """A training rollout of a policy the run never trains again: the trainer prefetches a batch
+    after the last step, and those episodes belong to no step record (0 steps: unknown)."""
+    return phase == "train" and not is_eval and bool(total_steps) and version + 1 > total_steps
 
 
 def _first(stats: Mapping[str, Any], keys: Iterable[str]) -> float | None:
@@ -241,7 +267,8 @@ class TrainingMonitor:
         if self._finished:
             return
         self._finished = True
-        cancelled = isinstance(error, KeyboardInterrupt)
+        # A stop the training decided itself (SystematicRejection) is a failure, not a cancel.
+        cancelled = isinstance(error, KeyboardInterrupt) and not getattr(error, "is_failure", False)
         message = str(error) if isinstance(error, str) else f"{type(error).__name__}: {error}"
         ended = {"status": "cancelled" if cancelled else "failed", "error_message": message[:4000]}
         for step in sorted(self._open_evals):

@@ -27,15 +27,15 @@ from typing import Any
 import httpx
 
 from cua_rl.errors import AgentError, ConfigError, CuaRlError, GymError
+from cua_rl.failfast import RejectionWatch, advice_for
 from cua_rl.genv import GenvClient
+from cua_rl.groups import GROUP_SIZE_ENV
 from cua_rl.logs import get_logger
 from cua_rl.tasks import Task, build_datasets, load_tasks, select_tasks
 from examples.cua_agent.config import CUAConfig
 from examples.cua_agent.lifecycle import TrainerHooks, TrainingMonitor
-from examples.cua_agent.workflow import GROUP_SIZE_ENV
 
-WORKFLOW = "examples.cua_agent.workflow.CUAAgentWorkflow"
-GROUP_FILTER = "examples.cua_agent.workflow.complete_groups"
+GROUP_FILTER = "cua_rl.groups.complete_groups"
 
 log = get_logger("cua_rl.train")
 
@@ -277,7 +277,7 @@ def run_baseline(trainer: Any, config: CUAConfig, monitor: TrainingMonitor, sett
     monitor.baseline_started(model_path=config.model_path(), total_tasks=n_eval)
     try:
         evaluate = getattr(trainer._evaluate_fn, "__wrapped__", trainer._evaluate_fn)
-        evaluate(eval_workflow=WORKFLOW, eval_workflow_kwargs={"settings": settings})
+        evaluate(eval_workflow=config.workflow, eval_workflow_kwargs={"settings": settings})
         stats = trainer.eval_rollout.export_stats()
     except Exception as exc:
         monitor.baseline_finished({}, error=f"{type(exc).__name__}: {exc}")
@@ -305,7 +305,8 @@ def run_training(config: CUAConfig) -> int:
         flush=True,
     )
 
-    with MonitorEndpoint(config) as endpoint:
+    watch = RejectionWatch(log_dir / "outcomes", config.failfast, _stop_systematic).start()
+    with MonitorEndpoint(config) as endpoint, _stopping(watch):
         monitor = TrainingMonitor(endpoint.client_config(log_dir), config.run_name)
         monitor.start()
         monitor.training_started(config=config, total_steps=n_steps, log_path=str(log_dir))
@@ -323,7 +324,10 @@ def run_training(config: CUAConfig) -> int:
             prepare_platform(config)
             settings = {
                 phase: config.workflow_settings(
-                    monitor_base_url=endpoint.url, phase=phase, total_steps=n_steps
+                    monitor_base_url=endpoint.url,
+                    phase=phase,
+                    total_steps=n_steps,
+                    outcome_dir=str(log_dir / "outcomes"),
                 )
                 for phase in ("train", "eval", "baseline")
             }
@@ -333,9 +337,9 @@ def run_training(config: CUAConfig) -> int:
                 if config.evaluator.eval_before_train:
                     run_baseline(trainer, config, monitor, settings["baseline"], len(eval_ds))
                 trainer.train(
-                    workflow=WORKFLOW,
+                    workflow=config.workflow,
                     workflow_kwargs={"settings": settings["train"]},
-                    eval_workflow=WORKFLOW if valid is not None else None,
+                    eval_workflow=config.workflow if valid is not None else None,
                     eval_workflow_kwargs={"settings": settings["eval"]},
                     dynamic_filter_fn=GROUP_FILTER,
                 )
@@ -353,6 +357,49 @@ def run_training(config: CUAConfig) -> int:
         if monitor.counters:
             print(f"monitor client: {monitor.counters}", flush=True)
     return 0
+
+
+class SystematicRejection(KeyboardInterrupt):
+    """Every recent episode was rejected for one reason: stopping is the only useful thing left.
+    Raised where Ctrl-C would be, so AReaL stops its workers and servers the same way."""
+
+    is_failure = True
+
+    def __init__(self, reason: str, window: int):
+        super().__init__(reason)
+        self.reason, self.window = reason, window
+
+    def __str__(self) -> str:
+        return (
+            f"the last {self.window} episodes were all rejected {self.reason!r}: "
+            f"{advice_for(self.reason)} (failfast.window={self.window}; 0 turns the check off)"
+        )
+
+
+_tripped: list[tuple[str, int]] = []
+
+
+def _stop_systematic(reason: str, window: int) -> None:
+    # Called on the watch's thread: the main thread is inside AReaL, so interrupt it the way
+    # SIGTERM does; the handler raises there.
+    _tripped.append((reason, window))
+    os.kill(os.getpid(), signal.SIGUSR1)
+
+
+def _raise_systematic(signum: int, frame: Any) -> None:
+    reason, window = _tripped[-1] if _tripped else ("unknown", 0)
+    raise SystematicRejection(reason, window)
+
+
+class _stopping:
+    def __init__(self, watch: RejectionWatch):
+        self.watch = watch
+
+    def __enter__(self):
+        return self.watch
+
+    def __exit__(self, *exc):
+        self.watch.stop()
 
 
 class Terminated(KeyboardInterrupt):
@@ -406,10 +453,14 @@ def main(argv: list[str] | None = None) -> int:
     if check:
         return run_check(config)
     signal.signal(signal.SIGTERM, _terminate_like_ctrl_c)
+    signal.signal(signal.SIGUSR1, _raise_systematic)
     # A process started in the background by a non-interactive shell inherits SIGINT ignored.
     signal.signal(signal.SIGINT, signal.default_int_handler)
     try:
         return run_training(config)
+    except SystematicRejection as exc:
+        print(f"training failed: {exc}", file=sys.stderr)
+        return 3
     except Terminated as exc:
         # Already recorded as cancelled and cleaned up; exit as a process killed by it would.
         print(f"stopped by {exc}", file=sys.stderr)

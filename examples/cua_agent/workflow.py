@@ -1,104 +1,62 @@
 """``CUAAgentWorkflow``: one AReaL episode = one gym execution driven by one agent run.
 
 The workflow only orchestrates. Per episode it creates a gym execution (terminated on every exit,
-cancellation included), starts a gbox-mini-agent run whose model endpoint is one of the engine's
-inference servers, waits for it, evaluates the execution, computes the reward, and turns the run's
-event log into one training row with the pure functions of ``cua_rl.trajectory``. Infrastructure
-failures return ``None`` with a counted reason; a task the agent failed is a row with reward 0.
+cancellation included), opens the episode on its worker's rollout gateway (``cua_rl.gateway``:
+the agent's model endpoint, which samples through the trainer's engine and captures exact
+tokens, logprobs, versions and images), starts a gbox-mini-agent run pointed at it, waits for
+it, evaluates the execution, computes the reward, and builds one training row from what the
+gateway captured (``endpoint.mode=direct``: from the agent's own event log) with the pure
+functions of ``cua_rl.trajectory``. Infrastructure failures return ``None`` with a counted reason;
+a task the agent failed is a row with reward 0.
 
 Users customise it by overriding the hooks: ``build_run_spec``, ``compute_reward``, ``build_row``
-and ``record_episode`` (see the README for an example).
+and ``record_episode`` (see the README), and name their subclass in the config (``workflow:``).
 """
 
 from __future__ import annotations
 
 import asyncio
-import itertools
-import os
 import time
 import uuid
-from dataclasses import dataclass, field
 from typing import Any
 
-import httpx
 from areal import workflow_context
 from areal.api.workflow_api import RolloutWorkflow
 
+from cua_rl.episode import Episode, Phase, episode_stats, gateway_reason
 from cua_rl.errors import ConfigError, CuaRlError, GymError, RejectedEpisode
-from cua_rl.genv import EvaluationResult, GenvClient
+from cua_rl.failfast import OutcomeLog
+from cua_rl.gateway import AReaLEngineView, SessionSpec, gateway_for
+from cua_rl.groups import GROUP_SIZE_ENV, complete_groups  # noqa: F401  (train.py's dotted path)
 from cua_rl.logs import get_logger
-from cua_rl.mini_agent import MiniAgentClient, RunDriver, RunResult, RunSpec
-from cua_rl.monitor.client import MonitorClient, MonitorClientConfig
+from cua_rl.mini_agent import RunDriver, RunSpec
 from cua_rl.monitor.context import MonitorContext
 from cua_rl.monitor.recorder import RolloutRecorder
 from cua_rl.reward import EpisodeFacts, RewardOutcome, compute_reward
+from cua_rl.services import Services
 from cua_rl.trajectory import ConversionResult, convert_turns, events_to_turns, fetch_images
-from cua_rl.trajectory.events import ParsedEvents
 from examples.cua_agent.config import WorkflowSettings
-from examples.cua_agent.lifecycle import baseline_client_id, eval_client_id, step_client_id
+from examples.cua_agent.lifecycle import is_surplus, rollout_source
 
 log = get_logger("cua_rl.workflow")
 
-GROUP_SIZE_ENV = "CUA_RL_GROUP_SIZE"
 # How long a cancelled episode waits for its last monitor records to go out.
 CANCEL_FLUSH_S = 5.0
-
-
-@dataclass
-class Episode:
-    """What one episode produced so far; hooks read and extend it."""
-
-    data: dict[str, Any]
-    rollout_uuid: str
-    version: int
-    model_base_url: str = ""
-    execution_id: str | None = None
-    box_id: str | None = None
-    run: RunResult | None = None
-    evaluation: EvaluationResult | None = None
-    parsed: ParsedEvents | None = None
-    reward: RewardOutcome | None = None
-    conversion: ConversionResult | None = None
-    timings: dict[str, float] = field(default_factory=dict)
-
-    @property
-    def task_id(self) -> str:
-        return str(self.data["task_id"])
-
-
-def _settings(obj: WorkflowSettings | dict) -> WorkflowSettings:
-    if isinstance(obj, WorkflowSettings):
-        return obj
-    raise ConfigError(
-        f"CUAAgentWorkflow needs a WorkflowSettings (CUAConfig.workflow_settings()), got "
-        f"{type(obj).__name__}"
-    )
-
-
-class _Phase:
-    """``async with self._phase(ep, "agent"):`` records the phase's wall time in the episode."""
-
-    def __init__(self, episode: Episode, name: str):
-        self.episode, self.name = episode, name
-
-    async def __aenter__(self):
-        self.t0 = time.monotonic()
-
-    async def __aexit__(self, *exc):
-        self.episode.timings[self.name] = time.monotonic() - self.t0
 
 
 class CUAAgentWorkflow(RolloutWorkflow):
     """AReaL rollout workflow for GUI agents driven by gbox-mini-agent (or the local stand-in)."""
 
     def __init__(self, settings: WorkflowSettings, processor: Any = None):
-        self.settings = _settings(settings)
+        if not isinstance(settings, WorkflowSettings):
+            raise ConfigError(
+                "CUAAgentWorkflow needs a WorkflowSettings (CUAConfig.workflow_settings()), got "
+                f"{type(settings).__name__}"
+            )
+        self.settings = settings
+        self._outcomes = OutcomeLog(settings.outcome_dir) if settings.outcome_dir else None
         self._processor = processor
-        self._clients: dict[int, tuple[GenvClient, MiniAgentClient, httpx.AsyncClient]] = {}
-        self._monitor: MonitorClient | None = None
-        self._server_cycle: itertools.cycle | None = None
-
-    # ------------------------------------------------------------------ resources
+        self.services = Services.from_settings(settings)
 
     @property
     def processor(self):
@@ -108,63 +66,30 @@ class CUAAgentWorkflow(RolloutWorkflow):
             self._processor = AutoProcessor.from_pretrained(self.settings.processor_path)
         return self._processor
 
-    def _loop_clients(self) -> tuple[GenvClient, MiniAgentClient, httpx.AsyncClient]:
-        # httpx clients are bound to the loop they were created on; AReaL may run workflows on a
-        # new loop after a restart, so keep one set per loop.
-        key = id(asyncio.get_running_loop())
-        if key not in self._clients:
-            s = self.settings
-            http = httpx.AsyncClient(timeout=httpx.Timeout(60.0, connect=10.0))
-            genv = GenvClient(s.gym.base_url, s.gym.gym_id, client=http, timeouts=s.gym.timeouts)
-            agent = MiniAgentClient(s.agent.base_url, client=http)
-            self._clients[key] = (genv, agent, http)
-        return self._clients[key]
-
-    async def _monitor_client(self) -> MonitorClient | None:
-        s = self.settings
-        if not s.monitor_base_url:
-            return None
-        if self._monitor is None:
-            cfg = MonitorClientConfig(
-                base_url=s.monitor_base_url,
-                token=s.monitor_token or None,
-                spool_path=s.monitor_spool_path or None,
-            )
-            self._monitor = MonitorClient(cfg)
-            await self._monitor.start()
-        return self._monitor
-
     async def aclose(self) -> None:
         """Flush the monitor and close HTTP clients (tests and train.py call this)."""
-        if self._monitor is not None:
-            await self._monitor.close()
-            self._monitor = None
-        for *_, http in self._clients.values():
-            await http.aclose()
-        self._clients.clear()
+        await self.services.aclose()
 
-    def model_base_url(self, engine) -> str:
-        """The OpenAI base URL for this episode: the configured override, or the engine's
-        inference servers in turn (so a group's members spread across servers)."""
-        if self.settings.endpoint.base_url:
-            return self.settings.endpoint.base_url.rstrip("/")
-        inner = getattr(engine, "_engine", engine)
-        choose = getattr(inner, "choose_server", None)
-        if callable(choose):
-            addr = choose()
-        else:
-            addresses = getattr(inner, "addresses", None)
-            if not addresses:
-                raise ConfigError(
-                    "the inference engine exposes no server addresses; set endpoint.base_url"
-                )
-            if self._server_cycle is None:
-                self._server_cycle = itertools.cycle(list(addresses))
-            addr = next(self._server_cycle)
-        addr = str(addr)
-        if not addr.startswith(("http://", "https://")):
-            addr = f"http://{addr}"
+    def open_model_endpoint(self, engine, episode: Episode) -> str:
+        """The agent's OpenAI base URL: this episode's gateway URL, or (direct mode) the
+        configured server or one of the engine's servers in turn."""
+        s = self.settings
+        if s.endpoint.mode == "gateway":
+            spec = SessionSpec(
+                AReaLEngineView(engine), s.sampling, self.processor, self.model_name(), s.trajectory
+            )
+            return gateway_for(s.gateway).open(episode.rollout_uuid, spec)
+        if s.endpoint.base_url:
+            return s.endpoint.base_url.rstrip("/")
+        addr = str(getattr(engine, "_engine", engine).choose_server())
+        addr = addr if addr.startswith(("http://", "https://")) else f"http://{addr}"
         return f"{addr.rstrip('/')}/v1"
+
+    def close_model_endpoint(self, episode: Episode) -> None:
+        """Stop serving the episode's agent and keep what the gateway captured (idempotent)."""
+        gateway = self.settings.endpoint.mode == "gateway"
+        if gateway and episode.model_base_url and episode.capture is None:
+            episode.capture = gateway_for(self.settings.gateway).close(episode.rollout_uuid)
 
     def model_name(self) -> str:
         return self.settings.endpoint.model_name or self.settings.processor_path
@@ -176,8 +101,8 @@ class CUAAgentWorkflow(RolloutWorkflow):
         s, data = self.settings, episode.data
         instruction = data.get("instruction") or data.get("description") or data.get("name")
         options = {
-            "temperature": s.temperature,
-            "maxTokens": s.max_new_tokens,
+            "temperature": s.sampling.temperature,
+            "maxTokens": s.sampling.max_new_tokens,
             **s.agent.model_options,
         }
         return RunSpec(
@@ -204,15 +129,18 @@ class CUAAgentWorkflow(RolloutWorkflow):
         return compute_reward(episode.evaluation.raw, facts, self.settings.reward)
 
     async def build_row(self, episode: Episode) -> ConversionResult:
-        """Turns -> one training row. Image bytes are fetched here; conversion (CPU-heavy image
-        processing) runs in a thread so the rollout event loop never blocks."""
-        cfg = self.settings.trajectory
-        turns = episode.parsed.turns
-        urls = [u for t in turns[-1:] for u in t.image_urls]
-        try:
-            fetched = await fetch_images(urls, cfg, client=self._loop_clients()[2])
-        except RejectedEpisode as exc:
-            return ConversionResult(None, exc.reason, exc.detail, {"turns": len(turns)})
+        """Turns -> one training row, from the gateway's capture (or, direct mode, the events
+        and the images they name). Conversion (image processing) runs in a thread so the
+        rollout event loop never blocks."""
+        cfg, turns = self.settings.trajectory, episode.parsed.turns
+        if episode.capture is not None:
+            turns, fetched = episode.capture.row_turns(turns), episode.capture.images()
+        else:
+            urls = [u for t in turns[-1:] for u in t.image_urls]
+            try:
+                fetched = await fetch_images(urls, cfg, client=self.services.clients()[2])
+            except RejectedEpisode as exc:
+                return ConversionResult(None, exc.reason, exc.detail, {"turns": len(turns)})
         return await asyncio.to_thread(
             convert_turns,
             turns,
@@ -225,57 +153,18 @@ class CUAAgentWorkflow(RolloutWorkflow):
 
     async def record_episode(self, episode: Episode, recorder: RolloutRecorder) -> None:
         """Send turns, actions (with tokens and logprobs), observations to the monitor."""
-        if not recorder.enabled or episode.parsed is None:
-            return
-        for turn in episode.parsed.turns:
-            n = turn.step
-            await recorder.turn_start(n)
-            await recorder.turn_end(
-                n,
-                model_response=turn.text,
-                finish_reason=turn.finish_reason,
-                prompt_tokens=len(turn.prompt_ids or []),
-                output_tokens=len(turn.output_ids or []),
-            )
-            for i, action in enumerate(turn.actions):
-                # The reply's tokens belong to the turn's first action (one reply per turn).
-                first = i == 0
-                await recorder.action(
-                    n,
-                    i,
-                    str(action.get("name", "unknown")),
-                    dict(action.get("args") or {}),
-                    tokens=list(turn.output_ids or []) if first else None,
-                    logprobs=list(turn.output_logprobs or []) if first else None,
-                )
-            if turn.image_urls:
-                url = turn.image_urls[-1]
-                # data: URLs are megabytes; keep a reference, not the pixels.
-                uri = url if not url.startswith("data:") else f"data-url:{len(url)}B"
-                await recorder.observation(n, 0, obs_type="screenshot", screenshot_uri=uri)
+        if recorder.enabled and episode.parsed is not None:
+            await recorder.record_turns(episode.monitor_turns())
 
     # ------------------------------------------------------------------ the episode
 
     def monitor_source(self, version: int) -> MonitorContext:
-        """Where this episode's rollout belongs (see examples/cua_agent/lifecycle.py for the ids):
-        the baseline pass, the eval pass of policy ``version``, or the step that trains it."""
         s = self.settings
-        run = s.training_ref
-        if not run:
-            return MonitorContext()
-        if s.phase == "baseline":
-            return MonitorContext(training_id=run, baseline_id=baseline_client_id(run))
-        if s.phase == "eval" or workflow_context.get().is_eval:
-            return MonitorContext(training_id=run, eval_id=eval_client_id(run, version))
-        # Policy version v is trained by step v + 1 (train.py opens that step's record first).
-        return MonitorContext(training_id=run, step_id=step_client_id(run, version + 1))
+        return rollout_source(s.training_ref, s.phase, workflow_context.get().is_eval, version)
 
     def is_surplus(self, version: int) -> bool:
-        """A training rollout of a policy the run never trains again: the trainer prefetches a
-        batch after the last step, and those episodes belong to no step record."""
         s = self.settings
-        in_training = s.phase == "train" and not workflow_context.get().is_eval
-        return in_training and bool(s.total_steps) and version + 1 > s.total_steps
+        return is_surplus(s.phase, workflow_context.get().is_eval, s.total_steps, version)
 
     async def arun_episode(self, engine, data: dict[str, Any]) -> dict[str, Any] | None:
         scope = workflow_context.stat_scope()
@@ -290,7 +179,7 @@ class CUAAgentWorkflow(RolloutWorkflow):
                 episode.version,
             )
         recorder = RolloutRecorder(
-            None if surplus else await self._monitor_client(),
+            None if surplus else await self.services.monitor_client(),
             episode.rollout_uuid,
             task_id=episode.task_id,
             model_path=self.settings.processor_path,
@@ -312,8 +201,8 @@ class CUAAgentWorkflow(RolloutWorkflow):
             await recorder.fail("cancelled")
             # A cancel usually means the trainer is stopping: AReaL cancels the episodes, awaits
             # them, then ends the loop that would have sent these last records. Send them now.
-            if self._monitor is not None:
-                await self._monitor.flush(timeout=CANCEL_FLUSH_S)
+            if self.services.monitor is not None:
+                await self.services.monitor.flush(timeout=CANCEL_FLUSH_S)
             raise
         except CuaRlError as exc:
             reason = type(exc).__name__
@@ -326,28 +215,58 @@ class CUAAgentWorkflow(RolloutWorkflow):
         return row
 
     async def _run(self, engine, episode: Episode, recorder: RolloutRecorder):
-        genv, agent, _ = self._loop_clients()
-        s = self.settings
         await recorder.start()
-        episode.model_base_url = self.model_base_url(engine)
+        episode.model_base_url = self.open_model_endpoint(engine, episode)
+        try:
+            await self._act(episode, recorder)
+        except RejectedEpisode as exc:
+            self.close_model_endpoint(episode)
+            sharper = gateway_reason(episode.capture, exc.reason.removeprefix("agent_"))
+            if exc.reason.startswith("agent_") and sharper:
+                raise RejectedEpisode(sharper, exc.detail) from exc
+            raise
+        finally:
+            self.close_model_endpoint(episode)
+        episode.parsed = events_to_turns(episode.run.events)
+        episode.reward = self.compute_reward(episode)
+        await recorder.validation(
+            success=episode.reward.success,
+            score=episode.reward.base,
+            details_json=episode.evaluation.raw,
+        )
+        async with Phase(episode, "convert_s"):
+            episode.conversion = await self.build_row(episode)
+        await self.record_episode(episode, recorder)
+        result = episode.conversion
+        if result.row is None:
+            raise RejectedEpisode(result.reason or "rejected", result.detail)
+        await recorder.complete(
+            reward=episode.reward.reward,
+            task_success=int(episode.reward.success),
+            metrics_json={"conversion": result.stats, "timings": episode.timings},
+        )
+        return result.row
+
+    async def _act(self, episode: Episode, recorder: RolloutRecorder) -> None:
+        """Execution, agent run, evaluation; the execution is terminated on every exit."""
+        genv, agent, _ = self.services.clients()
         await recorder.environment("creating")
         t_create = time.monotonic()
         try:
-            # The scope terminates the execution on every exit (errors, cancellation, deadlines).
             async with genv.execution(episode.task_id) as handle:
                 episode.timings["env_create_s"] = time.monotonic() - t_create
                 episode.execution_id, episode.box_id = handle.execution_id, handle.box_id
                 await recorder.environment("running", gbox_id=episode.box_id)
                 spec = self.build_run_spec(episode)
-                async with _Phase(episode, "agent_s"):
-                    episode.run = await RunDriver(agent, s.agent.driver).run(spec)
+                async with Phase(episode, "agent_s"):
+                    episode.run = await RunDriver(agent, self.settings.agent.driver).run(spec)
                 summary = episode.run.summary
                 if summary.status != "completed":
                     raise RejectedEpisode(
                         f"agent_{summary.reason or summary.status}",
                         f"run {summary.run_id} ended {summary.status}: {summary.errors[-3:]}",
                     )
-                async with _Phase(episode, "evaluate_s"):
+                async with Phase(episode, "evaluate_s"):
                     episode.evaluation = await handle.evaluate(
                         execution_data={"run_id": summary.run_id, "steps": summary.steps},
                         answer_text=summary.answer,
@@ -362,64 +281,10 @@ class CUAAgentWorkflow(RolloutWorkflow):
             raise
         await recorder.environment("terminated")
 
-        episode.parsed = events_to_turns(episode.run.events)
-        episode.reward = self.compute_reward(episode)
-        await recorder.validation(
-            success=episode.reward.success,
-            score=episode.reward.base,
-            details_json=episode.evaluation.raw,
-        )
-        async with _Phase(episode, "convert_s"):
-            episode.conversion = await self.build_row(episode)
-        await self.record_episode(episode, recorder)
-        result = episode.conversion
-        if result.row is None:
-            raise RejectedEpisode(result.reason or "rejected", result.detail)
-        await recorder.complete(
-            reward=episode.reward.reward,
-            task_success=int(episode.reward.success),
-            metrics_json={"conversion": result.stats, "timings": episode.timings},
-        )
-        return result.row
-
     def _count(self, scope: str, episode: Episode, *, reason: str | None) -> None:
-        """Stats under AReaL's rollout / eval-rollout scope; one call per episode."""
+        """Stats under AReaL's rollout / eval-rollout scope and the outcome log; once per episode."""
         from areal.utils import stats_tracker
 
-        tracker = stats_tracker.get(scope)
-        stats: dict[str, float] = {"cua/accepted": 0.0 if reason else 1.0}
-        if reason:
-            stats[f"cua/rejected/{reason}"] = 1.0
-        if episode.reward is not None:
-            stats["cua/reward"] = episode.reward.reward
-            # AReaL merges worker stats as means; E[r^2] lets train.py derive the spread.
-            stats["cua/reward_sq"] = episode.reward.reward**2
-            stats["cua/success"] = float(episode.reward.success)
-        conv = episode.conversion
-        if conv is not None:
-            for key in ("turns", "trained_tokens", "images", "prefix_breaks", "row_len"):
-                if key in conv.stats:
-                    stats[f"cua/{key}"] = float(conv.stats[key])
-        for key, value in episode.timings.items():
-            stats[f"cua/time/{key}"] = float(value)
-        tracker.scalar(**stats)
-
-
-def complete_groups(traj: dict[str, Any]) -> bool:
-    """``dynamic_filter_fn``: accept a group only when every member returned a row.
-
-    AReaL's group normalisation slices fixed-size chunks of rows with no check, so a group that
-    lost a member would mix groups. The expected size comes from ``$CUA_RL_GROUP_SIZE``, which
-    train.py sets from ``gconfig.n_samples`` before any worker starts.
-    """
-    expected = os.environ.get(GROUP_SIZE_ENV)
-    if not expected:
-        raise ConfigError(
-            f"complete_groups needs ${GROUP_SIZE_ENV} (the group size, gconfig.n_samples); "
-            "train.py sets it: set it yourself when you use the filter elsewhere"
-        )
-    rows = traj["input_ids"].shape[0]
-    if rows != int(expected):
-        log.warning("group rejected: %d of %s members returned a row", rows, expected)
-        return False
-    return True
+        stats_tracker.get(scope).scalar(**episode_stats(episode, reason))
+        if self._outcomes is not None:
+            self._outcomes.record(accepted=reason is None, reason=reason, phase=self.settings.phase)

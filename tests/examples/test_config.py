@@ -76,6 +76,10 @@ def test_vllm_command_line_reaches_vllm(tmp_path):
     assert following.startswith("--"), "domains must be followed by the next flag"
     k = cmd.index("--max-model-len")
     assert cmd[k + 1] == "262144"
+    # What the gateway needs of the server: the tokens-in endpoint, logprobs after temperature.
+    assert "--enable-scale-out" in cmd
+    m = cmd.index("--logprobs-mode")
+    assert cmd[m + 1] == "processed_logprobs"
 
 
 @pytest.mark.parametrize(
@@ -86,6 +90,7 @@ def test_vllm_command_line_reaches_vllm(tmp_path):
         (["rollout.max_concurrent_rollouts=null"], "rollout.max_concurrent_rollouts"),
         (
             [
+                "endpoint.mode=direct",
                 "vllm.allowed_media_domains=[cdn.example.com]",
                 "agent.screenshot_hosts=[shots.example.com]",
                 "trajectory.allowed_image_hosts=[shots.example.com]",
@@ -99,11 +104,26 @@ def test_vllm_command_line_reaches_vllm(tmp_path):
         (["reward.shaping=[{name:step_costs,cost:0.1}]"], "unknown shaping term 'step_costs'"),
         (["reward.shaping=[{penalty:0.1}]"], "unknown shaping term 'penalty'"),
         (["vllm.limit_mm_per_prompt='image 64'"], "vllm.limit_mm_per_prompt"),
-        (["endpoint.base_url=http://vllm:8000"], "ending in /v1"),
+        (["endpoint.mode=direct", "endpoint.base_url=http://vllm:8000"], "ending in /v1"),
         (
-            ["+agent.model_options.constrain=regex", "actor.use_decoupled_loss=true"],
+            [
+                "endpoint.mode=direct",
+                "+agent.model_options.constrain=regex",
+                "actor.use_decoupled_loss=true",
+            ],
             "actor.use_decoupled_loss=false",
         ),
+        (["endpoint.mode=proxy"], "endpoint.mode='proxy'"),
+        (["endpoint.base_url=http://vllm:8000/v1"], "set endpoint.mode=direct"),
+        (["rollout.backend=sglang:d4"], "use a vllm backend, or endpoint.mode=direct"),
+        (["vllm.enable_scale_out=false"], "vllm.enable_scale_out=true"),
+        (["vllm.logprobs_mode=raw_logprobs"], "vllm.logprobs_mode=processed_logprobs"),
+        (["+agent.model_options.constrain=ascii"], "agent.model_options.parse=lenient"),
+        (["gateway.sampling_mismatch=ignore"], "gateway.sampling_mismatch='ignore'"),
+        (["gateway.public_host=http://x:1"], "gateway.public_port"),
+        (["workflow=MyWorkflow"], "importable dotted path"),
+        (["workflow=__main__.MyWorkflow"], "__main__ is not importable"),
+        (["failfast.window=-1"], "failfast.window"),
     ],
 )
 def test_each_bad_input_names_its_fix(tmp_path, overrides, fix):

@@ -51,6 +51,7 @@ def test_check_names_each_unreachable_service(tmp_path, dead_url, capsys):
             tmp_path,
             f"gym.base_url={dead_url}",
             f"agent.base_url={dead_url}",
+            "endpoint.mode=direct",
             f"endpoint.base_url={dead_url}/v1",
             f"monitor.base_url={dead_url}",
             "actor.path=/models/tiny",

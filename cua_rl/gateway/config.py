@@ -1,0 +1,129 @@
+"""Settings of the rollout gateway: where it listens, what the agent is told, what it accepts.
+
+The gateway runs inside AReaL's rollout worker. In production the agent runs on another machine,
+so the address the gateway binds and the URL it advertises are separate settings; an empty
+advertised host means the worker's own address as AReaL sees it.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+from cua_rl.errors import ConfigError
+
+MISMATCH_POLICIES = ("override", "error")
+
+
+@dataclass
+class GatewayConfig:
+    bind_host: str = field(
+        default="127.0.0.1",
+        metadata={
+            "help": "Address the gateway listens on in each rollout worker. 127.0.0.1 when the "
+            "agent runs on the same machine; 0.0.0.0 when it runs elsewhere."
+        },
+    )
+    bind_port: int = field(
+        default=0,
+        metadata={"help": "Port to listen on; 0 picks a free port per worker process."},
+    )
+    public_host: str = field(
+        default="",
+        metadata={
+            "help": "Host (name or IP) the agent uses to reach the gateway. Empty: the bind "
+            "host, or the worker's own IP address when bind_host is 0.0.0.0."
+        },
+    )
+    public_port: int = field(
+        default=0,
+        metadata={"help": "Port the agent uses (behind a port mapping); 0: the bound port."},
+    )
+    sampling_mismatch: str = field(
+        default="override",
+        metadata={
+            "help": "What to do when the agent asks for sampling settings (temperature, top_p, "
+            "top_k, max_tokens, logit_bias, ...) other than the trainer's: 'override' samples "
+            "with the trainer's and records what the agent asked; 'error' answers 400."
+        },
+    )
+    max_body_bytes: int = field(
+        default=128 * 1024 * 1024,
+        metadata={
+            "help": "Largest request body accepted (the agent resends the whole history, "
+            "screenshots included, each turn); larger bodies get 413."
+        },
+    )
+    max_images: int = field(
+        default=64,
+        metadata={"help": "Most images one request may carry (keep <= vllm.limit_mm_per_prompt)."},
+    )
+    request_timeout_s: float = field(
+        default=600.0,
+        metadata={"help": "Longest one generation request to the model server may take."},
+    )
+    retries: int = field(
+        default=3,
+        metadata={
+            "help": "Times a generation is re-sent after the model server drops the connection "
+            "or answers 5xx (the partial output is kept); after that the agent gets 502."
+        },
+    )
+
+    def __post_init__(self) -> None:
+        if self.sampling_mismatch not in MISMATCH_POLICIES:
+            raise ConfigError(
+                f"gateway.sampling_mismatch={self.sampling_mismatch!r}; use one of "
+                f"{', '.join(MISMATCH_POLICIES)}"
+            )
+        for name in ("bind_port", "public_port"):
+            value = getattr(self, name)
+            if not 0 <= value < 65536:
+                raise ConfigError(f"gateway.{name}={value} is not a port (0-65535)")
+        if any(c in self.public_host for c in "/: "):
+            raise ConfigError(
+                f"gateway.public_host={self.public_host!r} must be a bare host name or IP "
+                "(no scheme, port or path); set gateway.public_port for the port"
+            )
+        if self.max_body_bytes <= 0 or self.max_images <= 0:
+            raise ConfigError("gateway.max_body_bytes and gateway.max_images must be positive")
+        if self.request_timeout_s <= 0 or self.retries < 0:
+            raise ConfigError("gateway.request_timeout_s must be positive and gateway.retries >= 0")
+
+
+@dataclass
+class Sampling:
+    """The trainer's sampling settings for one phase (gconfig or eval_gconfig)."""
+
+    temperature: float = 1.0
+    top_p: float = 1.0
+    top_k: int = -1
+    max_new_tokens: int = 64
+    min_new_tokens: int = 0
+    stop_token_ids: list[int] = field(default_factory=list)
+    greedy: bool = False
+
+    @classmethod
+    def from_gconfig(cls, g) -> Sampling:
+        return cls(
+            temperature=float(g.temperature),
+            top_p=float(g.top_p),
+            top_k=int(g.top_k) if g.top_k is not None else -1,
+            max_new_tokens=int(g.max_new_tokens),
+            min_new_tokens=int(g.min_new_tokens or 0),
+            stop_token_ids=list(g.stop_token_ids or []),
+            greedy=bool(g.greedy),
+        )
+
+    def vllm_params(self, max_tokens: int) -> dict:
+        """vLLM ``SamplingParams`` JSON; ``logprobs: 0`` returns the sampled token's logprob."""
+        params = {
+            "temperature": 0.0 if self.greedy else self.temperature,
+            "top_p": self.top_p,
+            "top_k": self.top_k if self.top_k and self.top_k > 0 else -1,
+            "max_tokens": max_tokens,
+            "min_tokens": min(self.min_new_tokens, max_tokens),
+            "logprobs": 0,
+        }
+        if self.stop_token_ids:
+            params["stop_token_ids"] = list(self.stop_token_ids)
+        return params

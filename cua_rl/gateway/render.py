@@ -1,0 +1,272 @@
+"""An episode's conversation as token ids: tokens in, tokens out, so the prefix holds by construction.
+
+The agent resends its whole message history every turn. Re-rendering that history through the
+chat template and tokenizing it again would change the model's own earlier outputs (BPE merges,
+partial UTF-8, dropped special tokens: FACTS §4), so the gateway keeps the exact ids of the
+conversation so far (the last prompt as the server expanded it, plus the sampled ids) and, when a
+request extends the previous one (the same messages plus the reply it was given), renders and
+tokenizes only what is new: the template's closing of the assistant turn and the new messages.
+A request that does not extend the previous one (the agent dropped or edited history) starts a
+new segment rendered from scratch; the row builder then applies its prefix-break policy.
+
+Images are compared by content hash, not URL (presigned URLs change). Prompts are sent with one
+``<|image_pad|>`` per image: the server expands them itself and returns the expanded ids, which
+become the stored ids. Pure: no I/O; images arrive already fetched.
+"""
+
+from __future__ import annotations
+
+import base64
+import hashlib
+from collections.abc import Callable, Mapping, Sequence
+from dataclasses import dataclass, field
+from typing import Any
+
+
+class BadRequest(ValueError):
+    """The agent's request cannot be served as sent; the message goes back to the agent (400)."""
+
+    def __init__(self, message: str, code: str = "invalid_request"):
+        super().__init__(message)
+        self.code = code
+
+
+@dataclass(frozen=True)
+class Image:
+    """One image as the model received it: its bytes, their hash and where the agent had it."""
+
+    sha256: str
+    data: bytes
+    mime: str
+    source: str  # the agent's URL (data: URLs are shortened to their header and size)
+
+    @classmethod
+    def of(cls, data: bytes, source: str) -> Image:
+        digest = hashlib.sha256(data).hexdigest()
+        if source.startswith("data:"):
+            source = f"{source.split(',', 1)[0]},<{len(data)} bytes>"
+        return cls(digest, data, sniff_mime(data), source)
+
+    def data_url(self) -> str:
+        return f"data:{self.mime};base64,{base64.b64encode(self.data).decode()}"
+
+
+def sniff_mime(data: bytes) -> str:
+    if data.startswith(b"\x89PNG"):
+        return "image/png"
+    if data.startswith(b"\xff\xd8"):
+        return "image/jpeg"
+    if data[:4] == b"RIFF" and data[8:12] == b"WEBP":
+        return "image/webp"
+    if data[:6] in (b"GIF87a", b"GIF89a"):
+        return "image/gif"
+    raise BadRequest("an image part is not PNG, JPEG, WebP or GIF", code="invalid_image")
+
+
+def image_source(part: Mapping[str, Any]) -> str | None:
+    """The URL of an image content part in any of the shapes agents send, else None."""
+    kind = part.get("type")
+    if kind == "image_url":
+        inner = part.get("image_url")
+        url = inner.get("url") if isinstance(inner, Mapping) else inner
+        return url if isinstance(url, str) else None
+    if kind == "image" or (kind is None and ("image" in part or "url" in part)):
+        url = part.get("url") or part.get("image")
+        return url if isinstance(url, str) else None
+    return None
+
+
+def image_sources(messages: Sequence[Any]) -> list[str]:
+    """Every image URL of a request, in prompt order (what must be fetched or decoded)."""
+    out: list[str] = []
+    for msg in messages:
+        content = msg.get("content") if isinstance(msg, Mapping) else None
+        if isinstance(content, list):
+            out.extend(s for p in content if isinstance(p, Mapping) and (s := image_source(p)))
+    return out
+
+
+def normalize(messages: Any, images: Mapping[str, Image]) -> tuple[list[dict], list[Image], tuple]:
+    """Agent messages -> (template messages, images in order, comparison key).
+
+    Template messages keep only what a chat template reads (role, text, an image placeholder);
+    the key identifies a message list by role, text and image hashes.
+    """
+    if not isinstance(messages, list) or not messages:
+        raise BadRequest("'messages' must be a non-empty list")
+    out: list[dict] = []
+    order: list[Image] = []
+    key: list[tuple] = []
+    for i, msg in enumerate(messages):
+        if not isinstance(msg, Mapping) or not isinstance(msg.get("role"), str):
+            raise BadRequest(f"messages[{i}] must be an object with a 'role'")
+        content = msg.get("content")
+        if content is None or isinstance(content, str):
+            text = content or ""
+            out.append({"role": msg["role"], "content": text})
+            key.append((msg["role"], text))
+            continue
+        if not isinstance(content, list):
+            raise BadRequest(f"messages[{i}].content must be a string or a list of parts")
+        parts: list[dict] = []
+        pkey: list[str] = []
+        for j, part in enumerate(content):
+            if not isinstance(part, Mapping):
+                raise BadRequest(f"messages[{i}].content[{j}] must be an object")
+            src = image_source(part)
+            if src is not None:
+                img = images[src]
+                order.append(img)
+                parts.append({"type": "image"})
+                pkey.append("\x00img:" + img.sha256)
+            elif part.get("type", "text") == "text" and isinstance(part.get("text"), str):
+                parts.append({"type": "text", "text": part["text"]})
+                pkey.append(part["text"])
+            else:
+                raise BadRequest(
+                    f"messages[{i}].content[{j}] has type {part.get('type')!r}; the gateway "
+                    "serves text and image parts"
+                )
+        out.append({"role": msg["role"], "content": parts})
+        key.append((msg["role"], *pkey))
+    return out, order, tuple(key)
+
+
+def collapse_pads(ids: Sequence[int], pad_id: int) -> list[int]:
+    """One pad per image: the server expands each run again from the image itself."""
+    out: list[int] = []
+    prev_pad = False
+    for t in ids:
+        if t == pad_id and prev_pad:
+            continue
+        prev_pad = t == pad_id
+        out.append(t)
+    return out
+
+
+@dataclass
+class Prompt:
+    """What one request sends: ids with one pad per image, and every image of the prompt."""
+
+    send_ids: list[int]
+    images: list[Image]
+    # The expanded ids the server's prompt must start with (the conversation so far), when the
+    # request extends the previous turn; None for a new segment.
+    expected_prefix: list[int] | None
+    segment: int
+
+
+@dataclass
+class _Last:
+    """The previous turn, as the next request must repeat it to extend it."""
+
+    key: tuple
+    template_messages: list[dict]
+    ids: list[int]  # its prompt as the server expanded it + the sampled ids
+    reply: str
+    ended_with: int | None  # the sampled stop token, if the reply ended on one
+
+
+@dataclass
+class Conversation:
+    """Token state of one episode; ``prompt`` then ``commit`` once per model call."""
+
+    render: Callable[[list[dict], bool], str]  # (messages, add_generation_prompt) -> text
+    encode: Callable[[str], list[int]]
+    decode_token: Callable[[int], str]
+    pad_id: int
+    stop_ids: frozenset[int] = frozenset()
+    segments: int = 0
+    _last: _Last | None = field(default=None, repr=False)
+
+    @classmethod
+    def for_processor(cls, processor, stop_ids: Sequence[int] = ()) -> Conversation:
+        from cua_rl.trajectory.images import image_token_ids, tokenizer_of
+
+        tok = tokenizer_of(processor)
+        pad_id, _ = image_token_ids(processor)
+        stops = set(stop_ids)
+        if tok.eos_token_id is not None:
+            stops.add(int(tok.eos_token_id))
+        im_end = tok.convert_tokens_to_ids("<|im_end|>")
+        if isinstance(im_end, int) and im_end != tok.unk_token_id:
+            stops.add(im_end)
+
+        def render(messages: list[dict], generation: bool) -> str:
+            return processor.apply_chat_template(
+                messages, tokenize=False, add_generation_prompt=generation
+            )
+
+        return cls(
+            render=render,
+            encode=lambda text: list(tok.encode(text, add_special_tokens=False)),
+            decode_token=lambda t: tok.decode([t], skip_special_tokens=False),
+            pad_id=pad_id,
+            stop_ids=frozenset(stops),
+        )
+
+    def prompt(self, template_messages: list[dict], images: list[Image], key: tuple) -> Prompt:
+        delta = self._delta(template_messages, key)
+        if delta is None:
+            self.segments += 1
+            text = self.render(template_messages, True)
+            return Prompt(self.encode(text), images, None, self.segments)
+        last = self._last
+        return Prompt(
+            collapse_pads(last.ids, self.pad_id) + self.encode(delta),
+            images,
+            list(last.ids),
+            self.segments,
+        )
+
+    def _delta(self, template_messages: list[dict], key: tuple) -> str | None:
+        """The text to append to the stored ids, or None when the request starts afresh."""
+        last = self._last
+        if last is None:
+            return None
+        before = (*last.key, ("assistant", last.reply))
+        if key[: len(before)] != before or len(key) == len(before):
+            return None
+        replied = [*last.template_messages, {"role": "assistant", "content": last.reply}]
+        closed = self.render(replied, False)
+        full = self.render(template_messages, True)
+        opened = self.render(last.template_messages, True)
+        if not full.startswith(closed) or not closed.startswith(opened):
+            return None
+        turn = closed[len(opened) :]
+        # What the template writes after the reply (e.g. "<|im_end|>\n"); when the template
+        # rewrote the reply (some strip reasoning), its closing is found after the last special.
+        close = turn[len(last.reply) :] if turn.startswith(last.reply) else self._closing(turn)
+        if last.ended_with is not None:
+            stop_text = self.decode_token(last.ended_with)
+            if stop_text and close.startswith(stop_text):
+                close = close[len(stop_text) :]
+        return close + full[len(closed) :]
+
+    def _closing(self, turn: str) -> str:
+        probe = self.render(
+            [{"role": "user", "content": "u"}, {"role": "assistant", "content": "\x01"}], False
+        )
+        tail = probe.split("\x01", 1)[-1]
+        return turn[turn.rfind(tail) :] if tail and tail in turn else tail
+
+    def commit(
+        self,
+        template_messages: list[dict],
+        key: tuple,
+        prompt_ids: Sequence[int],
+        output_ids: Sequence[int],
+        reply: str,
+    ) -> None:
+        ended = int(output_ids[-1]) if output_ids and output_ids[-1] in self.stop_ids else None
+        self._last = _Last(key, list(template_messages), [*prompt_ids, *output_ids], reply, ended)
+
+
+def extends_stored(prompt: Prompt, server_prompt_ids: Sequence[int]) -> bool:
+    """Whether the server's prompt begins with the conversation so far (it should: the stored
+    ids were the server's own expansion). When it does not, the server's ids are the truth and
+    the row builder sees a prefix break."""
+    if prompt.expected_prefix is None:
+        return True
+    n = len(prompt.expected_prefix)
+    return list(server_prompt_ids[:n]) == prompt.expected_prefix

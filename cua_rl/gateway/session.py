@@ -1,0 +1,300 @@
+"""One episode's side of the gateway: a chat completion in, one captured turn out.
+
+Per call: refuse what cannot be served (malformed messages, image hosts not allowed, before any
+fetch), record the sampling settings the agent asked for and apply the trainer's instead, resolve
+every image to bytes once per episode (the model and the row get the same bytes; presigned URLs
+are never fetched twice), build the prompt ids from the stored conversation (``render``), sample
+through the engine (``engine``), and answer in the OpenAI chat-completion shape. Calls of one
+episode are served one at a time, in arrival order.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import math
+import time
+import uuid
+from dataclasses import dataclass, replace
+from typing import Any
+
+import httpx
+
+from cua_rl.errors import CuaRlError, ModelServerError, RejectedEpisode
+from cua_rl.gateway.capture import CapturedTurn, EpisodeCapture, GatewayError
+from cua_rl.gateway.config import GatewayConfig, Sampling
+from cua_rl.gateway.engine import EngineView, generate
+from cua_rl.gateway.render import (
+    BadRequest,
+    Conversation,
+    Image,
+    extends_stored,
+    image_sources,
+    normalize,
+)
+from cua_rl.trajectory.config import TrajectoryConfig
+from cua_rl.trajectory.images import check_image_url, decode_data_url, fetch_one
+
+# Request keys that change what is sampled. The trainer owns them (DESIGN decision 8).
+TRAINER_KEYS = ("temperature", "top_p", "top_k", "max_tokens", "max_completion_tokens")
+# Keys the trainer never sets: present and non-empty, they are overridden (dropped).
+FOREIGN_KEYS = (
+    "min_p",
+    "min_tokens",
+    "seed",
+    "stop",
+    "logit_bias",
+    "allowed_token_ids",
+    "bad_words",
+    "structured_outputs",
+    "guided_json",
+    "guided_regex",
+    "guided_choice",
+    "guided_grammar",
+    "response_format",
+    "presence_penalty",
+    "frequency_penalty",
+    "repetition_penalty",
+    "best_of",
+)
+
+
+VISION_TOKENS = ("<|image_pad|>", "<|video_pad|>", "<|vision_start|>", "<|vision_end|>")
+
+
+def vision_token_ids(tokenizer) -> frozenset[int]:
+    ids = set()
+    for token in VISION_TOKENS:
+        tid = tokenizer.convert_tokens_to_ids(token)
+        if isinstance(tid, int) and tid >= 0 and tid != tokenizer.unk_token_id:
+            ids.add(tid)
+    return frozenset(ids)
+
+
+class GatewayFailure(CuaRlError):
+    """A call the gateway cannot serve; ``status`` and ``code`` shape the OpenAI error."""
+
+    def __init__(
+        self, message: str, *, status: int, code: str, kind: str = "invalid_request_error"
+    ):
+        super().__init__(message)
+        self.status, self.code, self.kind = status, code, kind
+
+
+def trainer_values(sampling: Sampling) -> dict[str, Any]:
+    temperature = 0.0 if sampling.greedy else sampling.temperature
+    return {
+        "temperature": temperature,
+        "top_p": sampling.top_p,
+        "top_k": sampling.top_k if sampling.top_k and sampling.top_k > 0 else -1,
+        "max_tokens": sampling.max_new_tokens,
+        "max_completion_tokens": sampling.max_new_tokens,
+    }
+
+
+def sampling_differences(body: dict, sampling: Sampling) -> tuple[dict, dict]:
+    """(what the agent asked, the subset the trainer overrides)."""
+    asked = {
+        k: body[k] for k in (*TRAINER_KEYS, *FOREIGN_KEYS) if body.get(k) not in (None, [], {})
+    }
+    want = trainer_values(sampling)
+    overridden = {}
+    for key, value in asked.items():
+        if key not in want:
+            overridden[key] = value
+            continue
+        if key == "top_k" and isinstance(value, int | float) and value <= 0 and want[key] == -1:
+            continue
+        if not isinstance(value, int | float) or not math.isclose(float(value), float(want[key])):
+            overridden[key] = value
+    return asked, overridden
+
+
+@dataclass
+class SessionSpec:
+    """What the workflow knows when it opens an episode."""
+
+    engine: EngineView
+    sampling: Sampling
+    processor: Any
+    model_name: str
+    images: TrajectoryConfig  # which image hosts may be fetched, size and time limits
+
+
+class EpisodeSession:
+    def __init__(self, episode_id: str, spec: SessionSpec, config: GatewayConfig):
+        self.episode_id = episode_id
+        self.spec = spec
+        self.config = config
+        self.capture = EpisodeCapture(episode_id)
+        self.conversation = Conversation.for_processor(spec.processor, spec.sampling.stop_token_ids)
+        self.tokenizer = getattr(spec.processor, "tokenizer", spec.processor)
+        # A sampled vision token ends the reply and is dropped: in a row it would be taken for
+        # an image position with no image (the row builder rejects it). Real models do not
+        # sample them; tiny random ones do.
+        self.vision_ids = vision_token_ids(self.tokenizer)
+        self.sampling = replace(
+            spec.sampling,
+            stop_token_ids=sorted({*spec.sampling.stop_token_ids, *self.vision_ids}),
+        )
+        self.closed = False
+        self._images: dict[str, Image] = {}
+        self._server: str | None = None
+        self._lock: asyncio.Lock | None = None
+        self.inflight: set[asyncio.Task] = set()
+
+    async def chat(self, body: Any, client: httpx.AsyncClient) -> dict:
+        if self._lock is None:
+            self._lock = asyncio.Lock()
+        async with self._lock:
+            try:
+                return await self._chat(body, client)
+            except GatewayFailure as exc:
+                self.capture.errors.append(GatewayError(exc.code, str(exc), exc.status))
+                raise
+
+    async def _chat(self, body: Any, client: httpx.AsyncClient) -> dict:
+        if self.closed:
+            raise GatewayFailure(
+                f"episode {self.episode_id} is closed", status=404, code="episode_closed"
+            )
+        if not isinstance(body, dict):
+            raise GatewayFailure("the body must be a JSON object", status=400, code="invalid_json")
+        if int(body.get("n") or 1) != 1:
+            raise GatewayFailure(
+                "n must be 1: one sample per call", status=400, code="unsupported_n"
+            )
+        asked, overridden = sampling_differences(body, self.spec.sampling)
+        if overridden and self.config.sampling_mismatch == "error":
+            raise GatewayFailure(
+                f"sampling settings are the trainer's; the request asks {overridden} but the "
+                f"trainer samples with {trainer_values(self.spec.sampling)}",
+                status=400,
+                code="sampling_mismatch",
+            )
+        try:
+            await self._resolve_images(body.get("messages"), client)
+            template, images, key = normalize(body.get("messages"), self._images)
+        except BadRequest as exc:
+            raise GatewayFailure(str(exc), status=400, code=exc.code) from exc
+        except RejectedEpisode as exc:
+            raise GatewayFailure(
+                f"{exc.reason}: {exc.detail}", status=400, code=exc.reason
+            ) from exc
+        if len(images) > self.config.max_images:
+            raise GatewayFailure(
+                f"{len(images)} images > gateway.max_images {self.config.max_images}",
+                status=400,
+                code="too_many_images",
+            )
+        prompt = self.conversation.prompt(template, images, key)
+        if self._server is None:
+            # One server per episode: its KV and image caches then serve every later turn.
+            self._server = self.spec.engine.choose_server()
+        try:
+            gen = await generate(
+                client,
+                self.spec.engine,
+                self._server,
+                prompt.send_ids,
+                images,
+                self.sampling,
+                max_tokens=self.sampling.max_new_tokens,
+                model=self.spec.model_name,
+                timeout_s=self.config.request_timeout_s,
+                retries=self.config.retries,
+            )
+        except BadRequest as exc:
+            raise GatewayFailure(str(exc), status=400, code=exc.code) from exc
+        except ModelServerError as exc:
+            raise GatewayFailure(
+                str(exc), status=502, code="model_server_error", kind="api_error"
+            ) from exc
+        if gen.output_ids and gen.output_ids[-1] in self.vision_ids:
+            gen.output_ids, gen.logprobs, gen.versions = (
+                gen.output_ids[:-1],
+                gen.logprobs[:-1],
+                gen.versions[:-1],
+            )
+            gen.finish_reason, gen.cut = "stop", 1
+        text = self.tokenizer.decode(gen.output_ids, skip_special_tokens=True)
+        self.conversation.commit(template, key, gen.prompt_ids, gen.output_ids, text)
+        turn = CapturedTurn(
+            index=len(self.capture.turns),
+            response_id=f"chatcmpl-{uuid.uuid4().hex}",
+            prompt_ids=gen.prompt_ids,
+            output_ids=gen.output_ids,
+            logprobs=gen.logprobs,
+            versions=gen.versions,
+            finish_reason=gen.finish_reason,
+            text=text,
+            images=images,
+            segment=prompt.segment,
+            extended=extends_stored(prompt, gen.prompt_ids),
+            asked=asked,
+            overridden=overridden,
+            aborts=gen.aborts,
+            retries=gen.retries,
+            cut=gen.cut,
+            paused_s=gen.paused_s,
+            seconds=gen.seconds,
+            server=self._server,
+        )
+        self.capture.turns.append(turn)
+        return self.answer(turn, body)
+
+    async def _resolve_images(self, messages: Any, client: httpx.AsyncClient) -> None:
+        if not isinstance(messages, list):
+            return
+        sources = [s for s in dict.fromkeys(image_sources(messages)) if s not in self._images]
+        policy = self.spec.images
+        # Every URL is checked before the first fetch: a refused host costs no request.
+        kinds = {src: check_image_url(src, policy) for src in sources}
+        for src in sources:
+            if kinds[src] == "data":
+                data = decode_data_url(src, policy)
+            else:
+                data = await fetch_one(client, src, policy)
+            self._images[src] = Image.of(data, src)
+
+    def answer(self, turn: CapturedTurn, body: dict) -> dict:
+        choice: dict[str, Any] = {
+            "index": 0,
+            "message": {"role": "assistant", "content": turn.text},
+            "finish_reason": turn.finish_reason,
+            "logprobs": None,
+        }
+        if body.get("logprobs"):
+            choice["logprobs"] = {
+                "content": [
+                    {
+                        "token": (tok := self.tokenizer.decode([t])),
+                        "logprob": lp,
+                        "bytes": list(tok.encode("utf-8")),
+                        "top_logprobs": [],
+                    }
+                    for t, lp in zip(turn.output_ids, turn.logprobs, strict=True)
+                ]
+            }
+        out: dict[str, Any] = {
+            "id": turn.response_id,
+            "object": "chat.completion",
+            "created": int(time.time()),
+            "model": self.spec.model_name,
+            "choices": [choice],
+            "usage": {
+                "prompt_tokens": len(turn.prompt_ids),
+                "completion_tokens": len(turn.output_ids),
+                "total_tokens": len(turn.prompt_ids) + len(turn.output_ids),
+            },
+        }
+        if body.get("return_token_ids"):
+            choice["token_ids"] = list(turn.output_ids)
+            out["prompt_token_ids"] = list(turn.prompt_ids)
+        return out
+
+    def close(self) -> EpisodeCapture:
+        self.closed = True
+        for task in list(self.inflight):
+            loop = task.get_loop()
+            loop.call_soon_threadsafe(task.cancel)
+        return self.capture
