@@ -549,6 +549,15 @@ function commit(changes) {
   }
 }
 
+// The model files' new contents: `patched` or `original`.
+function modelFileChanges(target, verdict, which) {
+  return MODEL_FILES.map((rel) => ({
+    abs: path.join(target, rel),
+    data: verdict.files[rel][which],
+    old: verdict.files[rel].text,
+  }));
+}
+
 // ---- main -------------------------------------------------------------------------------------
 
 function refuse(mode, target, verdict) {
@@ -588,11 +597,7 @@ function main() {
       process.stdout.write(`already applied, nothing to do: ${target}\n`);
       return;
     }
-    const changes = MODEL_FILES.map((rel) => ({
-      abs: path.join(target, rel),
-      data: verdict.files[rel].patched,
-      old: verdict.files[rel].text,
-    }));
+    const changes = modelFileChanges(target, verdict, "patched");
     changes.push({ abs: path.join(target, HELPER), data: helperTemplate(verdict.eol), old: null });
     commit(changes);
     process.stdout.write(`applied: ${target}\n`);
@@ -605,11 +610,7 @@ function main() {
     process.stdout.write(`not applied, nothing to revert: ${target}\n`);
     return;
   }
-  const changes = MODEL_FILES.map((rel) => ({
-    abs: path.join(target, rel),
-    data: verdict.files[rel].original,
-    old: verdict.files[rel].text,
-  }));
+  const changes = modelFileChanges(target, verdict, "original");
   const helperAbs = path.join(target, HELPER);
   changes.push({ abs: helperAbs, data: null, old: fs.readFileSync(helperAbs) });
   commit(changes);
