@@ -1,5 +1,6 @@
 """Fixtures for the agent area: the sim gym and the local agent on free loopback ports, run
-specs and executions made on demand, and a TypeScript compiler installed once into .cache/node."""
+specs and executions made on demand, and a TypeScript compiler installed once into .cache/node
+(the patch tests give its package to the gbox-mini-agent trees as their own)."""
 
 from __future__ import annotations
 
@@ -17,6 +18,8 @@ from cua_rl.sim.gym import GymServer
 
 REPO = Path(__file__).resolve().parents[2]
 FIXTURE_TREE = Path(__file__).parent / "fixtures" / "gbox-mini-agent"
+# The same model classes formatted differently, with other code around them.
+FIXTURE_TREE_REFORMATTED = Path(__file__).parent / "fixtures" / "gbox-mini-agent-reformatted"
 APPLY_SH = REPO / "patches" / "gbox-mini-agent" / "apply.sh"
 TYPESCRIPT_VERSION = "5.9.3"  # pinned: the patch is checked against this compiler
 
@@ -111,6 +114,12 @@ def tsc() -> Path:
             check=True, capture_output=True, timeout=300,
         )  # fmt: skip
     return binary
+
+
+@pytest.fixture(scope="session")
+def typescript_pkg(tsc) -> Path:
+    """The typescript package of ``tsc``: what a checkout's node_modules holds after npm install."""
+    return tsc.parent.parent / "typescript"
 
 
 class FaultyTransport(httpx.AsyncBaseTransport):
