@@ -31,6 +31,7 @@ from cua_rl.mini_agent import MiniAgentClient, RunDriver, RunResult, RunSpec
 from cua_rl.monitor.client import MonitorClient, MonitorClientConfig
 from cua_rl.monitor.context import MonitorContext
 from cua_rl.monitor.recorder import RolloutRecorder
+from cua_rl.monitor.screenshots import http_fetcher
 from cua_rl.reward import EpisodeFacts, RewardOutcome, compute_reward
 from cua_rl.trajectory import ConversionResult, convert_turns, events_to_turns, fetch_images
 from cua_rl.trajectory.events import ParsedEvents
@@ -249,10 +250,9 @@ class CUAAgentWorkflow(RolloutWorkflow):
                     logprobs=list(turn.output_logprobs or []) if first else None,
                 )
             if turn.image_urls:
-                url = turn.image_urls[-1]
-                # data: URLs are megabytes; keep a reference, not the pixels.
-                uri = url if not url.startswith("data:") else f"data-url:{len(url)}B"
-                await recorder.observation(n, 0, obs_type="screenshot", screenshot_uri=uri)
+                # Downscaled and kept by the monitor (presigned URLs expire).
+                fetch = http_fetcher(self.settings.trajectory, self._loop_clients()[2])
+                await recorder.screenshot(n, 0, turn.image_urls[-1], fetch=fetch)
 
     # ------------------------------------------------------------------ the episode
 
