@@ -101,7 +101,8 @@ def _fmt_num(value: Any, digits: int = 3) -> str:
             return "–"
         if value != 0 and abs(value) < 10 ** (-digits):
             return f"{value:.{digits - 1}e}"
-        return f"{value:,.{digits}f}".rstrip("0").rstrip(".")
+        text = f"{value:,.{digits}f}"
+        return text.rstrip("0").rstrip(".") if "." in text else text
     return str(value)
 
 
