@@ -110,26 +110,24 @@ def _fmt_pct(value: Any) -> str:
     return "–" if value is None else f"{100 * float(value):.0f}%"
 
 
+def _span(s: int) -> str:
+    if s < 3600:
+        return f"{s // 60}m {s % 60}s"
+    if s < 86400:
+        return f"{s // 3600}h {s % 3600 // 60}m"
+    return f"{s // 86400}d"
+
+
 def _fmt_age(seconds: Any) -> str:
     if seconds is None:
         return "never"
-    s = int(seconds)
-    if s < 60:
-        return f"{s}s ago"
-    if s < 3600:
-        return f"{s // 60}m {s % 60}s ago"
-    if s < 86400:
-        return f"{s // 3600}h {s % 3600 // 60}m ago"
-    return f"{s // 86400}d ago"
+    return f"{int(seconds)}s ago" if seconds < 60 else f"{_span(int(seconds))} ago"
 
 
 def _fmt_duration(seconds: Any) -> str:
     if seconds is None:
         return "–"
-    s = float(seconds)
-    if s < 60:
-        return f"{s:.1f}s"
-    return f"{int(s // 60)}m {int(s % 60)}s"
+    return f"{float(seconds):.1f}s" if seconds < 60 else _span(int(seconds))
 
 
 def _environment() -> Environment:

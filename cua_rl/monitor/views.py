@@ -18,6 +18,7 @@ from datetime import UTC, datetime
 from typing import Any
 
 from cua_rl.monitor.screenshots import parse_screenshot_uri
+from cua_rl.monitor.store import read_extras
 
 # Curve -> candidate keys in a step's metrics_json (first present wins); AReaL's names moved
 # between releases and depend on the loss in use.
@@ -63,19 +64,6 @@ def _json(text: Any) -> Any:
         return json.loads(text)
     except ValueError:
         return None
-
-
-def _extras(conn: sqlite3.Connection, table: str, ids: list[int]) -> dict[int, dict]:
-    out: dict[int, dict] = {}
-    for start in range(0, len(ids), 500):
-        chunk = ids[start : start + 500]
-        sql = (
-            "SELECT entity_id, fields_json FROM extra_field WHERE entity_type = ? "
-            f"AND entity_id IN ({', '.join('?' * len(chunk))})"
-        )
-        for entity_id, fields in conn.execute(sql, (table, *chunk)):
-            out[entity_id] = _json(fields) or {}
-    return out
 
 
 def parse_time(value: Any) -> datetime | None:
@@ -345,7 +333,7 @@ def rollout_page(conn: sqlite3.Connection, rollout_id: int) -> dict | None:
     rollout = _one(conn, "SELECT * FROM rollout WHERE id = ?", (rollout_id,))
     if rollout is None:
         return None
-    rollout["extra"] = _extras(conn, "rollout", [rollout_id]).get(rollout_id, {})
+    rollout["extra"] = read_extras(conn, "rollout", [rollout_id]).get(rollout_id, {})
     task = _one(
         conn, "SELECT id, task_id, name, description FROM task WHERE id = ?", (rollout["task_id"],)
     )
@@ -364,7 +352,7 @@ def rollout_page(conn: sqlite3.Connection, rollout_id: int) -> dict | None:
         )
     turns = _rows(conn, "SELECT * FROM turn WHERE rollout_id = ? ORDER BY turn, id", (rollout_id,))
     by_id = {t["id"]: t for t in turns}
-    turn_extras = _extras(conn, "turn", list(by_id))
+    turn_extras = read_extras(conn, "turn", list(by_id))
     for t in turns:
         t["extra"] = turn_extras.get(t["id"], {})
         t["actions"], t["observations"] = [], []
@@ -376,7 +364,7 @@ def rollout_page(conn: sqlite3.Connection, rollout_id: int) -> dict | None:
             "WHERE t.rollout_id = ? ORDER BY x.id",
             (rollout_id,),
         )
-        extras = _extras(conn, table, [i["id"] for i in items])
+        extras = read_extras(conn, table, [i["id"] for i in items])
         for item in items:
             item["extra"] = extras.get(item["id"], {})
             by_id[item["turn_id"]][key].append(item)

@@ -100,16 +100,14 @@ def summary(db_path: Path) -> list[str]:
             "SELECT run_name, status, error_message FROM training ORDER BY id"
         ):
             out.append(f"training {name}: {status}" + (f" ({err[:200]})" if err else ""))
-        for table in ("step", "baseline", "eval", "rollout", "turn", "action", "validation"):
-            n = db.execute(f"SELECT COUNT(*) FROM {table}").fetchone()[0]  # noqa: S608
-            out.append(f"  {table}: {n} rows")
-        for step, status, reward, n, tokens in db.execute(
-            "SELECT step, status, reward_mean, num_trajectories, num_tokens FROM step ORDER BY step"
-        ):
-            mean = "–" if reward is None else f"{reward:.3f}"
-            out.append(
-                f"  step {step}: {status}, reward_mean={mean}, trajectories={n}, tokens={tokens}"
-            )
+        counts = []
+        for table in ("step", "baseline", "eval", "rollout", "turn", "action", "screenshot"):
+            try:
+                n = db.execute(f"SELECT COUNT(*) FROM {table}").fetchone()[0]  # noqa: S608
+            except sqlite3.Error:  # a database the run never migrated
+                continue
+            counts.append(f"{n} {table}{'s' if n != 1 else ''}")
+        out.append("  recorded: " + ", ".join(counts))
         return out
     finally:
         db.close()

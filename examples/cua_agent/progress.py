@@ -115,6 +115,9 @@ class DemoProgress:
                 return
             for line in self.step_summaries(db, training):
                 self.say(line)
+            if training["status"] in ("completed", "failed", "cancelled"):
+                self._clear()
+                return
             live = self.live_line(db, training)
             if live:
                 self._live(live)
@@ -166,26 +169,29 @@ class DemoProgress:
         total = training["total_steps"] or "?"
         phase = training["current_phase"] or training["status"]
         # The newest open pass: a baseline or eval runs between steps.
-        source = None
+        source = label = None
         for kind, column in (("baseline", "baseline_id"), ("eval", "eval_id")):
             row = db.execute(
-                f"SELECT id FROM {kind} WHERE training_id = ? AND status = 'running' "  # noqa: S608
-                "ORDER BY id DESC LIMIT 1",
+                f"SELECT id, {'step' if kind == 'eval' else 'NULL AS step'} FROM {kind} "  # noqa: S608
+                "WHERE training_id = ? AND status = 'running' ORDER BY id DESC LIMIT 1",
                 (training["id"],),
             ).fetchone()
             if row:
                 source = (kind, column, row["id"])
+                label = (
+                    "baseline (before step 1)"
+                    if kind == "baseline"
+                    else f"eval after step {row['step']}/{total}"
+                )
         if source is None:
             step = db.execute(
                 "SELECT id, step FROM step WHERE training_id = ? ORDER BY step DESC LIMIT 1",
                 (training["id"],),
             ).fetchone()
             if step is None:
-                return f"starting ({phase})"
+                return f"starting: AReaL workers and the vLLM server ({phase})"
             label = f"step {step['step']}/{total}"
             source = ("step", "step_id", step["id"])
-        else:
-            label = f"{source[0]} (before step {training['current_step'] or 1}/{total})"
         counts = self._counts(db, source[1], source[2])
         last = db.execute(
             f"SELECT reward, task_success FROM rollout WHERE {source[1]} = ? "  # noqa: S608
