@@ -184,8 +184,10 @@ def install_dashboard(
             },
         )
 
-    def login_page(request: Request, error: str | None = None, status: int = 200) -> Response:
-        nxt = _safe_next(request.query_params.get("next"))
+    def login_page(
+        request: Request, error: str | None = None, status: int = 200, nxt: str | None = None
+    ) -> Response:
+        nxt = nxt or _safe_next(request.query_params.get("next"))
         body = env.get_template("login.html").render(error=error, next=nxt)
         return html(body, status)
 
@@ -240,14 +242,18 @@ def install_dashboard(
 
     @app.post("/login")
     async def login(request: Request):
-        body = (await request.body())[:4096].decode(errors="replace")
-        form = parse_qs(body)
+        raw = b""
+        async for chunk in request.stream():
+            raw += chunk
+            if len(raw) > 8192:  # a token form is a few hundred bytes
+                return login_page(request, "request too large", 413)
+        form = parse_qs(raw.decode(errors="replace"))
         token = (form.get("token") or [""])[0].strip()
         nxt = _safe_next((form.get("next") or ["/"])[0])
         if not auth.enabled:
             return RedirectResponse(nxt, status_code=303)
         if not auth.token_ok(token):
-            return login_page(request, "wrong token", 401)
+            return login_page(request, "wrong token", 401, nxt)
         resp = RedirectResponse(nxt, status_code=303)
         resp.set_cookie(
             SESSION_COOKIE,

@@ -403,9 +403,10 @@ class ScreenshotStore:
     def get(self, sha256: str) -> tuple[Path, str] | None:
         if not _HEX.match(sha256):
             return None
-        row = self._conn.execute(
-            "SELECT mime FROM screenshot WHERE sha256 = ?", (sha256,)
-        ).fetchone()
+        with self._lock:  # one connection, shared by the server's worker threads
+            row = self._conn.execute(
+                "SELECT mime FROM screenshot WHERE sha256 = ?", (sha256,)
+            ).fetchone()
         path = self.path_of(sha256)
         if row is None or not path.exists():
             return None
@@ -428,9 +429,10 @@ class ScreenshotStore:
                     return
 
     def stats(self) -> dict[str, int]:
-        n, total = self._conn.execute(
-            "SELECT COUNT(*), COALESCE(SUM(bytes), 0) FROM screenshot"
-        ).fetchone()
+        with self._lock:
+            n, total = self._conn.execute(
+                "SELECT COUNT(*), COALESCE(SUM(bytes), 0) FROM screenshot"
+            ).fetchone()
         return {"images": n, "bytes": total, "max_total_bytes": self.max_total_bytes}
 
 

@@ -433,6 +433,8 @@ class TrainingMonitor:
                 status="completed", progress_percent=100.0, eval_time=now, **eval_fields(stats)
             )
         self._send("baselines", record)
+        # "baseline evaluation" would otherwise stay the training's message for the whole run.
+        self._training(status_message=None)
 
 
 class TrainerHooks:

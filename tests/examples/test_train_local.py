@@ -68,6 +68,7 @@ def _alive(pid: int) -> bool:
 def test_demo_trains_two_steps_and_records_everything(demo_run):
     run_dir, text = demo_run.run_dir, demo_run.output
     assert demo_run.returncode == 0, text[-6000:]
+    print(text)  # what the terminal showed (pytest -s)
 
     db = run_dir / "monitor.db"
     assert db.exists(), text[-3000:]

@@ -128,8 +128,10 @@ def test_without_the_token_pages_lead_to_login_and_reads_are_401(anon, server, r
 
 
 def test_a_wrong_token_is_refused(anon, server, run):
-    resp = anon.post("/login", data={"token": "not-the-token", "next": "/"})
+    resp = anon.post("/login", data={"token": "not-the-token", "next": "/trainings/7"})
     assert resp.status_code == 401 and "wrong token" in resp.text
+    # The form asks again and still leads where the user was going.
+    assert 'name="next" value="/trainings/7"' in resp.text
     assert SESSION not in resp.cookies
     bad = {"Authorization": "Bearer not-the-token"}
     assert anon.get("/", headers=bad).status_code == 401
