@@ -11,7 +11,8 @@ PY_VLLM := $(VENV_VLLM)/bin/python
 PIP_QUIET ?= -q
 export CUA_VLLM_PYTHON ?= $(abspath $(PY_VLLM))
 
-.PHONY: help envs venv venv-vllm test test-fast lint format demo clean-envs freeze-vllm models
+.PHONY: help envs venv venv-vllm test test-fast lint format demo clean-envs freeze-vllm models browser
+SUDO := $(shell [ "$$(id -u)" = 0 ] || echo sudo)
 
 help:
 	@echo "make demo       create/reuse both environments and run the main job on the embedded default"
@@ -58,8 +59,14 @@ envs:
 demo: envs
 	$(PY) -m examples.cua_agent.demo $(DEMO_ARGS)
 
+# The dashboard's browser tests drive Debian's chromium through Playwright's Python API
+# (Playwright's own browser download cannot run here); installed once when missing.
+browser:
+	@command -v chromium >/dev/null 2>&1 || { echo "== installing chromium (Debian package)"; \
+	  $(SUDO) apt-get update -q && DEBIAN_FRONTEND=noninteractive $(SUDO) apt-get install -y -q chromium; }
+
 # Lint first: it takes a second and CI then catches style drift too.
-test: envs
+test: envs browser
 	$(VENV)/bin/ruff check .
 	$(VENV)/bin/ruff format --check .
 	$(PY) -m pytest -ra --durations=15

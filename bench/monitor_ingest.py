@@ -9,9 +9,18 @@
    store's schema (triggers and indexes on, as in production), starts the server on it and
    prints the p50/p95 latency of each dashboard read endpoint over ``--samples`` requests on
    random ids. Goal: p95 < 100 ms.
+3. Pages: on the same database, the p50/p95 server-side render time of each dashboard page
+   (queries plus template, from the ``Server-Timing`` header of real HTTP requests). Goal: p95
+   < 200 ms.
+4. Screenshots: bytes per turn of the screenshot store. The local gym's phone screens (the
+   sim's 360x640, and 1080x2400 as a real phone's) go through the recorder's preparation
+   (long edge <= 1024 px, WebP) and are uploaded to a real server over HTTP as episodes of
+   ``--shot-turns`` turns would; prints source and stored bytes per turn (the store keeps an
+   image once, so repeated screens cost nothing more).
 
     python bench/monitor_ingest.py [--turns 1000000] [--ingest-turns 50000] [--batch-turns 1000]
-        [--samples 200] [--workdir DIR] [--keep]
+        [--samples 200] [--shot-turns 300] [--only ingest,reads,pages,shots] [--workdir DIR]
+        [--keep]
 """
 
 from __future__ import annotations
@@ -275,9 +284,15 @@ def build_big_db(
         "num_tokens) VALUES (?, 'tap', 'tap', '{\"x\":100,\"y\":200}', ?, ?, 16)",
         ((i + 1, tokens, logprobs) for i in range(turns)),
     )
+    # Each turn's screenshot is in the store (one row per image, as the upload path leaves it).
     conn.executemany(
         "INSERT INTO obs (turn_id, obs_type, screenshot_uri) VALUES (?, 'screenshot', ?)",
-        ((i + 1, f"shots/{i}.png") for i in range(turns)),
+        ((i + 1, f"sha256:{i:064x}") for i in range(turns)),
+    )
+    conn.executemany(
+        "INSERT INTO screenshot (sha256, mime, bytes, width, height, created_at) "
+        "VALUES (?, 'image/webp', 30000, 461, 1024, ?)",
+        ((f"{i:064x}", ts) for i in range(turns)),
     )
     conn.executemany(
         "INSERT INTO validation (rollout_id, success) VALUES (?, 1)",
@@ -323,39 +338,151 @@ async def bench_reads(url: str, shape: dict, samples: int) -> list[tuple[str, fl
     return out
 
 
+async def bench_pages(url: str, shape: dict, samples: int) -> list[tuple[str, float, float]]:
+    """Server-side render time of each dashboard page (``Server-Timing: render;dur=<ms>``)."""
+    rng = random.Random(1)
+    pages = {
+        "/ (trainings)": lambda: "/",
+        "/trainings/{id} (100 steps)": lambda: f"/trainings/{rng.randint(1, shape['trainings'])}",
+        "/steps/{id} (100-rollout grid)": lambda: f"/steps/{rng.randint(1, shape['steps'])}",
+        "/rollouts/{id} (10 turns)": lambda: f"/rollouts/{rng.randint(1, shape['rollouts'])}",
+    }
+    out = []
+    headers = {"Authorization": f"Bearer {TOKEN}"}
+    async with httpx.AsyncClient(base_url=url, headers=headers, timeout=60) as http:
+        for name, path in pages.items():
+            for _ in range(3):  # templates compile on first use
+                (await http.get(path())).raise_for_status()
+            times = []
+            for _ in range(samples):
+                resp = await http.get(path())
+                resp.raise_for_status()
+                timing = resp.headers["server-timing"]  # render;dur=12.34
+                times.append(float(timing.split("dur=")[1]))
+            out.append((name, pct(times, 0.5), pct(times, 0.95)))
+    return out
+
+
+def screen_images(turns: int, width: int, height: int) -> list[bytes]:
+    """PNG screens of the local gym's phone, one per turn of random episodes."""
+    from cua_rl.sim.phone import TASKS, Phone, initial_state
+
+    rng = random.Random(2)
+    shots: list[bytes] = []
+    while len(shots) < turns:
+        task = rng.choice(TASKS)
+        phone = Phone(initial_state(task, rng.randint(0, 1000)), width, height)
+        for _ in range(rng.randint(2, 8)):
+            shots.append(phone.render_png())
+            x, y = rng.randrange(width), rng.randrange(height)
+            try:
+                phone.act(rng.choice(["tap", "tap", "tap", "back", "home"]), {"x": x, "y": y})
+            except ValueError:
+                pass
+            if len(shots) >= turns:
+                break
+    return shots
+
+
+async def bench_screenshots(url: str, db: Path, turns: int) -> None:
+    from cua_rl.monitor.screenshots import prepare_screenshot
+
+    cfg = MonitorClientConfig(base_url=url, token=TOKEN, spool_path=str(db.with_suffix(".spool")))
+    for width, height in ((360, 640), (1080, 2400)):
+        pngs = screen_images(turns, width, height)
+        t0 = time.perf_counter()
+        shots = [prepare_screenshot(p) for p in pngs]
+        prep_ms = (time.perf_counter() - t0) * 1000 / len(pngs)
+        before = _store_bytes(db)
+        async with MonitorClient(cfg) as client:
+            for shot in shots:
+                client.put_screenshot(shot)
+            await client.flush(timeout=300)
+            c = client.screenshots.counters
+        stored = _store_bytes(db) - before
+        src = sum(len(p) for p in pngs) / len(pngs)
+        enc = sum(len(s.data) for s in shots) / len(shots)
+        print(
+            f"  {width}x{height} -> {shots[0].width}x{shots[0].height} WebP, {len(pngs)} turns: "
+            f"source PNG {src / 1024:,.1f} KiB/turn, encoded {enc / 1024:,.1f} KiB/turn "
+            f"({enc / src:.0%} of the PNG), stored {stored / len(pngs) / 1024:,.1f} KiB/turn after "
+            f"de-duplication ({len({s.sha256 for s in shots})} distinct images; uploaded "
+            f"{c.uploaded}, skipped {c.skipped}, dropped {c.dropped}); prepare {prep_ms:.1f} ms/turn"
+        )
+
+
+def _store_bytes(db: Path) -> int:
+    import sqlite3
+
+    con = sqlite3.connect(db)
+    try:
+        return con.execute("SELECT COALESCE(SUM(bytes), 0) FROM screenshot").fetchone()[0]
+    finally:
+        con.close()
+
+
+def print_latencies(title: str, rows: list[tuple[str, float, float]], goal_ms: float) -> None:
+    print(title)
+    for name, p50, p95 in rows:
+        verdict = "met" if p95 < goal_ms else "NOT met"
+        print(
+            f"  {name:40s} p50 {p50:7.2f} ms   p95 {p95:7.2f} ms   "
+            f"(goal p95 < {goal_ms:.0f} ms: {verdict})"
+        )
+
+
 def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawTextHelpFormatter)
     ap.add_argument("--turns", type=int, default=1_000_000, help="turns in the read-bench db")
     ap.add_argument("--ingest-turns", type=int, default=50_000, help="turns posted over HTTP")
     ap.add_argument("--batch-turns", type=int, default=1000, help="turns per ingest batch")
     ap.add_argument("--samples", type=int, default=200, help="requests per read endpoint")
+    ap.add_argument("--shot-turns", type=int, default=300, help="turns of screenshots uploaded")
+    ap.add_argument(
+        "--only",
+        default="ingest,reads,pages,shots",
+        help="comma-separated parts to run: ingest, reads, pages, shots",
+    )
     ap.add_argument("--workdir", default=None, help="where the databases go (default: temp dir)")
     ap.add_argument("--keep", action="store_true", help="keep the databases")
     args = ap.parse_args()
     work = Path(args.workdir or tempfile.mkdtemp(prefix="monitor-bench-"))
     work.mkdir(parents=True, exist_ok=True)
+    parts = set(args.only.split(","))
     try:
-        with Server(work / "ingest.db") as server:
-            asyncio.run(
-                bench_http_ingest(server.url, server.proc.pid, args.ingest_turns, args.batch_turns)
-            )
-            asyncio.run(bench_client_ingest(server.url, args.ingest_turns, work / "spool.jsonl"))
-        big = work / "big.db"
-        t0 = time.perf_counter()
-        shape = build_big_db(big, args.turns)
-        size_mb = big.stat().st_size / 1e6
-        print(
-            f"built read db: {shape} (+1 action, 1 observation per turn) in "
-            f"{time.perf_counter() - t0:.1f} s, {size_mb:,.0f} MB"
-        )
-        with Server(big) as server:
-            rows = asyncio.run(bench_reads(server.url, shape, args.samples))
-        print(f"read latency over {args.samples} requests each, {args.turns:,} turns:")
-        for name, p50, p95 in rows:
-            verdict = "met" if p95 < 100 else "NOT met"
+        if "ingest" in parts:
+            with Server(work / "ingest.db") as server:
+                asyncio.run(
+                    bench_http_ingest(
+                        server.url, server.proc.pid, args.ingest_turns, args.batch_turns
+                    )
+                )
+                asyncio.run(
+                    bench_client_ingest(server.url, args.ingest_turns, work / "spool.jsonl")
+                )
+        if parts & {"reads", "pages"}:
+            big = work / "big.db"
+            t0 = time.perf_counter()
+            shape = build_big_db(big, args.turns)
+            size_mb = big.stat().st_size / 1e6
             print(
-                f"  {name:40s} p50 {p50:7.2f} ms   p95 {p95:7.2f} ms   (goal p95 < 100 ms: {verdict})"
+                f"built read db: {shape} (+1 action, 1 observation, 1 stored screenshot per "
+                f"turn) in {time.perf_counter() - t0:.1f} s, {size_mb:,.0f} MB"
             )
+            with Server(big) as server:
+                n = f"over {args.samples} requests each, {args.turns:,} turns"
+                if "reads" in parts:
+                    rows = asyncio.run(bench_reads(server.url, shape, args.samples))
+                    print_latencies(f"read latency {n}:", rows, goal_ms=100)
+                if "pages" in parts:
+                    rows = asyncio.run(bench_pages(server.url, shape, args.samples))
+                    print_latencies(f"dashboard page render time (server side) {n}:", rows, 200)
+        if "shots" in parts:
+            print(
+                f"screenshot storage per turn ({args.shot_turns} turns of the local gym's phone):"
+            )
+            with Server(work / "shots.db") as server:
+                asyncio.run(bench_screenshots(server.url, work / "shots.db", args.shot_turns))
     finally:
         if not args.keep:
             shutil.rmtree(work, ignore_errors=True)

@@ -1,11 +1,19 @@
-"""Fixtures shared by every test area: tiny local models and real vLLM CPU servers.
+"""Fixtures shared by every test area: tiny local models, real vLLM CPU servers, one demo run.
 
 Models are built once into the repository's cache (``.cache/models``, or ``$CUA_RL_CACHE``) and
 reused across sessions; servers are started once per session on free loopback ports and stopped
-by process group at the end.
+by process group at the end. ``demo_run`` runs ``make demo``'s launcher once per session; the
+demo's own test and the dashboard's browser tests share it.
 """
 
 from __future__ import annotations
+
+import os
+import signal
+import subprocess
+import sys
+from dataclasses import dataclass
+from pathlib import Path
 
 import pytest
 
@@ -40,3 +48,35 @@ def vllm_server(tiny_vl_model_dir):
 def vllm_bpe_server(tiny_vl_bpe_model_dir):
     with VLLMServer(tiny_vl_bpe_model_dir, model="tiny-vl-bpe") as server:
         yield server
+
+
+@dataclass
+class DemoRun:
+    run_dir: Path
+    output: str
+    returncode: int
+
+    @property
+    def db(self) -> Path:
+        return self.run_dir / "monitor.db"
+
+
+@pytest.fixture(scope="session")
+def demo_run(tmp_path_factory, tiny_vl_model_dir):
+    """``python -m examples.cua_agent.demo`` once: two real PPO steps with the monitor on SQLite."""
+    run_dir = tmp_path_factory.mktemp("demo") / "demo"
+    proc = subprocess.Popen(
+        [sys.executable, "-m", "examples.cua_agent.demo", "--run-dir", str(run_dir)],
+        cwd=Path(__file__).resolve().parents[1],
+        stdout=subprocess.PIPE,
+        stderr=subprocess.STDOUT,
+        start_new_session=True,
+        env={**os.environ, "PYTHONUNBUFFERED": "1"},
+    )
+    try:
+        out, _ = proc.communicate(timeout=1700)
+    finally:
+        if proc.poll() is None:
+            os.killpg(proc.pid, signal.SIGKILL)
+            proc.wait()
+    return DemoRun(run_dir, out.decode(errors="replace"), proc.returncode)

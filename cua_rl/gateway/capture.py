@@ -130,6 +130,7 @@ class EpisodeCapture:
                     output_logprobs=list(c.logprobs),
                     output_versions=list(c.versions),
                     finish_reason=c.finish_reason,
+                    image_urls=c.image_keys(),
                     missing=None,
                 )
             )

@@ -1,6 +1,7 @@
 """``python -m cua_rl.monitor serve --db PATH [--host H] [--port N] [--token T]``.
 
-The token also comes from ``MONITOR_PROJECT_TOKEN``; without one the API is open (loopback use).
+Serves the API, the screenshot store and the dashboard (at ``/``). The token also comes from
+``MONITOR_PROJECT_TOKEN``; without one everything is open (loopback use).
 """
 
 from __future__ import annotations
@@ -11,6 +12,12 @@ import os
 import sys
 
 from cua_rl.monitor.app import DEFAULT_MAX_BODY_BYTES
+from cua_rl.monitor.dashboard import DEFAULT_STALE_AFTER_S
+from cua_rl.monitor.screenshots import (
+    DEFAULT_MAX_IMAGE_BYTES,
+    DEFAULT_MAX_TOTAL_BYTES,
+    ScreenshotStore,
+)
 
 USAGE = "usage: python -m cua_rl.monitor serve --db PATH [--host H] [--port N] [--token T]"
 
@@ -33,11 +40,45 @@ def main(argv: list[str] | None = None) -> int:
         default=DEFAULT_MAX_BODY_BYTES,
         help=f"largest accepted request body (default {DEFAULT_MAX_BODY_BYTES})",
     )
+    serve.add_argument(
+        "--screenshots-dir",
+        default=None,
+        help="screenshot store folder (default: beside the database, <db name>.screenshots)",
+    )
+    serve.add_argument(
+        "--screenshot-max-bytes",
+        type=int,
+        default=DEFAULT_MAX_IMAGE_BYTES,
+        help=f"largest accepted screenshot (default {DEFAULT_MAX_IMAGE_BYTES})",
+    )
+    serve.add_argument(
+        "--screenshot-retention-mb",
+        type=float,
+        default=DEFAULT_MAX_TOTAL_BYTES / 2**20,
+        help="retention: the store keeps at most this many MiB, dropping the oldest images "
+        f"first (default {DEFAULT_MAX_TOTAL_BYTES / 2**20:.0f})",
+    )
+    serve.add_argument(
+        "--stale-after-s",
+        type=float,
+        default=DEFAULT_STALE_AFTER_S,
+        help="the dashboard flags a running training whose heartbeat is older than this "
+        f"(default {DEFAULT_STALE_AFTER_S:.0f})",
+    )
     serve.add_argument("--log-level", default="warning", help="uvicorn log level")
     args = parser.parse_args(argv)
 
     if args.max_body_bytes < 1024:
         parser.error("--max-body-bytes must be at least 1024")
+    if args.screenshot_max_bytes < 1024:
+        parser.error("--screenshot-max-bytes must be at least 1024")
+    retention = int(args.screenshot_retention_mb * 2**20)
+    if retention < args.screenshot_max_bytes:
+        parser.error(
+            "--screenshot-retention-mb must hold at least one --screenshot-max-bytes image"
+        )
+    if args.stale_after_s <= 0:
+        parser.error("--stale-after-s must be > 0")
     import uvicorn
 
     from cua_rl.monitor.app import create_app
@@ -46,15 +87,29 @@ def main(argv: list[str] | None = None) -> int:
     logging.basicConfig(level=args.log_level.upper(), format="%(asctime)s %(name)s %(message)s")
     token = args.token or os.environ.get("MONITOR_PROJECT_TOKEN") or None
     store = MonitorStore(args.db)
-    app = create_app(store, token=token, max_body_bytes=args.max_body_bytes)
+    shots = ScreenshotStore(
+        args.db,
+        args.screenshots_dir,
+        max_image_bytes=args.screenshot_max_bytes,
+        max_total_bytes=retention,
+    )
+    app = create_app(
+        store,
+        token=token,
+        max_body_bytes=args.max_body_bytes,
+        screenshots=shots,
+        stale_after_s=args.stale_after_s,
+    )
     print(
         f"monitor: serving {args.db} on http://{args.host}:{args.port} "
         f"(auth {'on' if token else 'off'})",
         flush=True,
     )
+    print(f"monitor: dashboard http://{args.host}:{args.port}/", flush=True)
     try:
         uvicorn.run(app, host=args.host, port=args.port, log_level=args.log_level, access_log=False)
     finally:
+        shots.close()
         store.close()
     return 0
 

@@ -1,4 +1,5 @@
-"""The monitor's HTTP API: ``POST /api/ingest/batch`` (FACTS §3) and the dashboard's reads.
+"""The monitor's HTTP API: ``POST /api/ingest/batch`` (FACTS §3), the dashboard's reads, the
+screenshot store (``PUT``/``GET /api/screenshots/<sha256>``) and the dashboard pages.
 
 Every error, from any layer (auth, body limit, JSON, validation, routing), has one shape:
 ``{"error": {"code": ..., "message": ..., "details": ...}}``. The body limit is enforced while
@@ -8,17 +9,18 @@ threads; the store serialises writes itself and gives each thread its own read c
 
 from __future__ import annotations
 
-import hmac
 import json
 from typing import Any
 
 import anyio
 from fastapi import FastAPI, Request
 from fastapi.exceptions import RequestValidationError
-from fastapi.responses import Response
+from fastapi.responses import FileResponse, Response
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
 from cua_rl.logs import get_logger
+from cua_rl.monitor.dashboard import DEFAULT_STALE_AFTER_S, DashboardAuth, install_dashboard
+from cua_rl.monitor.screenshots import ScreenshotError, ScreenshotStore
 from cua_rl.monitor.store import IngestValidationError, MonitorStore
 
 try:  # orjson is several times faster on large batches; the stdlib is the fallback.
@@ -66,6 +68,7 @@ def _error(status: int, code: str, message: str, details: Any = None, headers=No
 
 _STATUS_CODES = {
     400: "bad_request",
+    415: "unsupported_media_type",
     401: "unauthorized",
     404: "not_found",
     405: "method_not_allowed",
@@ -75,12 +78,24 @@ _STATUS_CODES = {
 
 
 def create_app(
-    store: MonitorStore, *, token: str | None = None, max_body_bytes: int = DEFAULT_MAX_BODY_BYTES
+    store: MonitorStore,
+    *,
+    token: str | None = None,
+    max_body_bytes: int = DEFAULT_MAX_BODY_BYTES,
+    screenshots: ScreenshotStore | None = None,
+    dashboard: bool = True,
+    stale_after_s: float = DEFAULT_STALE_AFTER_S,
 ) -> FastAPI:
-    """The ASGI app over ``store``; with ``token`` set, every /api route needs the Bearer token."""
+    """The ASGI app over ``store``: the API, the screenshot store (``screenshots``; default: a
+    store beside the database) and the dashboard pages. With ``token`` set, every route but
+    ``/healthz`` and ``/login`` needs it (Bearer, or the dashboard's session cookie for reads)."""
     app = FastAPI(title="cua-rl Training Monitor", docs_url=None, redoc_url=None, openapi_url=None)
     app.state.store = store
-    expected = f"Bearer {token}".encode() if token else None
+    if screenshots is None:
+        screenshots = ScreenshotStore(store.path)
+        app.router.on_shutdown.append(screenshots.close)
+    app.state.screenshots = screenshots
+    auth = DashboardAuth(token)
 
     @app.exception_handler(ApiError)
     async def _api_error(request: Request, exc: ApiError):
@@ -108,34 +123,33 @@ def create_app(
         log.exception("monitor: unhandled error on %s %s", request.method, request.url.path)
         return _error(500, "internal_error", f"{type(exc).__name__}: {exc}")
 
-    def check_auth(request: Request) -> None:
-        if expected is None:
-            return
-        given = request.headers.get("authorization", "").encode()
-        if not given:
+    def check_auth(request: Request, *, read: bool = True) -> None:
+        # Reads also take the dashboard's session cookie; writes only the Bearer token.
+        why = auth.reader(request) if read else auth.bearer(request)
+        if why == "missing":
             raise ApiError(401, "unauthorized", "missing Authorization: Bearer <project token>")
-        if not hmac.compare_digest(given, expected):
+        if why is not None:
             raise ApiError(401, "unauthorized", "wrong project token")
 
-    async def read_body(request: Request) -> bytes:
+    async def read_body(request: Request, limit: int = max_body_bytes, hint: str = "") -> bytes:
+        hint = hint or "send smaller batches"
         length = request.headers.get("content-length")
-        if length is not None and length.isdigit() and int(length) > max_body_bytes:
+        if length is not None and length.isdigit() and int(length) > limit:
             raise ApiError(
                 413,
                 "body_too_large",
-                f"body of {length} bytes exceeds the limit of {max_body_bytes} bytes; "
-                "send smaller batches",
-                {"limit": max_body_bytes},
+                f"body of {length} bytes exceeds the limit of {limit} bytes; {hint}",
+                {"limit": limit},
             )
         chunks, size = [], 0
         async for chunk in request.stream():
             size += len(chunk)
-            if size > max_body_bytes:
+            if size > limit:
                 raise ApiError(
                     413,
                     "body_too_large",
-                    f"body exceeds the limit of {max_body_bytes} bytes; send smaller batches",
-                    {"limit": max_body_bytes},
+                    f"body exceeds the limit of {limit} bytes; {hint}",
+                    {"limit": limit},
                 )
             chunks.append(chunk)
         return b"".join(chunks)
@@ -146,7 +160,7 @@ def create_app(
 
     @app.post("/api/ingest/batch")
     async def ingest(request: Request):
-        check_auth(request)
+        check_auth(request, read=False)
         body = await read_body(request)
         try:
             batch = _loads(body)
@@ -232,4 +246,41 @@ def create_app(
             raise ApiError(404, "not_found", str(exc)) from None
         return _json({"entity_type": entity_type, "entity_id": entity_id, "history": rows})
 
+    @app.put("/api/screenshots/{sha256}")
+    async def put_screenshot(request: Request, sha256: str):
+        check_auth(request, read=False)
+        body = await read_body(
+            request,
+            min(max_body_bytes, screenshots.max_image_bytes),
+            "downscale the image (the recorder keeps the long edge at most 1024 px)",
+        )
+        try:
+            created = await anyio.to_thread.run_sync(screenshots.put, sha256, body)
+        except ScreenshotError as exc:
+            status = {"not_an_image": 415, "too_large": 413}.get(exc.code, 422)
+            code = {415: "unsupported_media_type", 413: "body_too_large"}.get(status, exc.code)
+            raise ApiError(status, code, str(exc)) from None
+        return _json(
+            {"sha256": sha256, "created": created, "bytes": len(body)}, 201 if created else 200
+        )
+
+    @app.get("/api/screenshots/{sha256}")
+    async def get_screenshot(request: Request, sha256: str):
+        check_auth(request)
+        found = await anyio.to_thread.run_sync(screenshots.get, sha256)
+        if found is None:
+            raise ApiError(404, "not_found", f"no screenshot {sha256[:64]}")
+        path, mime = found
+        # Content-addressed: the bytes under a name never change.
+        return FileResponse(
+            path,
+            media_type=mime,
+            headers={
+                "Cache-Control": "private, max-age=31536000, immutable",
+                "X-Content-Type-Options": "nosniff",
+            },
+        )
+
+    if dashboard:
+        install_dashboard(app, store.path, auth, stale_after_s=stale_after_s)
     return app

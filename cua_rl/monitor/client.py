@@ -32,6 +32,7 @@ import httpx
 from cua_rl.aio import within
 from cua_rl.errors import ConfigError
 from cua_rl.logs import get_logger
+from cua_rl.monitor.screenshots import PreparedScreenshot, ScreenshotUploader
 
 log = get_logger(__name__)
 
@@ -120,6 +121,14 @@ class MonitorClientConfig:
         },
     )
 
+    max_screenshot_queue_bytes: int = field(
+        default=64 * 1024 * 1024,
+        metadata={
+            "help": "Bytes of screenshots waiting for upload; beyond this new ones are dropped "
+            "and counted (the observation keeps its reference)"
+        },
+    )
+
     def __post_init__(self):
         # FACTS §3: clients read these from the environment when not configured.
         self.base_url = self.base_url or os.environ.get("MONITOR_BASE_URL", "")
@@ -131,7 +140,7 @@ class MonitorClientConfig:
                 "MONITOR_BASE_URL or pass base_url"
             )
         self.base_url = self.base_url.rstrip("/")
-        for name in ("batch_max_records", "max_queue_records"):
+        for name in ("batch_max_records", "max_queue_records", "max_screenshot_queue_bytes"):
             if getattr(self, name) < 1:
                 raise ConfigError(f"monitor {name} must be >= 1, got {getattr(self, name)}")
         if self.max_retries < 0:
@@ -200,6 +209,15 @@ class MonitorClient:
         self._spool = Path(config.spool_path)
         self._spool_pending = self._spool.exists() and self._spool.stat().st_size > 0
         self._next_replay = 0.0
+        self.screenshots = ScreenshotUploader(
+            config.base_url,
+            config.token,
+            max_queue_bytes=config.max_screenshot_queue_bytes,
+            max_retries=config.max_retries,
+            backoff_initial_s=config.backoff_initial_s,
+            backoff_max_s=config.backoff_max_s,
+            timeout_s=config.request_timeout_s,
+        )
 
     # ------------------------------------------------------------------ public API
 
@@ -219,6 +237,7 @@ class MonitorClient:
         if self._http is None:
             self._http = httpx.AsyncClient(timeout=self.config.request_timeout_s)
         self._task = self._loop.create_task(self._run(), name="monitor-client")
+        self.screenshots.start(self._http)
 
     def enqueue(self, kind: str, record: dict[str, Any]) -> bool:
         """Queue one record (``kind`` is a batch key); never blocks or raises. False if dropped."""
@@ -241,6 +260,10 @@ class MonitorClient:
             log.warning("monitor: record dropped: %s", exc)
             return False
 
+    def put_screenshot(self, shot: PreparedScreenshot) -> bool:
+        """Queue an image for ``PUT /api/screenshots/<hash>``; never blocks or raises."""
+        return self.screenshots.put(shot)
+
     async def flush(self, timeout: float | None = 60.0) -> bool:
         """Wait until everything queued so far reached the server; False on timeout.
 
@@ -250,7 +273,7 @@ class MonitorClient:
             return not self._queue and not self._spool_pending
         loop = asyncio.get_running_loop()
         deadline = None if timeout is None else loop.time() + timeout
-        while self._queue or self._busy or self._spool_pending:
+        while self._queue or self._busy or self._spool_pending or not self.screenshots.idle:
             if self._task.done() or (deadline is not None and loop.time() >= deadline):
                 return False
             self._poke()
@@ -291,6 +314,7 @@ class MonitorClient:
         leftover = self._take(len(self._queue)) if self._queue else None
         if leftover:
             await self._spool_batch(leftover)
+        await self.screenshots.stop()
         if self._owns_http and self._http is not None:
             await self._http.aclose()
             self._http = None  # a later start() makes a fresh one

@@ -6,6 +6,8 @@ workflow. Records carry stable client ids derived from the rollout uuid (``{uuid
 ``{uuid}:turn:{n}``, ``{uuid}:turn:{n}:action:{i}``, ``{uuid}:turn:{n}:obs:{i}``,
 ``{uuid}:validation``) and reference each other by client id, so they can be sent before the
 server has answered, spooled and replayed, or sent twice, and still land exactly once.
+``screenshot`` downscales and compresses a turn's image, hands it to the client's uploader and
+records an observation that references it by hash (``sha256:<hex>``).
 
 Rollout status: ``start`` creates it ``pending``; ``environment("creating")`` moves it to
 ``env_creation`` and ``environment("running")`` to ``running``; ``complete`` ends it
@@ -15,12 +17,20 @@ Rollout status: ``start`` creates it ``pending``; ``environment("creating")`` mo
 
 from __future__ import annotations
 
+import asyncio
 import time
+from collections.abc import Mapping
 from typing import Any
 
 from cua_rl.logs import get_logger
 from cua_rl.monitor.client import MonitorClient, utc_now
 from cua_rl.monitor.context import MonitorContext, current, ref_field
+from cua_rl.monitor.screenshots import (
+    DEFAULT_MAX_EDGE,
+    Fetch,
+    prepare_screenshot,
+    screenshot_bytes,
+)
 
 log = get_logger(__name__)
 
@@ -238,9 +248,17 @@ class RolloutRecorder:
             },
         )
 
-    async def record_turns(self, turns: list) -> None:
+    async def record_turns(
+        self,
+        turns: list,
+        *,
+        images: Mapping[str, bytes] | None = None,
+        fetch: Fetch | None = None,
+    ) -> None:
         """Each turn of an episode (``cua_rl.trajectory.Turn``): the reply, its actions (the
-        reply's tokens and logprobs on the first: one reply per turn) and the screenshot."""
+        reply's tokens and logprobs on the first: one reply per turn) and the screenshot the
+        model saw (its last image), from ``images`` when the bytes are in hand (the gateway
+        captured them), else decoded or fetched (``fetch``) from its URL."""
         if not self.enabled:
             return
         for turn in turns:
@@ -268,9 +286,47 @@ class RolloutRecorder:
                 )
             if turn.image_urls:
                 url = turn.image_urls[-1]
-                # data: URLs are megabytes; keep a reference, not the pixels.
-                uri = url if not url.startswith("data:") else f"data-url:{len(url)}B"
-                await self.observation(n, 0, obs_type="screenshot", screenshot_uri=uri)
+                await self.screenshot(n, 0, (images or {}).get(url, url), fetch=fetch)
+
+    async def screenshot(
+        self,
+        turn: int,
+        index: int,
+        source: bytes | str,
+        *,
+        fetch: Fetch | None = None,
+        max_edge: int = DEFAULT_MAX_EDGE,
+        **fields: Any,
+    ) -> None:
+        """The screenshot the model saw at ``turn``, kept by the monitor's screenshot store.
+
+        ``source`` is the image bytes, a data: URL, or an http(s) URL that ``fetch`` reads
+        (presigned URLs expire; without ``fetch`` only the URL is recorded). The image is
+        downscaled and compressed in a thread, queued for upload, and the observation references
+        it by hash with the size the agent saw. A screenshot that cannot be read is recorded as
+        a note on the observation; nothing raises into the caller.
+        """
+        if not self.enabled:
+            return
+        record: dict[str, Any] = {"obs_type": "screenshot"}
+        if isinstance(source, str):
+            record["source_url"] = (
+                source if not source.startswith("data:") else (f"data-url:{len(source)}B")
+            )
+        try:
+            raw = await screenshot_bytes(source, fetch)
+            if raw is None:
+                record["screenshot_uri"] = source
+            else:
+                shot = await asyncio.to_thread(prepare_screenshot, raw, max_edge=max_edge)
+                self.client.put_screenshot(shot)
+                record.update(shot.observation_fields())
+        except Exception as exc:  # a bad image costs its picture, never the episode
+            record["screenshot_error"] = f"{type(exc).__name__}: {exc}"[:500]
+            if isinstance(source, str) and not source.startswith("data:"):
+                record["screenshot_uri"] = source
+            log.warning("monitor: screenshot of turn %d not kept: %s", turn, exc)
+        await self.observation(turn, index, **record, **fields)
 
     async def validation(self, *, success: bool, **fields: Any) -> None:
         if not self.enabled:

@@ -8,7 +8,8 @@ as named CHECK constraints, status_history rows and ``updated_at`` written by tr
 Two side tables keep the monitor's own bookkeeping out of the seed tables so they stay identical
 to the seed: ``client_key`` maps ``(entity, client_id)`` to a row id (idempotent upserts and
 references by client id), ``extra_field`` keeps fields a client sent that the schema does not name.
-Later changes append a migration; a shipped migration is never edited.
+Later changes append a migration; a shipped migration is never edited. Migration 2 adds the
+``screenshot`` table of the screenshot store.
 """
 
 from __future__ import annotations
@@ -453,4 +454,22 @@ class Migration:
     sql: str
 
 
-MIGRATIONS: tuple[Migration, ...] = (Migration(1, "seed schema", _migration_1()),)
+# Migration 2: the screenshot store's index (cua_rl/monitor/screenshots.py). The image bytes live
+# in files beside the database; this table is what retention orders by, and what the store
+# answers "already stored" from.
+_SCREENSHOT_SQL = """
+CREATE TABLE screenshot (
+    sha256 TEXT PRIMARY KEY,
+    mime TEXT NOT NULL,
+    bytes INTEGER NOT NULL,
+    width INTEGER,
+    height INTEGER,
+    created_at TIMESTAMP NOT NULL DEFAULT CURRENT_TIMESTAMP
+);
+CREATE INDEX idx_screenshot_created ON screenshot (created_at);
+"""
+
+MIGRATIONS: tuple[Migration, ...] = (
+    Migration(1, "seed schema", _migration_1()),
+    Migration(2, "screenshot store", _SCREENSHOT_SQL),
+)

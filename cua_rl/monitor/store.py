@@ -479,16 +479,7 @@ class MonitorStore:
     def _attach_extras(self, table: str, rows: list[dict[str, Any]]) -> None:
         if not rows:
             return
-        ids = [r["id"] for r in rows]
-        found: dict[int, Any] = {}
-        for chunk_start in range(0, len(ids), 500):
-            chunk = ids[chunk_start : chunk_start + 500]
-            sql = (
-                "SELECT entity_id, fields_json FROM extra_field WHERE entity_type = ? "
-                f"AND entity_id IN ({', '.join('?' * len(chunk))})"
-            )
-            for entity_id, fields_json in self._reader().execute(sql, (table, *chunk)):
-                found[entity_id] = json.loads(fields_json)
+        found = read_extras(self._reader(), table, [r["id"] for r in rows])
         for r in rows:
             if r["id"] in found:
                 r["extra"] = found[r["id"]]
@@ -592,6 +583,20 @@ class MonitorStore:
             .fetchone()
         )
         return row[0] if row else None
+
+
+def read_extras(conn: sqlite3.Connection, table: str, ids: list[int]) -> dict[int, dict]:
+    """The kept unknown fields of rows ``ids`` of ``table`` (one query per 500 ids)."""
+    found: dict[int, dict] = {}
+    for start in range(0, len(ids), 500):
+        chunk = ids[start : start + 500]
+        sql = (
+            "SELECT entity_id, fields_json FROM extra_field WHERE entity_type = ? "
+            f"AND entity_id IN ({', '.join('?' * len(chunk))})"
+        )
+        for entity_id, fields_json in conn.execute(sql, (table, *chunk)):
+            found[entity_id] = json.loads(fields_json)
+    return found
 
 
 class _InsertGroup:

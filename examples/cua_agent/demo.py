@@ -3,8 +3,11 @@
 Starts, as child processes in their own process groups: the monitor on a SQLite file, the local
 gym and the local agent; builds the tiny Qwen2-VL (cached, no download); then runs
 ``python -m examples.cua_agent.train --config configs/local.yaml`` with the URLs and the model
-filled in, streaming its output. Whatever happens (failure, Ctrl-C) it stops what it started,
-then prints where the monitor database and the logs are and what the monitor recorded.
+filled in. The trainer's output (AReaL's workers included) goes to ``logs/train.log``; the
+terminal shows the dashboard's URL, a live progress line and one summary line per step
+(``progress.py``, read from the monitor's database). Whatever happens (failure, Ctrl-C) it stops
+what it started, then prints where the database and the logs are, what the monitor recorded,
+and the command that serves the database again for browsing.
 """
 
 from __future__ import annotations
@@ -20,6 +23,7 @@ from datetime import datetime
 from pathlib import Path
 
 from cua_rl.serving import bind_free_port
+from examples.cua_agent.progress import DemoProgress
 
 ROOT = Path(__file__).resolve().parents[2]
 
@@ -96,15 +100,14 @@ def summary(db_path: Path) -> list[str]:
             "SELECT run_name, status, error_message FROM training ORDER BY id"
         ):
             out.append(f"training {name}: {status}" + (f" ({err[:200]})" if err else ""))
-        for table in ("step", "baseline", "eval", "rollout", "turn", "action", "validation"):
-            n = db.execute(f"SELECT COUNT(*) FROM {table}").fetchone()[0]  # noqa: S608
-            out.append(f"  {table}: {n} rows")
-        for step, status, reward, n, tokens in db.execute(
-            "SELECT step, status, reward_mean, num_trajectories, num_tokens FROM step ORDER BY step"
-        ):
-            out.append(
-                f"  step {step}: {status}, reward_mean={reward}, trajectories={n}, tokens={tokens}"
-            )
+        counts = []
+        for table in ("step", "baseline", "eval", "rollout", "turn", "action", "screenshot"):
+            try:
+                n = db.execute(f"SELECT COUNT(*) FROM {table}").fetchone()[0]  # noqa: S608
+            except sqlite3.Error:  # a database the run never migrated
+                continue
+            counts.append(f"{n} {table}{'s' if n != 1 else ''}")
+        out.append("  recorded: " + ", ".join(counts))
         return out
     finally:
         db.close()
@@ -175,7 +178,8 @@ def main(argv: list[str] | None = None) -> int:
         )
         monitor_url = f"http://127.0.0.1:{mon_port}"
         wait_http(f"{monitor_url}/healthz", 60)
-        print(f"[demo] monitor  {monitor_url} -> {db_path}", flush=True)
+        print(f"[demo] monitor  {monitor_url} -> {_shown(db_path)}", flush=True)
+        print(f"[demo] dashboard: open {monitor_url}/ to watch the training live", flush=True)
 
         gym_cmd = [py, "-m", "cua_rl.sim", "gym", "--port", "0"]
         gym = Child("gym", [*gym_cmd, "--create-latency", str(args.box_startup)], log_dir)
@@ -204,19 +208,24 @@ def main(argv: list[str] | None = None) -> int:
             f"cluster.name_resolve.nfs_record_root={run_dir / 'name_resolve'}",
             *args.overrides,
         ]
-        print(f"[demo] training: {' '.join(cmd[1:])}", flush=True)
         train_log = log_dir / "train.log"
-        with open(train_log, "wb") as tee:
+        print(
+            f"[demo] training (output in {_shown(train_log)}): {' '.join(cmd[1:3])} ...", flush=True
+        )
+        # The trainer's and AReaL's workers' output stays in the log; the terminal shows
+        # progress read from the monitor's database.
+        progress = DemoProgress(db_path, prefix="[demo] ")
+        with open(train_log, "wb") as log_file:
             proc = subprocess.Popen(
-                cmd, cwd=ROOT, stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
-                start_new_session=True,
-            )  # fmt: skip
+                cmd, cwd=ROOT, stdout=log_file, stderr=subprocess.STDOUT, start_new_session=True
+            )
             try:
-                for line in proc.stdout:
-                    tee.write(line)
-                    sys.stdout.write(line.decode(errors="replace"))
-                    sys.stdout.flush()
+                while proc.poll() is None:
+                    progress.tick()
+                    time.sleep(1.0)
                 rc = proc.wait()
+                time.sleep(0.5)  # the monitor commits the last records just before the exit
+                progress.tick()
             except KeyboardInterrupt:
                 # train.py stops on SIGTERM as on Ctrl-C (AReaL stops its workers and vLLM, the
                 # training is recorded cancelled); SIGINT could be ignored by inheritance.
@@ -227,9 +236,14 @@ def main(argv: list[str] | None = None) -> int:
                     pass
                 raise
             finally:
+                progress.close()
                 if proc.poll() is None:
                     os.killpg(proc.pid, signal.SIGKILL)
                     proc.wait(10)
+        if rc != 0:
+            tail = train_log.read_text(errors="replace").splitlines()[-40:]
+            print(f"[demo] the trainer exited {rc}; the end of {_shown(train_log)}:", flush=True)
+            print("\n".join(tail), flush=True)
     except KeyboardInterrupt:
         print("\n[demo] interrupted", flush=True)
         rc = 130
@@ -241,10 +255,28 @@ def main(argv: list[str] | None = None) -> int:
             child.stop()
         print(f"[demo] finished with exit code {rc} in {time.monotonic() - t0:.0f}s", flush=True)
         print(f"[demo] monitor database: {db_path}", flush=True)
-        print(f"[demo] logs: {log_dir} (train.log, monitor.log, gym.log, agent.log)", flush=True)
+        print(
+            f"[demo] logs: {_shown(log_dir)} (train.log, monitor.log, gym.log, agent.log; "
+            f"AReaL's workers: {_shown(run_dir / 'areal' / 'logs')})",
+            flush=True,
+        )
         for line in summary(db_path):
             print(f"[demo] {line}", flush=True)
+        if db_path.exists():
+            print(
+                "[demo] browse this run again: python -m cua_rl.monitor serve --db "
+                f"{_shown(db_path)} --port 8765   (then open http://127.0.0.1:8765/)",
+                flush=True,
+            )
     return rc
+
+
+def _shown(path: Path) -> str:
+    """A path as the user would type it: relative to the repository when it is inside it."""
+    try:
+        return str(path.relative_to(ROOT))
+    except ValueError:
+        return str(path)
 
 
 if __name__ == "__main__":

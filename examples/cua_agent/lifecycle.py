@@ -31,6 +31,10 @@ from cua_rl.monitor.context import MonitorContext
 
 log = get_logger("cua_rl.lifecycle")
 
+# How often a running training refreshes its heartbeat (the dashboard's default stale flag is
+# at 300 s).
+HEARTBEAT_S = 30.0
+
 
 def step_client_id(run: str, step: int) -> str:
     return f"step-{run}-{step}-0"
@@ -137,8 +141,17 @@ def eval_fields(stats: Mapping[str, Any], prefix: str = "eval-rollout") -> dict[
 class TrainingMonitor:
     """Synchronous, never-raising recorder of one training run."""
 
-    def __init__(self, client_config: MonitorClientConfig | None, run_name: str):
+    def __init__(
+        self,
+        client_config: MonitorClientConfig | None,
+        run_name: str,
+        *,
+        heartbeat_s: float = HEARTBEAT_S,
+    ):
         self.run = run_name
+        self.heartbeat_s = heartbeat_s
+        self._started = False
+        self._beat: asyncio.Task | None = None
         self.enabled = client_config is not None
         self._cfg = client_config
         self._client: MonitorClient | None = None
@@ -163,12 +176,26 @@ class TrainingMonitor:
             asyncio.set_event_loop(loop)
             self._client = MonitorClient(self._cfg)
             loop.run_until_complete(self._client.start())
+            self._beat = loop.create_task(self._heartbeat())
             ready.set()
             loop.run_forever()
 
         self._thread = threading.Thread(target=run, name="cua-monitor", daemon=True)
         self._thread.start()
         ready.wait(10)
+
+    async def _heartbeat(self) -> None:
+        # A long rollout phase sends nothing else for minutes; the dashboard flags a running
+        # training whose heartbeat is old, so a hung or killed trainer shows as stale.
+        while not self._finished:
+            await asyncio.sleep(self.heartbeat_s)
+            if self._started and not self._finished:
+                self._training()
+
+    async def _stop_heartbeat(self) -> None:
+        if self._beat is not None:
+            self._beat.cancel()
+            await asyncio.gather(self._beat, return_exceptions=True)
 
     def _send(self, kind: str, record: dict[str, Any]) -> None:
         if self._client is None:
@@ -190,6 +217,10 @@ class TrainingMonitor:
     def close(self, timeout: float = 10.0) -> None:
         if self._client is None or self._loop is None:
             return
+        try:
+            asyncio.run_coroutine_threadsafe(self._stop_heartbeat(), self._loop).result(5)
+        except Exception as exc:
+            log.warning("monitor: heartbeat did not stop: %s", exc)
         fut = asyncio.run_coroutine_threadsafe(self._client.close(timeout), self._loop)
         try:
             fut.result(timeout + 10)
@@ -233,6 +264,7 @@ class TrainingMonitor:
             **fields,
         }
         self._send("training", {k: v for k, v in record.items() if v is not None})
+        self._started = True
 
     def _training(self, **fields: Any) -> None:
         self._send("training", {"run_name": self.run, "last_heartbeat": utc_now(), **fields})
@@ -428,6 +460,8 @@ class TrainingMonitor:
                 status="completed", progress_percent=100.0, eval_time=now, **eval_fields(stats)
             )
         self._send("baselines", record)
+        # "baseline evaluation" would otherwise stay the training's message for the whole run.
+        self._training(status_message=None)
 
 
 class TrainerHooks:

@@ -32,6 +32,7 @@ from cua_rl.logs import get_logger
 from cua_rl.mini_agent import RunDriver, RunSpec
 from cua_rl.monitor.context import MonitorContext
 from cua_rl.monitor.recorder import RolloutRecorder
+from cua_rl.monitor.screenshots import http_fetcher
 from cua_rl.reward import EpisodeFacts, RewardOutcome, compute_reward
 from cua_rl.services import Services
 from cua_rl.trajectory import ConversionResult, convert_turns, events_to_turns, fetch_images
@@ -154,7 +155,12 @@ class CUAAgentWorkflow(RolloutWorkflow):
     async def record_episode(self, episode: Episode, recorder: RolloutRecorder) -> None:
         """Send turns, actions (with tokens and logprobs), observations to the monitor."""
         if recorder.enabled and episode.parsed is not None:
-            await recorder.record_turns(episode.monitor_turns())
+            # Screenshots are downscaled and kept by the monitor (presigned URLs expire).
+            await recorder.record_turns(
+                episode.monitor_turns(),
+                images=episode.capture.images() if episode.capture else None,
+                fetch=http_fetcher(self.settings.trajectory, self.services.clients()[2]),
+            )
 
     # ------------------------------------------------------------------ the episode
 

@@ -4,6 +4,7 @@ trainer hooks record phases without changing what the trainer does."""
 from __future__ import annotations
 
 import sqlite3
+import time
 
 import pytest
 
@@ -214,3 +215,31 @@ def test_a_run_that_dies_closes_its_open_baseline_and_eval(monitor, tmp_path, er
         (3, status, expected_message)
     ]
     db.close()
+
+
+def test_a_running_training_refreshes_its_heartbeat(monitor, tmp_path):
+    cfg = MonitorClientConfig(base_url=monitor.url, spool_path=str(tmp_path / "spool.jsonl"))
+    tm = TrainingMonitor(cfg, RUN, heartbeat_s=0.2)
+    tm.start()
+    tm.training_started(config=_Config(), total_steps=2, log_path="logs")
+    assert tm.flush(20)
+
+    def beat():
+        db = sqlite3.connect(monitor.db_path)
+        try:
+            return db.execute("SELECT last_heartbeat FROM training").fetchone()[0]
+        finally:
+            db.close()
+
+    first = beat()
+    time.sleep(1.0)  # nothing else is recorded meanwhile
+    assert tm.flush(20)
+    later = beat()
+    assert later > first
+    tm.training_finished()
+    assert tm.flush(20)
+    ended = beat()
+    time.sleep(0.6)
+    assert tm.flush(20)
+    assert beat() == ended  # a finished training beats no more
+    tm.close()

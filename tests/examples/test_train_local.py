@@ -9,6 +9,7 @@ real PPOTrainer fails while it starts, and checks that the training is left fail
 from __future__ import annotations
 
 import os
+import re
 import signal
 import sqlite3
 import subprocess
@@ -64,24 +65,10 @@ def _alive(pid: int) -> bool:
 
 
 @pytest.mark.timeout(1800)
-def test_demo_trains_two_steps_and_records_everything(tmp_path, tiny_vl_model_dir):
-    run_dir = tmp_path / "demo"
-    proc = subprocess.Popen(
-        [sys.executable, "-m", "examples.cua_agent.demo", "--run-dir", str(run_dir)],
-        cwd=ROOT,
-        stdout=subprocess.PIPE,
-        stderr=subprocess.STDOUT,
-        start_new_session=True,
-        env={**os.environ, "PYTHONUNBUFFERED": "1"},
-    )
-    try:
-        out, _ = proc.communicate(timeout=1700)
-    finally:
-        if proc.poll() is None:
-            os.killpg(proc.pid, signal.SIGKILL)
-            proc.wait()
-    text = out.decode(errors="replace")
-    assert proc.returncode == 0, text[-6000:]
+def test_demo_trains_two_steps_and_records_everything(demo_run):
+    run_dir, text = demo_run.run_dir, demo_run.output
+    assert demo_run.returncode == 0, text[-6000:]
+    print(text)  # what the terminal showed (pytest -s)
 
     db = run_dir / "monitor.db"
     assert db.exists(), text[-3000:]
@@ -101,9 +88,29 @@ def test_demo_trains_two_steps_and_records_everything(tmp_path, tiny_vl_model_di
     assert n_actions >= n_rollouts
     assert _rows(db, "SELECT COUNT(*) FROM baseline WHERE status = 'completed'")[0][0] == 1
 
-    # The launcher printed where things are, and a line per committed step.
+    # Every turn's screenshot is in the monitor's store, referenced by hash.
+    uris = [u for (u,) in _rows(db, "SELECT screenshot_uri FROM obs")]
+    assert uris and all(u.startswith("sha256:") for u in uris), uris[:3]
+    stored = {h for (h,) in _rows(db, "SELECT sha256 FROM screenshot")}
+    assert {u.removeprefix("sha256:") for u in uris} <= stored
+    assert all((run_dir / "monitor.screenshots" / h[:2] / h).is_file() for h in stored)
+
+    # The terminal: the dashboard's URL first, no worker output, one rounded summary line per
+    # step, where things are, and how to browse the database again.
+    lines = text.splitlines()
+    dashboard = next(i for i, ln in enumerate(lines) if "dashboard: open http://127.0.0.1:" in ln)
+    first_step = next(i for i, ln in enumerate(lines) if ln.startswith("[demo] step 1/2: "))
+    assert dashboard < first_step
+    assert "(AReaL)" not in text and "INFO" not in text, text[-3000:]
+    summaries = [ln for ln in lines if re.match(r"\[demo\] step \d/2: reward ", ln)]
+    assert [ln.split(":")[0] for ln in summaries] == ["[demo] step 1/2", "[demo] step 2/2"]
+    for ln in summaries:
+        # Rounded: no number with more than 2 decimals.
+        assert not re.search(r"\d\.\d{3,}", ln), ln
+    assert len(lines) < 60, f"{len(lines)} lines:\n{text}"
     assert f"monitor database: {db}" in text
-    assert "step 1:" in text and "step 2:" in text, text[-3000:]
+    assert f"python -m cua_rl.monitor serve --db {db}" in lines[-1], lines[-3:]
+    assert "(train.log" in text and (run_dir / "logs" / "train.log").stat().st_size > 10_000
     assert not _leftovers(str(run_dir)), _leftovers(str(run_dir))
 
 

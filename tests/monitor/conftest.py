@@ -33,10 +33,17 @@ def free_port() -> int:
 
 
 class MonitorProcess:
-    def __init__(self, db: Path, token: str | None = "test-token", max_body_bytes: int = 1 << 20):
+    def __init__(
+        self,
+        db: Path,
+        token: str | None = "test-token",
+        max_body_bytes: int = 1 << 20,
+        extra_args: tuple[str, ...] = (),
+    ):
         self.db = db
         self.token = token
         self.max_body_bytes = max_body_bytes
+        self.extra_args = list(extra_args)
         self.port = free_port()
         self.proc: subprocess.Popen | None = None
         self.log = db.with_suffix(".log")
@@ -65,6 +72,7 @@ class MonitorProcess:
         ]
         if self.token:
             cmd += ["--token", self.token]
+        cmd += self.extra_args
         env = {**os.environ, "PYTHONPATH": str(REPO)}
         env.pop("MONITOR_PROJECT_TOKEN", None)
         with open(self.log, "ab") as log:

@@ -154,7 +154,7 @@ def test_wal_foreign_keys_and_migration_version(store, tmp_path):
     conn = connect(store.path)
     assert conn.execute("PRAGMA journal_mode").fetchone()[0] == "wal"
     assert conn.execute("PRAGMA foreign_keys").fetchone()[0] == 1
-    assert [tuple(r) for r in conn.execute("SELECT version FROM schema_migrations")] == [(1,)]
+    assert [tuple(r) for r in conn.execute("SELECT version FROM schema_migrations")] == [(1,), (2,)]
     assert migrate(conn) == []  # reopening applies nothing twice
     with pytest.raises(sqlite3.IntegrityError, match="FOREIGN KEY"):
         conn.execute("INSERT INTO turn (rollout_id, turn) VALUES (999, 1)")
@@ -162,7 +162,7 @@ def test_wal_foreign_keys_and_migration_version(store, tmp_path):
     again = MonitorStore(store.path)
     assert [
         tuple(r) for r in connect(store.path).execute("SELECT version FROM schema_migrations")
-    ] == [(1,)]
+    ] == [(1,), (2,)]
     again.close()
 
 
@@ -340,4 +340,4 @@ def test_concurrent_first_opens_apply_migration_1_once(tmp_path):
         t.join(timeout=60)
     assert errors == []
     rows = connect(path).execute("SELECT version FROM schema_migrations").fetchall()
-    assert [tuple(r) for r in rows] == [(1,)]
+    assert [tuple(r) for r in rows] == [(1,), (2,)]

@@ -1,0 +1,253 @@
+"""The dashboard over real HTTP: who gets in, and what each page holds (the browser tests in
+test_dashboard_browser.py look at the same pages in Chromium on a real run's database)."""
+
+from __future__ import annotations
+
+import re
+
+import httpx
+import pytest
+
+from cua_rl.monitor.views import action_overlay, reward_colour, token_view
+
+from .conftest import MonitorProcess, uid
+
+SESSION = "cua_monitor_session"
+
+
+@pytest.fixture(scope="module")
+def server(tmp_path_factory):
+    proc = MonitorProcess(tmp_path_factory.mktemp("dash") / "dash.db")
+    proc.start()
+    yield proc
+    proc.stop()
+
+
+@pytest.fixture
+def anon(server):
+    with httpx.Client(base_url=server.base_url, timeout=30) as client:
+        yield client
+
+
+@pytest.fixture(scope="module")
+def run(server):
+    """A training with three steps (rewards given by hand), a baseline, and one step's rollouts:
+    two tasks x two samples, one of them rejected, one with turns and actions."""
+    name = uid("dash-run-")
+    tasks = [uid("task-a-"), uid("task-b-")]
+    uuids = [uid("r-") for _ in range(4)]
+    step = f"step-{name}-1-0"
+    batch = {
+        "training": {
+            "client_id": name, "run_name": name, "log_path": "l", "model_name": "tiny-vl",
+            "status": "running", "current_step": 3, "total_steps": 5, "current_phase": "rollout",
+            "config_json": {"lr": 0.0001, "marker": "config-marker-7"},
+        },
+        "tasks": [
+            {"client_id": t, "task_id": t, "name": f"name of {t}", "description": "d"} for t in tasks
+        ],
+        "steps": [
+            {"client_id": f"step-{name}-{n}-0", "training_client_id": name, "step": n, "batch": 0,
+             "status": "completed", "reward_mean": r, "reward_std": 0.1, "kl_divergence": 0.01 * n,
+             "num_tokens": 100 * n, "metrics_json": {"rollout/cua/success": s,
+                                                   "ppo_actor/update/entropy/avg": 5.0 - n}}
+            for n, r, s in ((1, -0.25, 0.0), (2, 0.125, 0.5), (3, 0.5, 1.0))
+        ],
+        "baselines": [{"client_id": f"baseline-{name}-0", "training_client_id": name,
+                       "model_path": "m", "status": "completed", "success_rate": 0.25}],
+        "rollouts": [
+            {"client_id": u, "rollout_id": u, "step_client_id": step, "task_client_id": tasks[i // 2],
+             "model_path": "m", "status": "completed", "reward": [0.0, 1.0, 0.5, 0.0][i],
+             "num_turns": 2}
+            for i, u in enumerate(uuids[:3])
+        ] + [
+            {"client_id": uuids[3], "rollout_id": uuids[3], "step_client_id": step,
+             "task_client_id": tasks[1], "model_path": "m", "status": "failed",
+             "status_message": "missing_tokens", "error_message": "turn 2 lack token data"}
+        ],
+        "turns": [
+            {"client_id": f"{uuids[1]}:turn:1", "rollout_client_id": uuids[1], "turn": 1,
+             "model_response": "tap(120, 300)"},
+            {"client_id": f"{uuids[1]}:turn:2", "rollout_client_id": uuids[1], "turn": 2,
+             "model_response": 'type("hello")'},
+        ],
+        "actions": [
+            {"client_id": f"{uuids[1]}:turn:1:action:0", "turn_client_id": f"{uuids[1]}:turn:1",
+             "tool_name": "tap", "tool_args": {"point": {"x": 120, "y": 300}},
+             "tokens": [11, 12, 13, 14, 15], "logprobs": [-0.1, -4.0, -0.2, -3.0, -2.0]},
+            {"client_id": f"{uuids[1]}:turn:2:action:0", "turn_client_id": f"{uuids[1]}:turn:2",
+             "tool_name": "type", "tool_args": {"content": "hello"}},
+        ],
+        "observations": [
+            {"client_id": f"{uuids[1]}:turn:1:obs:0", "turn_client_id": f"{uuids[1]}:turn:1",
+             "obs_type": "screenshot", "screenshot_uri": "sha256:" + "ab" * 32,
+             "source_width": 360, "source_height": 640},
+        ],
+    }  # fmt: skip
+    resp = httpx.post(
+        f"{server.base_url}/api/ingest/batch", json=batch, headers=server.headers(), timeout=30
+    )
+    assert resp.status_code == 200, resp.text
+    answer = resp.json()
+    return {
+        "name": name,
+        "training_id": answer["training_id"],
+        "step_id": answer["steps"][0]["id"],
+        "baseline_id": answer["baselines"][0]["id"],
+        "rollouts": [r["id"] for r in answer["rollouts"]],
+        "tasks": tasks,
+    }
+
+
+@pytest.fixture
+def user(server):
+    """A browser-like client that logged in with the token."""
+    with httpx.Client(base_url=server.base_url, timeout=30) as client:
+        resp = client.post("/login", data={"token": server.token, "next": "/"})
+        assert resp.status_code == 303, resp.text
+        yield client
+
+
+# ---------------------------------------------------------------------------- auth
+
+
+def test_without_the_token_pages_lead_to_login_and_reads_are_401(anon, server, run):
+    for path in ("/", f"/trainings/{run['training_id']}", f"/rollouts/{run['rollouts'][0]}"):
+        resp = anon.get(path)
+        assert resp.status_code == 303, (path, resp.status_code)
+        assert resp.headers["location"].startswith("/login?next=")
+    login = anon.get("/login")
+    assert login.status_code == 200 and 'name="token"' in login.text
+    assert run["name"] not in login.text
+    assert anon.get("/api/trainings").status_code == 401
+    assert anon.get(f"/api/rollouts/{run['rollouts'][0]}").status_code == 401
+    assert anon.get("/api/screenshots/" + "ab" * 32).status_code == 401
+    assert anon.get("/static/dashboard.js").status_code == 303
+    # A script's live poll gets an answer, not a redirect.
+    assert anon.get("/", headers={"X-Live": "1"}).status_code == 401
+
+
+def test_a_wrong_token_is_refused(anon, server, run):
+    resp = anon.post("/login", data={"token": "not-the-token", "next": "/trainings/7"})
+    assert resp.status_code == 401 and "wrong token" in resp.text
+    # The form asks again and still leads where the user was going.
+    assert 'name="next" value="/trainings/7"' in resp.text
+    assert SESSION not in resp.cookies
+    bad = {"Authorization": "Bearer not-the-token"}
+    assert anon.get("/", headers=bad).status_code == 401
+    assert anon.get("/api/trainings", headers=bad).status_code == 401
+    forged = anon.get("/", cookies={SESSION: "0" * 64})
+    assert forged.status_code == 303
+
+
+def test_login_sets_an_httponly_session_that_reads_but_never_writes(server, run):
+    with httpx.Client(base_url=server.base_url, timeout=30) as client:
+        resp = client.post("/login", data={"token": server.token, "next": "//evil.example/x"})
+        assert resp.status_code == 303
+        assert resp.headers["location"] == "/"  # never to another site
+        cookie = resp.headers["set-cookie"]
+        assert cookie.startswith(f"{SESSION}=")
+        assert "HttpOnly" in cookie and "SameSite=strict" in cookie.replace("Strict", "strict")
+        assert server.token not in cookie
+        assert client.get("/").status_code == 200
+        assert client.get("/api/trainings").status_code == 200
+        # Writes take the Bearer token only: a cookie cannot write from another site.
+        assert client.post("/api/ingest/batch", json={}).status_code == 401
+        out = client.post("/logout")
+        assert out.status_code == 303
+        assert client.get("/").status_code == 303
+
+
+def test_bearer_token_also_opens_pages(anon, server, run):
+    resp = anon.get(f"/trainings/{run['training_id']}", headers=server.headers())
+    assert resp.status_code == 200
+    assert re.match(r"render;dur=[0-9.]+", resp.headers["server-timing"])
+    assert "script-src 'self'" in resp.headers["content-security-policy"]
+
+
+# ---------------------------------------------------------------------------- pages
+
+
+def test_trainings_page_lists_status_progress_steps_and_last_success(user, run):
+    page = user.get("/").text
+    row = next(r for r in page.split('<tr class="training-row">') if run["name"] in r)
+    assert "running" in row and "rollout" in row
+    assert "3 / 5" in row
+    assert "100%" in row  # the last completed step's success (step 3: 1.0)
+    # Recorded moments ago by the server: not stale.
+    assert "stale" not in row
+
+
+def test_training_page_has_a_row_and_a_point_per_step(user, run):
+    page = user.get(f"/trainings/{run['training_id']}").text
+    assert [int(s) for s in re.findall(r'class="step-row" data-step="(\d+)"', page)] == [1, 2, 3]
+    points = re.findall(r'id="chart-(\w+)" data-points="(\d+)"', page)
+    assert {name for name, _ in points} >= {"reward", "success", "kl", "entropy", "tokens"}
+    assert all(n == "3" for _, n in points), points
+    assert "config-marker-7" in page
+    assert "missing_tokens" in page  # rejected by reason
+    assert "25%" in page  # the baseline's success rate
+
+
+def test_step_page_is_a_task_by_sample_grid(user, run):
+    page = user.get(f"/steps/{run['step_id']}").text
+    ids = [int(x) for x in re.findall(r'data-rollout="(\d+)"', page)]
+    assert sorted(ids) == sorted(run["rollouts"])
+    for task in run["tasks"]:
+        assert f"name of {task}" in page
+    assert "sample 2" in page and "sample 3" not in page
+    assert "missing_tokens" in page
+    assert user.get(f"/baselines/{run['baseline_id']}").status_code == 200
+
+
+def test_rollout_page_shows_turns_actions_and_tokens(user, run):
+    page = user.get(f"/rollouts/{run['rollouts'][1]}").text
+    assert "tap(120, 300)" in page and "type: hello" in page
+    assert "5 tokens" in page
+    # The three least likely tokens (-4.0, -3.0, -2.0 -> ids 12, 14, 15) are marked.
+    low = re.findall(r'<span class="tok low"[^>]*>(\d+)</span>', page)
+    assert sorted(low) == ["12", "14", "15"]
+    # The screenshot was never uploaded: no broken <img>, a note instead.
+    assert "not in the store" in page and "<img" not in page
+
+
+def test_unknown_ids_are_404(user):
+    for path in ("/trainings/999999", "/steps/999999", "/rollouts/999999"):
+        assert user.get(path).status_code == 404
+
+
+# ---------------------------------------------------------------------------- pure helpers
+
+
+@pytest.mark.parametrize(
+    ("name", "args", "expected"),
+    [
+        ("tap", {"point": {"x": 10, "y": 20}}, {"kind": "tap", "x": 10.0, "y": 20.0}),
+        ("tap", {"x": 5, "y": 6}, {"kind": "tap", "x": 5.0, "y": 6.0}),
+        (
+            "swipe",
+            {"startPoint": {"x": 1, "y": 2}, "endPoint": {"x": 3, "y": 4}},
+            {"kind": "swipe", "x": 1.0, "y": 2.0, "x2": 3.0, "y2": 4.0},
+        ),
+        ("swipe", {"x1": 1, "y1": 2, "x2": 3, "y2": 4}, {"kind": "swipe", "x2": 3.0}),
+        ("type", {"content": "hi"}, {"kind": "label", "text": "type: hi"}),
+        ("home", {}, {"kind": "label", "text": "home"}),
+        ("tap", "not a dict", {"kind": "label", "text": "tap"}),
+    ],
+)
+def test_action_overlay(name, args, expected):
+    got = action_overlay(name, args)
+    assert {k: got[k] for k in expected} == expected
+
+
+def test_token_view_marks_the_least_likely_and_averages():
+    view = token_view([{"tokens": "[1, 2, 3, 4]", "logprobs": "[-1.0, -0.5, -3.0, -2.5]"}])
+    assert view["count"] == 4 and view["mean_logprob"] == pytest.approx(-1.75)
+    assert [t["id"] for t in view["items"] if t["low"]] == [1, 3, 4]
+    assert token_view([{"tokens": None}]) is None
+
+
+def test_reward_colour_runs_from_red_to_green():
+    assert reward_colour(0.0, 0.0, 1.0) == "hsl(0, 65%, 72%)"
+    assert reward_colour(1.0, 0.0, 1.0) == "hsl(120, 65%, 72%)"
+    assert reward_colour(0.5, 0.5, 0.5) == "hsl(60, 65%, 72%)"

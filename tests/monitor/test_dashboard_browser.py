@@ -1,0 +1,240 @@
+"""The dashboard in a real headless Chromium (Debian's package, driven by Playwright's Python API)
+on the database and screenshots written by a real local run (the session's ``demo_run``).
+
+Every page is loaded after logging in through the form; a page passes with no console error and
+no failed request. Page screenshots are saved under the test's temp dir (their paths are printed:
+``pytest -s`` shows them).
+"""
+
+from __future__ import annotations
+
+import shutil
+import sqlite3
+import time
+
+import httpx
+import pytest
+
+from .conftest import MonitorProcess
+
+pytestmark = [pytest.mark.slow, pytest.mark.timeout(1800)]
+
+BROWSER_ARGS = [
+    "--headless",
+    "--no-sandbox",
+    "--disable-gpu",
+    "--disable-quic",
+    "--no-first-run",
+    "--disable-background-networking",
+    "--disable-component-update",
+    "--disable-sync",
+]
+
+
+def chromium_path() -> str:
+    path = shutil.which("chromium")
+    if not path:
+        pytest.fail(
+            "Debian's chromium is not installed; `make test` installs it (apt-get install chromium)"
+        )
+    return path
+
+
+class Browser:
+    """One Chromium with a fresh profile; records console errors and failed requests."""
+
+    def __init__(self, user_data_dir):
+        from playwright.sync_api import sync_playwright
+
+        self._pw = sync_playwright().start()
+        self.context = self._pw.chromium.launch_persistent_context(
+            str(user_data_dir),
+            executable_path=chromium_path(),
+            headless=True,
+            args=BROWSER_ARGS,
+            viewport={"width": 1400, "height": 1000},
+        )
+        self.page = self.context.pages[0] if self.context.pages else self.context.new_page()
+        self.problems: list[str] = []
+        self.page.on(
+            "console",
+            lambda m: (
+                self.problems.append(f"console {m.type}: {m.text}") if m.type == "error" else None
+            ),
+        )
+        self.page.on("requestfailed", lambda r: self.problems.append(f"failed: {r.url}"))
+        self.page.on(
+            "response",
+            lambda r: (
+                self.problems.append(f"HTTP {r.status}: {r.url}") if r.status >= 400 else None
+            ),
+        )
+        self.page.on("pageerror", lambda e: self.problems.append(f"page error: {e}"))
+
+    def close(self) -> None:
+        self.context.close()
+        self._pw.stop()
+
+
+@pytest.fixture(scope="module")
+def served(demo_run, tmp_path_factory):
+    """A copy of the demo's database and screenshots, served with a token."""
+    assert demo_run.returncode == 0, demo_run.output[-3000:]
+    where = tmp_path_factory.mktemp("served")
+    shutil.copy(demo_run.db, where / "monitor.db")
+    shutil.copytree(demo_run.run_dir / "monitor.screenshots", where / "monitor.screenshots")
+    proc = MonitorProcess(where / "monitor.db", token="browser-token")
+    proc.start()
+    yield proc
+    proc.stop()
+
+
+@pytest.fixture
+def browser(tmp_path):
+    b = Browser(tmp_path / "profile")
+    yield b
+    b.close()
+
+
+def _ids(db, sql: str) -> list[int]:
+    con = sqlite3.connect(db)
+    try:
+        return [r[0] for r in con.execute(sql)]
+    finally:
+        con.close()
+
+
+def _login(browser: Browser, base: str, token: str) -> None:
+    page = browser.page
+    page.goto(f"{base}/")
+    assert "/login" in page.url
+    page.fill("#token", token)
+    with page.expect_navigation():
+        page.click("button[type=submit]")
+    page.wait_for_load_state("networkidle")
+    assert "/login" not in page.url, page.content()[:2000]
+
+
+def test_every_page_loads_cleanly_with_curves_screenshots_and_drawn_actions(
+    served, browser, tmp_path
+):
+    base, db = served.base_url, served.db
+    _login(browser, base, served.token)
+    page = browser.page
+    training = _ids(db, "SELECT id FROM training")[0]
+    steps = _ids(db, "SELECT id FROM step ORDER BY step")
+    evals = _ids(db, "SELECT id FROM eval")
+    baselines = _ids(db, "SELECT id FROM baseline")
+    rollouts = _ids(db, "SELECT id FROM rollout ORDER BY id")
+    paths = ["/", f"/trainings/{training}"]
+    paths += [f"/steps/{i}" for i in steps] + [f"/evals/{i}" for i in evals]
+    paths += [f"/baselines/{i}" for i in baselines] + [f"/rollouts/{i}" for i in rollouts]
+    saved = []
+    for n, path in enumerate(paths):
+        before = len(browser.problems)
+        page.goto(base + path)
+        page.wait_for_load_state("networkidle")
+        assert page.title().endswith("cua-rl monitor"), path
+        assert browser.problems[before:] == [], path
+        if path == f"/trainings/{training}":
+            charts = page.eval_on_selector_all(
+                ".chart",
+                "els => els.map(e => [e.id, e.dataset.points, !!e.querySelector('canvas')])",
+            )
+            assert len(charts) >= 8
+            # One point per recorded step in every curve, each drawn on a canvas.
+            assert all(points == str(len(steps)) and drawn for _, points, drawn in charts), charts
+            assert page.locator("tr.step-row").count() == len(steps)
+        if path.startswith("/rollouts/"):
+            _check_rollout_turns(page, db, int(path.rsplit("/", 1)[1]))
+        if n < 3 or path in (f"/steps/{steps[0]}", f"/rollouts/{rollouts[-1]}"):
+            shot = tmp_path / f"page-{n:02d}-{path.strip('/').replace('/', '-') or 'trainings'}.png"
+            page.screenshot(path=str(shot), full_page=True)
+            saved.append(shot)
+    print("page screenshots:", *saved, sep="\n  ")
+    assert browser.problems == []
+
+
+def _check_rollout_turns(page, db, rollout_id: int) -> None:
+    """Each turn shows the screenshot the model saw (loaded from the store) and its action."""
+    turns = _ids(db, f"SELECT id FROM turn WHERE rollout_id = {rollout_id}")
+    cards = page.eval_on_selector_all(
+        ".turn",
+        """els => els.map(e => {
+            const img = e.querySelector('img.screenshot');
+            return {
+                loaded: !!img && img.complete && img.naturalWidth > 0,
+                drawn: e.querySelectorAll('svg .drawn-action').length,
+                labels: e.querySelectorAll('.drawn-label').length,
+            };
+        })""",
+    )
+    assert len(cards) == len(turns)
+    for card in cards:
+        assert card["loaded"], (rollout_id, cards)
+        assert card["drawn"] >= 1 and card["labels"] >= 1, (rollout_id, cards)
+
+
+def test_an_open_training_page_gains_a_new_step_without_a_reload(served, browser, tmp_path):
+    base, db = served.base_url, served.db
+    training = _ids(db, "SELECT id FROM training")[0]
+    run_name = sqlite3.connect(db).execute("SELECT run_name FROM training").fetchone()[0]
+    n_steps = len(_ids(db, "SELECT id FROM step"))
+    post = httpx.Client(base_url=base, headers=served.headers(), timeout=30)
+    # The run goes on: the training is running again (as during a real run).
+    resp = post.post(
+        "/api/ingest/batch",
+        json={"training": {"client_id": run_name, "run_name": run_name, "status": "running"}},
+    )
+    assert resp.status_code == 200, resp.text
+    _login(browser, base, served.token)
+    page = browser.page
+    page.goto(f"{base}/trainings/{training}")
+    page.wait_for_load_state("networkidle")
+    page.evaluate("window.__notReloaded = true")
+    new_step = n_steps + 1
+    resp = post.post(
+        "/api/ingest/batch",
+        json={
+            "steps": [
+                {
+                    "client_id": f"step-{run_name}-{new_step}-0",
+                    "training_client_id": run_name,
+                    "step": new_step,
+                    "batch": 0,
+                    "status": "completed",
+                    "reward_mean": 0.75,
+                    "reward_std": 0.05,
+                }
+            ]
+        },
+    )
+    assert resp.status_code == 200, resp.text
+    t0 = time.monotonic()
+    page.wait_for_selector(f'tr.step-row[data-step="{new_step}"]', timeout=30_000)
+    page.wait_for_function(
+        f"document.getElementById('chart-reward').dataset.points === '{new_step}'",
+        timeout=30_000,
+    )
+    assert page.evaluate("window.__notReloaded") is True
+    print(f"new step shown {time.monotonic() - t0:.1f}s after it was recorded")
+    page.screenshot(path=str(tmp_path / "training-live.png"), full_page=True)
+    post.close()
+    assert browser.problems == []
+
+
+def test_without_the_token_the_browser_gets_the_login_page(served, browser, tmp_path):
+    page = browser.page
+    training = _ids(served.db, "SELECT id FROM training")[0]
+    page.goto(f"{served.base_url}/trainings/{training}")
+    assert "/login" in page.url and page.locator("#token").count() == 1
+    page.fill("#token", "wrong-token")
+    page.click("button[type=submit]")
+    page.wait_for_selector("#login-error")
+    assert page.inner_text("#login-error") == "wrong token"
+    page.screenshot(path=str(tmp_path / "login.png"))
+    sha = _ids(served.db, "SELECT rowid FROM screenshot")
+    assert sha, "the run stored no screenshot"
+    digest = sqlite3.connect(served.db).execute("SELECT sha256 FROM screenshot").fetchone()[0]
+    resp = page.request.get(f"{served.base_url}/api/screenshots/{digest}")
+    assert resp.status == 401
