@@ -41,6 +41,15 @@ class CapturedTurn:
     seconds: float = 0.0
     server: str = ""
 
+    def notes(self) -> dict[str, Any]:
+        notes: dict[str, Any] = {"versions": sorted(set(self.versions))}
+        if self.overridden:
+            notes["sampling_overridden"] = self.overridden
+        for key in ("aborts", "retries", "cut"):
+            if getattr(self, key):
+                notes[key] = getattr(self, key)
+        return notes
+
     def image_keys(self) -> list[str]:
         return [IMAGE_KEY_PREFIX + img.sha256 for img in self.images]
 
@@ -132,6 +141,7 @@ class EpisodeCapture:
                     finish_reason=c.finish_reason,
                     image_urls=c.image_keys(),
                     missing=None,
+                    notes=c.notes(),
                 )
             )
         return out

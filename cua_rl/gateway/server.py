@@ -11,6 +11,9 @@ from __future__ import annotations
 
 import atexit
 import threading
+from collections.abc import Callable
+
+import httpx
 
 from cua_rl.gateway.app import create_app
 from cua_rl.gateway.capture import EpisodeCapture
@@ -35,8 +38,16 @@ def public_host(config: GatewayConfig) -> str:
 
 
 class Gateway:
-    def __init__(self, config: GatewayConfig):
+    def __init__(
+        self,
+        config: GatewayConfig,
+        *,
+        client_factory: Callable[[], httpx.AsyncClient] | None = None,
+    ):
+        """``client_factory`` makes the model-server client on the gateway's loop (tests inject
+        faults through its transport)."""
         self.config = config
+        self._client_factory = client_factory
         self._episodes: dict[str, EpisodeSession] = {}
         self._lock = threading.Lock()
         self._server: ThreadedServer | None = None
@@ -45,7 +56,10 @@ class Gateway:
         if self._server is not None:
             return self
         app = create_app(
-            self._lookup, max_body_bytes=self.config.max_body_bytes, models=self._models
+            self._lookup,
+            max_body_bytes=self.config.max_body_bytes,
+            models=self._models,
+            client_factory=self._client_factory,
         )
         host = self.config.bind_host or "0.0.0.0"
         self._server = ThreadedServer(

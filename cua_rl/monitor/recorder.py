@@ -264,9 +264,7 @@ class RolloutRecorder:
         for turn in turns:
             n = turn.step
             await self.turn_start(n)
-            metrics = (
-                {"versions": sorted(set(turn.output_versions))} if turn.output_versions else None
-            )
+            metrics = dict(getattr(turn, "notes", None) or {}) or None
             await self.turn_end(
                 n,
                 model_response=turn.text,

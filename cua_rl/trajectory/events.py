@@ -49,6 +49,9 @@ class Turn:
     # gateway does); otherwise the row builder applies one version per turn.
     output_versions: list[int] | None = None
     response_id: str | None = None  # the chat completion's id (the gateway's turns match on it)
+    # What the source noted about the call (the gateway: sampling settings the agent asked for
+    # and the trainer replaced, weight-update aborts); recorded with the turn in the monitor.
+    notes: dict = field(default_factory=dict)
 
     @property
     def action(self) -> dict | None:

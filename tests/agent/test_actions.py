@@ -84,3 +84,21 @@ def test_action_regex_restricts_names():
     with pytest.raises(ValueError, match="unknown action names"):
         action_regex(["tap", "click"])
     assert set(ACTION_NAMES) >= {"tap", "finished"}
+
+
+def test_lenient_reading_turns_any_reply_into_a_grid_tap():
+    from cua_rl.sim.actions import grid_cell_centre, read_reply
+
+    # A valid call is taken as written.
+    assert read_reply("tap(3, 4)", 360, 640, lenient=True).params == {"x": 3, "y": 4}
+    # Anything else taps the centre of the cell its first character names (code point mod 9).
+    action = read_reply("  zq!", 360, 640, lenient=True)
+    cell = ord("z") % 9
+    assert action.name == "tap"
+    assert (action.params["x"], action.params["y"]) == grid_cell_centre(cell, 360, 640)
+    assert grid_cell_centre(2, 360, 640) == (300, 106)  # top-right
+    assert grid_cell_centre(4, 360, 640) == (180, 320)  # centre
+    with pytest.raises(ActionParseError):
+        read_reply("zq!", 360, 640)  # strict by default
+    with pytest.raises(ActionParseError):
+        read_reply("   ", 360, 640, lenient=True)  # an empty reply is no action

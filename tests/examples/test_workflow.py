@@ -1,6 +1,7 @@
 """CUAAgentWorkflow on the real local stack: sim gym, local agent, vLLM CPU with a tiny Qwen2-VL,
-and a real monitor on a SQLite file. The engine is a hand-written stand-in exposing exactly what
-the workflow uses of AReaL's engine (``get_version``, ``choose_server``)."""
+the rollout gateway, and a real monitor on a SQLite file. The engine is a hand-written stand-in
+exposing exactly what the workflow and the gateway use of AReaL's engine (``get_version``,
+``choose_server``; no ``_workflow_executor``: never paused)."""
 
 from __future__ import annotations
 
@@ -13,6 +14,8 @@ import torch
 from areal.infra import workflow_context
 from areal.utils import stats_tracker
 
+from cua_rl.episode import Episode
+from cua_rl.gateway import GatewayConfig, Sampling
 from cua_rl.genv import GenvClient, GenvTimeouts
 from cua_rl.mini_agent import DriverConfig
 from cua_rl.monitor.app import create_app
@@ -113,7 +116,7 @@ def _settings(gym, agent, vllm_server, model_dir, monitor=None, **changes) -> Wo
             agent="sim",
             max_steps=3,
             max_run_time_s=240,
-            model_options={"logprobs": True, "constrain": "regex"},
+            model_options={"logprobs": True, "parse": "lenient"},
             driver=DriverConfig(deadline_s=300),
         ),
         endpoint=EndpointSection(model_name=vllm_server.model),
@@ -122,8 +125,7 @@ def _settings(gym, agent, vllm_server, model_dir, monitor=None, **changes) -> Wo
         processor_path=str(model_dir),
         monitor_base_url=monitor.url if monitor else "",
         training_ref=RUN if monitor else "",
-        temperature=1.0,
-        max_new_tokens=24,
+        sampling=Sampling(temperature=1.0, max_new_tokens=24),
     )
     for key, value in changes.items():
         setattr(settings, key, value)
@@ -188,6 +190,8 @@ async def test_episode_produces_an_exact_row_and_monitor_records(
     # Stats under the rollout scope.
     stats = _rollout_stats()
     assert stats["rollout/cua/accepted"] == 1.0
+    assert stats["rollout/cua/gateway/calls"] == stats["rollout/cua/turns"] >= 1
+    assert stats["rollout/cua/gateway/errors"] == 0
     assert stats["rollout/cua/trained_tokens"] == float(trained.sum())
 
     # Monitor: the rollout under step v + 1, its environment, turns, actions with tokens.
@@ -217,7 +221,9 @@ async def test_episode_produces_an_exact_row_and_monitor_records(
         ("gym_create", "gym_error"),
         ("gym_evaluate", "gym_error"),
         ("agent_down", "agent_create_failed"),
-        ("model_down", "agent_model_error"),
+        ("model_down", "gateway_model_server_error"),
+        ("model_down_direct", "agent_model_error"),
+        ("gateway_unreachable", "gateway_unreachable"),
     ],
 )
 async def test_faults_end_as_none_with_a_reason_and_no_open_execution(
@@ -230,13 +236,22 @@ async def test_faults_end_as_none_with_a_reason_and_no_open_execution(
     settings = _settings(gym, agent, vllm_server, tiny_vl_model_dir)
     if fault == "agent_down":
         settings.agent = AgentSection(**{**settings.agent.__dict__, "base_url": dead_url})
+    engine = _engine(vllm_server)
     if fault == "model_down":
-        settings.endpoint = EndpointSection(base_url=f"{dead_url}/v1", model_name="tiny-vl")
+        engine = FakeEngine([dead_url.removeprefix("http://")])
+        settings.gateway = GatewayConfig(retries=1)
+    if fault == "model_down_direct":
+        settings.endpoint = EndpointSection(
+            mode="direct", base_url=f"{dead_url}/v1", model_name="tiny-vl"
+        )
+    if fault == "gateway_unreachable":
+        # The agent is told a gateway address where nothing listens (a wrong public_port).
+        settings.gateway = GatewayConfig(public_port=dead.getsockname()[1])
     if fault.startswith("gym_"):
         await _set_faults(gym, **{fault.removeprefix("gym_"): {"fail_rate": 1.0}})
     wf = CUAAgentWorkflow(settings)
     try:
-        row = await wf.arun_episode(_engine(vllm_server), dict(easy_task))
+        row = await wf.arun_episode(engine, dict(easy_task))
     finally:
         await wf.aclose()
         await _set_faults(gym)
@@ -281,15 +296,18 @@ def test_settings_must_be_workflow_settings():
         CUAAgentWorkflow({"gym": {}})
 
 
-def test_external_endpoint_overrides_the_engine(gym, agent, vllm_server, tiny_vl_model_dir):
+def test_direct_mode_points_the_agent_at_the_engine_or_an_external_server(
+    gym, agent, vllm_server, tiny_vl_model_dir
+):
     settings = _settings(gym, agent, vllm_server, tiny_vl_model_dir)
-    settings.endpoint = EndpointSection(base_url="http://models.example:8000/v1/")
+    settings.endpoint = EndpointSection(mode="direct", base_url="http://models.example:8000/v1/")
     engine = _engine(vllm_server)
-    assert CUAAgentWorkflow(settings).model_base_url(engine) == "http://models.example:8000/v1"
-    assert engine.chosen == []
-    settings.endpoint = EndpointSection()
+    episode = Episode(data={"task_id": "t"}, rollout_uuid="u", version=0)
     wf = CUAAgentWorkflow(settings)
-    assert wf.model_base_url(engine) == vllm_server.base_url
+    assert wf.open_model_endpoint(engine, episode) == "http://models.example:8000/v1"
+    assert engine.chosen == []
+    settings.endpoint = EndpointSection(mode="direct")
+    assert CUAAgentWorkflow(settings).open_model_endpoint(engine, episode) == vllm_server.base_url
 
 
 def test_rollouts_after_the_last_step_are_not_recorded_against_a_step():
@@ -314,3 +332,59 @@ def test_rollouts_after_the_last_step_are_not_recorded_against_a_step():
     assert two_steps.monitor_source(1).step_id == step_client_id(RUN, 2)
     assert not wf("train", 0).is_surplus(50)  # unknown length: everything is recorded
     assert not wf("eval", 2).is_surplus(2)  # the eval after the last step has its own record
+
+
+@pytest.mark.parametrize("temperature", [1.0, 0.7])
+async def test_agent_without_token_data_trains_through_the_gateway(
+    gym, agent, vllm_bpe_server, tiny_vl_bpe_model_dir, easy_task, temperature
+):
+    """The local agent asks for no logprobs and no token ids (an unpatched agent): the row comes
+    from the gateway's capture, and a transformers forward pass reproduces every trained token's
+    logprob at the trainer's temperature, whatever the agent asked (here temperature 0)."""
+    workflow_context.set(workflow_context.WorkflowContext(is_eval=False))
+    _rollout_stats()
+    settings = _settings(gym, agent, vllm_bpe_server, tiny_vl_bpe_model_dir)
+    settings.agent = AgentSection(
+        **{**settings.agent.__dict__, "model_options": {"logprobs": False, "parse": "lenient"}}
+    )
+    settings.sampling = Sampling(temperature=temperature, max_new_tokens=24)
+    wf = CUAAgentWorkflow(settings)
+    # The agent asks for temperature 0; the trainer's temperature wins and the ask is recorded.
+    wf.build_run_spec = _asking_temperature_zero(wf.build_run_spec)
+    try:
+        row = await wf.arun_episode(_engine(vllm_bpe_server, version=2), dict(easy_task))
+    finally:
+        await wf.aclose()
+    stats = _rollout_stats()
+    assert row is not None, stats
+    assert stats["rollout/cua/gateway/overridden_calls"] == stats["rollout/cua/gateway/calls"] >= 1
+    trained = row["loss_mask"][0].bool()
+    assert (row["versions"][0][trained] == 2).all()
+    from transformers import Qwen2VLForConditionalGeneration
+
+    model = Qwen2VLForConditionalGeneration.from_pretrained(
+        tiny_vl_bpe_model_dir, dtype=torch.float32
+    ).eval()
+    mm = row["multi_modal_input"][0]
+    with torch.no_grad():
+        logits = model(
+            input_ids=row["input_ids"],
+            attention_mask=row["attention_mask"].long(),
+            pixel_values=mm["pixel_values"],
+            image_grid_thw=mm["image_grid_thw"],
+            mm_token_type_ids=row["mm_token_type_ids"],
+        ).logits[0]
+    logp = torch.log_softmax(logits.float() / temperature, dim=-1)
+    pos = trained.nonzero().flatten()
+    ids = row["input_ids"][0]
+    gap = (logp[pos - 1, ids[pos]] - row["logprobs"][0, pos]).abs()
+    assert gap.max().item() < 1e-3, gap.max().item()
+
+
+def _asking_temperature_zero(build):
+    def build_run_spec(episode):
+        spec = build(episode)
+        spec.model_options = {**spec.model_options, "temperature": 0.0}
+        return spec
+
+    return build_run_spec

@@ -1,0 +1,101 @@
+"""Gateway fixtures: a real vLLM CPU server (cua-rl's module), a gateway on loopback, and a
+hand-written stand-in for AReaL's engine with the three reads the gateway makes."""
+
+from __future__ import annotations
+
+import base64
+import io
+import threading
+
+import pytest
+from PIL import Image as PILImage
+
+from cua_rl.gateway import Gateway, GatewayConfig, Sampling, SessionSpec
+from cua_rl.trajectory.config import TrajectoryConfig
+
+
+class FakeEngine:
+    """Version, pause flag and server choice, settable from the test (thread-safe reads)."""
+
+    def __init__(self, address: str, version: int = 0):
+        self.address = address
+        self.version = version
+        self.paused = threading.Event()
+        self.chosen = 0
+
+    def get_version(self) -> int:
+        return self.version
+
+    def is_paused(self) -> bool:
+        return self.paused.is_set()
+
+    def choose_server(self) -> str:
+        self.chosen += 1
+        return self.address
+
+
+def server_address(server) -> str:
+    return f"{server.host}:{server.port}"
+
+
+def png(color=(30, 120, 200), size=(96, 64)) -> bytes:
+    buf = io.BytesIO()
+    PILImage.new("RGB", size, color).save(buf, "PNG")
+    return buf.getvalue()
+
+
+def data_url(raw: bytes) -> str:
+    return "data:image/png;base64," + base64.b64encode(raw).decode()
+
+
+def user(text: str, url: str | None = None) -> dict:
+    parts: list[dict] = [{"type": "text", "text": text}]
+    if url:
+        parts.append({"type": "image_url", "image_url": {"url": url}})
+    return {"role": "user", "content": parts}
+
+
+@pytest.fixture(scope="module")
+def bpe_processor(tiny_vl_bpe_model_dir):
+    from transformers import AutoProcessor
+
+    return AutoProcessor.from_pretrained(tiny_vl_bpe_model_dir)
+
+
+@pytest.fixture(scope="module")
+def gateway():
+    gw = Gateway(GatewayConfig()).start()
+    yield gw
+    gw.stop()
+
+
+@pytest.fixture
+def open_episode(gateway, bpe_processor, vllm_bpe_server):
+    """open_episode(**spec changes) -> (episode id, base URL, engine); closed at teardown."""
+    opened: list[str] = []
+
+    def make(
+        name: str = "ep",
+        sampling: Sampling | None = None,
+        images: TrajectoryConfig | None = None,
+        engine: FakeEngine | None = None,
+        gw: Gateway | None = None,
+    ):
+        gw = gw or gateway
+        episode = f"{name}-{len(opened)}-{id(gw)}"
+        engine = engine or FakeEngine(server_address(vllm_bpe_server))
+        spec = SessionSpec(
+            engine,
+            sampling or Sampling(temperature=1.0, max_new_tokens=16),
+            bpe_processor,
+            vllm_bpe_server.model,
+            images or TrajectoryConfig(),
+        )
+        url = gw.open(episode, spec)
+        opened.append((gw, episode))
+        return episode, url, engine
+
+    yield make
+    for gw, episode in opened:
+        if gw._lookup(episode) is not None:
+            gw.close(episode)
