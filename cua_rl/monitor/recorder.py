@@ -20,6 +20,7 @@ from __future__ import annotations
 import asyncio
 import time
 from collections.abc import Mapping
+from datetime import UTC, datetime
 from typing import Any
 
 from cua_rl.logs import get_logger
@@ -33,6 +34,11 @@ from cua_rl.monitor.screenshots import (
 )
 
 log = get_logger(__name__)
+
+
+def _utc(epoch_s: float) -> str:
+    """Epoch seconds in the layout of ``utc_now``."""
+    return datetime.fromtimestamp(epoch_s, UTC).strftime("%Y-%m-%d %H:%M:%S.%f")
 
 
 class RolloutRecorder:
@@ -263,10 +269,15 @@ class RolloutRecorder:
             return
         for turn in turns:
             n = turn.step
-            await self.turn_start(n)
+            # The agent's own step times: turns are recorded after the episode, when the
+            # recorder's clock would give every turn the same instant and no duration.
+            began, ended = getattr(turn, "started_at", None), getattr(turn, "ended_at", None)
+            timed = began is not None and ended is not None
+            await self.turn_start(n, **({"start_time": _utc(began)} if timed else {}))
             metrics = dict(getattr(turn, "notes", None) or {}) or None
             await self.turn_end(
                 n,
+                **({"end_time": _utc(ended), "turn_time": ended - began} if timed else {}),
                 model_response=turn.text,
                 finish_reason=turn.finish_reason,
                 prompt_tokens=len(turn.prompt_ids or []),

@@ -17,6 +17,7 @@ import json
 import math
 from collections.abc import Iterable, Mapping, Sequence
 from dataclasses import dataclass, field
+from datetime import UTC, datetime
 from typing import Any
 
 from cua_rl.errors import RejectedEpisode
@@ -52,6 +53,10 @@ class Turn:
     # What the source noted about the call (the gateway: sampling settings the agent asked for
     # and the trainer replaced, weight-update aborts); recorded with the turn in the monitor.
     notes: dict = field(default_factory=dict)
+    # The agent's step this turn belongs to, in epoch seconds: its first and last event's ``ts``
+    # (step_start .. step_end on a complete log). None when the events carry no readable ts.
+    started_at: float | None = None
+    ended_at: float | None = None
 
     @property
     def action(self) -> dict | None:
@@ -90,6 +95,29 @@ def _step_of(ev: Mapping, i: int) -> int:
     if isinstance(step, bool) or not isinstance(step, int | float) or step != int(step):
         raise RejectedEpisode("malformed_events", f"event {i} ({ev.get('type')}) has no step")
     return int(step)
+
+
+def event_time(ts: Any) -> float | None:
+    """An event's ``ts`` in epoch seconds: ISO 8601 (``Z`` or an offset; naive means UTC) or
+    epoch milliseconds. None for anything else: timing is informative, never a rejection."""
+    if isinstance(ts, bool):
+        return None
+    if isinstance(ts, int | float):
+        return float(ts) / 1000.0 if math.isfinite(ts) else None
+    if not isinstance(ts, str) or not ts.strip():
+        return None
+    text = ts.strip()
+    try:
+        return float(text) / 1000.0
+    except ValueError:
+        pass
+    try:
+        when = datetime.fromisoformat(text.replace("Z", "+00:00"))
+    except ValueError:
+        return None
+    if when.tzinfo is None:
+        when = when.replace(tzinfo=UTC)
+    return when.timestamp()
 
 
 def dedupe_events(events: Iterable[Any]) -> tuple[list[dict], int]:
@@ -224,8 +252,15 @@ def events_to_turns(events: Any) -> ParsedEvents:
     actions: dict[int, list[dict]] = {}
     step_errors: dict[int, list[str]] = {}
     step_order: list[int] = []
+    spans: dict[int, tuple[float, float]] = {}  # step -> (first ts, last ts), step_start/end too
     for i, ev in enumerate(evs):
         kind = ev["type"]
+        # run_end carries the last step's number but marks the run's end, not the step's.
+        when = event_time(ev.get("ts")) if kind != "run_end" else None
+        step_no = ev.get("step", ev.get("turn"))
+        if when is not None and isinstance(step_no, int) and not isinstance(step_no, bool):
+            lo, hi = spans.get(step_no, (when, when))
+            spans[step_no] = (min(lo, when), max(hi, when))
         if kind == "run_end":
             parsed.run_ok = ev.get("ok") if isinstance(ev.get("ok"), bool) else None
             parsed.run_reason = ev.get("reason") if isinstance(ev.get("reason"), str) else None
@@ -285,6 +320,8 @@ def events_to_turns(events: Any) -> ParsedEvents:
                 errors=list(step_errors.get(step, [])) if last else [],
                 missing=data["missing"],
                 response_id=data["id"],
+                started_at=spans[step][0] if step in spans else None,
+                ended_at=spans[step][1] if step in spans else None,
             )
             parsed.turns.append(turn)
             for a in acts:

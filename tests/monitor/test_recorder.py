@@ -212,3 +212,29 @@ async def test_context_is_inherited_by_tasks_and_scoped():
         await asyncio.create_task(child())
     assert seen == [("step", "step-run-1-0"), ("eval", 7), ("step", "step-run-1-0")]
     assert current() == MonitorContext()
+
+
+async def test_recorded_turns_keep_the_agents_step_times(client, store):
+    from cua_rl.trajectory import Turn
+
+    run, step = await _training_and_step(client)
+    uuid = uid("rollout-")
+    recorder = RolloutRecorder(
+        client, uuid, task_id="t-times", model_path="m", source=MonitorContext(run, step)
+    )
+
+    def turn(n: int, began: float | None, ended: float | None) -> Turn:
+        return Turn(n, n - 1, [1], [2], [-0.5], "stop", [], None, f"r{n}", started_at=began,
+                    ended_at=ended)  # fmt: skip
+
+    # 1714557600 is 2024-05-01 10:00:00 UTC; turn 2 comes from an agent whose events had no ts.
+    await recorder.record_turns([turn(1, 1714557600.25, 1714557603.0), turn(2, None, None)])
+    await recorder.complete(reward=0.0)
+    assert await client.flush(timeout=10)
+    rows = store.get_rollout(store.find_id("rollout", uuid))["turns"]
+    assert (rows[0]["start_time"], rows[0]["end_time"]) == (
+        "2024-05-01 10:00:00.250000",
+        "2024-05-01 10:00:03.000000",
+    )
+    assert rows[0]["turn_time"] == pytest.approx(2.75)
+    assert rows[1]["start_time"] > "2024-05-02"  # recorded now: the recorder's own clock

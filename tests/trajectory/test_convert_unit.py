@@ -297,3 +297,35 @@ def test_cli_reports_rejection(images, tiny_vl_model_dir, tmp_path):
     )  # fmt: skip
     assert proc.returncode == 1
     assert json.loads(proc.stdout.strip())["rejected"] == "missing_tokens"
+
+
+def test_turns_carry_their_steps_times():
+    # Hand-set timestamps: step 1 from 10:00:00.000 to 10:00:02.500 (ISO, Z), step 2 in epoch ms
+    # from 1_700_000_010_000 to 1_700_000_013_250; run_end comes much later and is not a step's.
+    out = _model_output([1, 2], [3, IM_END], [-0.5, -0.25])
+    msgs = [_img_msg("data:image/png;base64,AAAA")]
+    events = [
+        _event(type="step_start", step=1, ts="2024-05-01T10:00:00.000Z"),
+        _event(type="model_call", step=1, ts="2024-05-01T10:00:00.100Z", messages=msgs),
+        _event(type="model_output", step=1, ts="2024-05-01T10:00:01.900Z", modelOutput=out),
+        _event(type="step_end", step=1, ts="2024-05-01T10:00:02.500Z"),
+        _event(type="step_start", step=2, ts=1_700_000_010_000),
+        _event(type="model_call", step=2, ts="1700000010400", messages=msgs),
+        _event(type="model_output", step=2, ts=1_700_000_012_000, modelOutput=out),
+        _event(type="step_end", step=2, ts=1_700_000_013_250),
+        _event(type="run_end", step=2, ts=1_700_000_099_000, ok=True, reason="max_steps"),
+    ]
+    t1, t2 = events_to_turns(events).turns
+    may_first = 1714557600.0  # 2024-05-01T10:00:00Z
+    assert (t1.started_at, t1.ended_at) == (may_first, may_first + 2.5)
+    assert (t2.started_at, t2.ended_at) == (1_700_000_010.0, 1_700_000_013.25)
+
+
+def test_turn_times_absent_when_the_log_has_no_readable_ts():
+    out = _model_output([1, 2], [3, IM_END], [-0.5, -0.25])
+    events = [
+        _event(type="model_call", step=1, ts="yesterday", messages=[_img_msg("data:,")]),
+        _event(type="model_output", step=1, ts=None, modelOutput=out),
+    ]
+    (turn,) = events_to_turns(events).turns
+    assert (turn.started_at, turn.ended_at) == (None, None)
