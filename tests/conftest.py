@@ -61,12 +61,31 @@ class DemoRun:
         return self.run_dir / "monitor.db"
 
 
+# The command issue 12 tried as a new user would (it lost 6 of 24 episodes before the gateway).
+DEMO_OVERRIDES = (
+    "rollout.max_head_offpolicyness=2",
+    "total_train_epochs=6",
+    "total_train_steps=6",
+    "rollout.max_concurrent_rollouts=8",
+)
+DEMO_STEPS = 6
+
+
 @pytest.fixture(scope="session")
 def demo_run(tmp_path_factory, tiny_vl_model_dir):
-    """``python -m examples.cua_agent.demo`` once: two real PPO steps with the monitor on SQLite."""
+    """``python -m examples.cua_agent.demo`` once, in the regime production trains in: six real
+    PPO steps, asynchronous (two steps of staleness, eight episodes in flight), through the
+    gateway, with the BPE tiny model; the monitor on SQLite."""
     run_dir = tmp_path_factory.mktemp("demo") / "demo"
     proc = subprocess.Popen(
-        [sys.executable, "-m", "examples.cua_agent.demo", "--run-dir", str(run_dir)],
+        [
+            sys.executable,
+            "-m",
+            "examples.cua_agent.demo",
+            "--run-dir",
+            str(run_dir),
+            *DEMO_OVERRIDES,
+        ],  # fmt: skip
         cwd=Path(__file__).resolve().parents[1],
         stdout=subprocess.PIPE,
         stderr=subprocess.STDOUT,

@@ -22,7 +22,10 @@ from typing import TextIO
 from cua_rl.monitor.views import seconds_between
 
 _DONE = ("completed",)
-_REJECTED = ("failed", "cancelled")
+_REJECTED = ("failed",)
+# Episodes in flight when the training ends are stopped, not rejected (asynchronous runs always
+# have some: the next steps' rollouts).
+_STOPPED = ("cancelled",)
 
 
 def _fmt(value: float | None, digits: int = 2) -> str:
@@ -144,7 +147,8 @@ class DemoProgress:
             parts = [
                 f"reward {_fmt(s['reward_mean'])} ± {_fmt(s['reward_std'])}",
                 f"success {_pct(metrics.get('rollout/cua/success'))}",
-                f"episodes {counts['done']} accepted, {counts['rejected']} rejected",
+                f"episodes {counts['done']} accepted, {counts['rejected']} rejected"
+                + (f", {counts['stopped']} stopped at the end" if counts["stopped"] else ""),
                 f"trained tokens {int(s['num_tokens'] or 0)}",
             ]
             if s["eval_success"] is not None:
@@ -156,12 +160,20 @@ class DemoProgress:
         return lines
 
     def _counts(self, db: sqlite3.Connection, column: str, source_id: int) -> dict[str, int]:
-        counts = {"done": 0, "running": 0, "rejected": 0}
+        counts = {"done": 0, "running": 0, "rejected": 0, "stopped": 0}
         for status, n in db.execute(
             f"SELECT status, COUNT(*) FROM rollout WHERE {column} = ? GROUP BY status",  # noqa: S608
             (source_id,),
         ):
-            key = "done" if status in _DONE else "rejected" if status in _REJECTED else "running"
+            key = (
+                "done"
+                if status in _DONE
+                else "rejected"
+                if status in _REJECTED
+                else "stopped"
+                if status in _STOPPED
+                else "running"
+            )
             counts[key] += n
         return counts
 

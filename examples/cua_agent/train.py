@@ -350,8 +350,10 @@ def run_training(config: CUAConfig) -> int:
             raise
         monitor.training_finished()
         monitor.close()
+        previous = None
         for step, stats in hooks.committed:
-            print(f"step {step}: {summarise(stats)}", flush=True)
+            print(f"step {step}: {summarise(stats, since=previous)}", flush=True)
+            previous = step
         where = endpoint.url if endpoint.server is None else config.monitor.db_path
         print(f"monitor: {where or 'disabled'}; logs: {log_dir}", flush=True)
         if monitor.counters:
@@ -413,7 +415,10 @@ def _terminate_like_ctrl_c(signum: int, frame: Any) -> None:
     raise Terminated(signal.Signals(signum).name)
 
 
-def summarise(stats: dict[str, float]) -> str:
+def summarise(stats: dict[str, float], since: int | None = None) -> str:
+    """One step's line. AReaL exports, at each commit, the stats of the episodes that finished
+    since the previous commit, whichever step trains them: asynchronous runs finish some steps'
+    episodes early, so the window is named rather than implied."""
     keys = {
         "reward": "rollout/cua/reward",
         "success": "rollout/cua/success",
@@ -429,7 +434,12 @@ def summarise(stats: dict[str, float]) -> str:
     }
     if rejected:
         parts.append(f"rejected={rejected}")
-    return " ".join(parts) or "(no rollout stats)"
+    rows = stats.get("ppo_actor/n_seqs")
+    head = f"trained {int(rows)} rows; " if rows is not None else ""
+    window = "since the start" if since is None else f"since step {since}"
+    if not parts:
+        return head + f"no episode finished {window} (its batch was complete before)"
+    return head + f"episodes finished {window}: " + " ".join(parts)
 
 
 def main(argv: list[str] | None = None) -> int:
