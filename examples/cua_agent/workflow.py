@@ -14,7 +14,6 @@ from __future__ import annotations
 
 import asyncio
 import itertools
-import os
 import time
 import uuid
 from dataclasses import dataclass, field
@@ -26,6 +25,9 @@ from areal.api.workflow_api import RolloutWorkflow
 
 from cua_rl.errors import ConfigError, CuaRlError, GymError, RejectedEpisode
 from cua_rl.genv import EvaluationResult, GenvClient
+
+# The group filters live in cua_rl.groups; re-exported for the dotted paths in use.
+from cua_rl.groups import GROUP_SIZE_ENV, complete_groups  # noqa: F401
 from cua_rl.logs import get_logger
 from cua_rl.mini_agent import MiniAgentClient, RunDriver, RunResult, RunSpec
 from cua_rl.monitor.client import MonitorClient, MonitorClientConfig
@@ -39,7 +41,6 @@ from examples.cua_agent.lifecycle import baseline_client_id, eval_client_id, ste
 
 log = get_logger("cua_rl.workflow")
 
-GROUP_SIZE_ENV = "CUA_RL_GROUP_SIZE"
 # How long a cancelled episode waits for its last monitor records to go out.
 CANCEL_FLUSH_S = 5.0
 
@@ -403,23 +404,3 @@ class CUAAgentWorkflow(RolloutWorkflow):
         for key, value in episode.timings.items():
             stats[f"cua/time/{key}"] = float(value)
         tracker.scalar(**stats)
-
-
-def complete_groups(traj: dict[str, Any]) -> bool:
-    """``dynamic_filter_fn``: accept a group only when every member returned a row.
-
-    AReaL's group normalisation slices fixed-size chunks of rows with no check, so a group that
-    lost a member would mix groups. The expected size comes from ``$CUA_RL_GROUP_SIZE``, which
-    train.py sets from ``gconfig.n_samples`` before any worker starts.
-    """
-    expected = os.environ.get(GROUP_SIZE_ENV)
-    if not expected:
-        raise ConfigError(
-            f"complete_groups needs ${GROUP_SIZE_ENV} (the group size, gconfig.n_samples); "
-            "train.py sets it: set it yourself when you use the filter elsewhere"
-        )
-    rows = traj["input_ids"].shape[0]
-    if rows != int(expected):
-        log.warning("group rejected: %d of %s members returned a row", rows, expected)
-        return False
-    return True
