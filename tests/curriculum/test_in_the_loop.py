@@ -59,10 +59,10 @@ def _train(tmp_path: Path, gym, agent, model_dir, *overrides: str) -> subprocess
             "+curriculum.seed=17",
             "recover.mode=on",
             "+recover.freq_steps=1",
-            # local.yaml's shaped rewards are multiples of -0.1 down to about -0.4 here; rewards
-            # within 0.25 of each other count as equal, so about four groups in five are
-            # zero-variance and the drop is surely exercised (the tolerance reaches the rollout
-            # workers through train.py).
+            # local.yaml's shaped rewards are multiples of 0.1, mostly -0.1 to -0.4 here (a
+            # success adds 1); rewards within 0.25 of each other count as equal, so four to nine
+            # groups in ten are zero-variance and the drop is surely exercised, while a step
+            # still fills (the tolerance reaches the rollout workers through train.py).
             "+curriculum.zero_variance_tol=0.25",
             *overrides,
         ],
@@ -181,7 +181,8 @@ def test_ucb_batches_follow_the_outcomes_and_survive_a_restart(tmp_path, tiny_vl
         # Every zero-variance group among the complete ones was dropped.
         assert m["rollout/cua/group/rejected/zero_variance"] == pytest.approx(zero * complete)
         dropped += m["rollout/cua/group/rejected/zero_variance"]
-    # With four groups in five zero-variance, two steps without a drop is a 1-in-500 run.
+    # With at least four groups in five zero-variance, two steps without a drop is at most a
+    # 1-in-500 run.
     assert dropped > 0, {s: steps[s][1] for s in (1, 2)}
     off = steps[3][1]
     assert "rollout/cua/group/zero_variance" in off
