@@ -246,6 +246,16 @@ def create_app(
             raise ApiError(404, "not_found", str(exc)) from None
         return _json({"entity_type": entity_type, "entity_id": entity_id, "history": rows})
 
+    @app.get("/api/task-outcomes")
+    async def task_outcomes(request: Request):
+        check_auth(request)
+        run_name = request.query_params.get("run_name", "")
+        if not run_name:
+            raise ApiError(422, "validation_error", "run_name is required", {"field": "run_name"})
+        # A run not recorded yet has no outcomes (not a 404: that means a wrong URL).
+        training_id, rows = await _read(store.task_outcomes, run_name)
+        return _json({"run_name": run_name, "training_id": training_id, "outcomes": rows})
+
     @app.put("/api/screenshots/{sha256}")
     async def put_screenshot(request: Request, sha256: str):
         check_auth(request, read=False)

@@ -572,6 +572,23 @@ class MonitorStore:
             (entity_type, entity_id),
         )
 
+    def task_outcomes(self, run_name: str) -> tuple[int | None, list[dict[str, Any]]]:
+        """Completed training rollouts of a run, aggregated per task and step (the curriculum's
+        outcomes, docs/curriculum.md), with the training's id (``None``: no such run yet)."""
+        found = self._rows("SELECT id FROM training WHERE run_name = ?", (run_name,))
+        if not found:
+            return None, []
+        return found[0]["id"], self._rows(
+            "SELECT t.task_id AS task_id, s.step AS step, COUNT(*) AS n, "
+            "SUM(COALESCE(r.task_success, 0)) AS successes, SUM(r.reward) AS reward_sum, "
+            "MIN(r.reward) AS reward_min, MAX(r.reward) AS reward_max "
+            "FROM step s JOIN rollout r ON r.source_type = 'step' AND r.step_id = s.id "
+            "JOIN task t ON t.id = r.task_id "
+            "WHERE s.training_id = ? AND r.status = 'completed' AND r.reward IS NOT NULL "
+            "GROUP BY t.task_id, s.step ORDER BY s.step, t.task_id",
+            (found[0]["id"],),
+        )
+
     def find_id(self, table: str, client_id: str) -> int | None:
         """The row id recorded for a client id (tests and tools)."""
         row = (

@@ -15,10 +15,12 @@ from urllib.parse import urlsplit
 
 from areal.api.cli_args import GRPOConfig, vLLMConfig
 
+from cua_rl.curriculum.selector import CurriculumConfig
 from cua_rl.errors import ConfigError
 from cua_rl.failfast import FailFastConfig
 from cua_rl.gateway.config import GatewayConfig, Sampling
 from cua_rl.genv import GenvTimeouts
+from cua_rl.groups import COMPLETE_GROUPS, COMPLETE_VARIED_GROUPS
 from cua_rl.mini_agent import DriverConfig
 from cua_rl.reward import RewardConfig
 from cua_rl.tasks import TaskSelectionConfig, TaskSourceConfig
@@ -246,6 +248,10 @@ class CUAConfig(GRPOConfig):
         default_factory=MonitorSection, metadata={"help": "Training Monitor"}
     )
     vllm: CUAvLLMConfig = field(default_factory=CUAvLLMConfig)
+    curriculum: CurriculumConfig = field(
+        default_factory=CurriculumConfig,
+        metadata={"help": "Which tasks each batch draws, and zero-variance groups"},
+    )
     gateway: GatewayConfig = field(
         default_factory=GatewayConfig,
         metadata={"help": "The rollout gateway (endpoint.mode=gateway)"},
@@ -337,6 +343,7 @@ class CUAConfig(GRPOConfig):
                     f"endpoint.base_url={self.endpoint.base_url!r} must be an http(s) OpenAI "
                     "base URL ending in /v1, or empty for the engine's own servers"
                 )
+        self.validate_curriculum()
         if self.monitor.enabled and not (self.monitor.base_url or self.monitor.db_path):
             import os
 
@@ -375,6 +382,24 @@ class CUAConfig(GRPOConfig):
                 "gateway the trainer samples. Drop it (use agent.model_options.parse=lenient to "
                 "keep a random model's replies actionable), or use endpoint.mode=direct"
             )
+
+    def validate_curriculum(self) -> None:
+        if self.curriculum.kind == "ucb":
+            if not self.monitor.enabled:
+                raise ConfigError(
+                    "curriculum.kind=ucb reads task outcomes from the Training Monitor: set "
+                    "monitor.enabled=true (with monitor.db_path or monitor.base_url), or "
+                    "curriculum.kind=uniform"
+                )
+            if self.train_dataset.num_workers:
+                raise ConfigError(
+                    "curriculum.kind=ucb draws tasks when the trainer asks for them; loader "
+                    "workers would draw ahead of the outcomes: set train_dataset.num_workers=0"
+                )
+
+    def group_filter(self) -> str:
+        """The ``dynamic_filter_fn`` dotted path for ``PPOTrainer.train``."""
+        return COMPLETE_VARIED_GROUPS if self.curriculum.drop_zero_variance else COMPLETE_GROUPS
 
     @property
     def run_name(self) -> str:

@@ -479,8 +479,11 @@ class TrainerHooks:
         model_path: str,
         eval_tasks: int | None,
         learning_rate: float | None = None,
+        step_stats: Callable[[], Mapping[str, float]] | None = None,
     ):
         self.learning_rate = learning_rate
+        # Stats kept outside AReaL's trackers (the curriculum's), merged into each commit.
+        self.step_stats = step_stats
         self._n_rows: int | None = None
         self.monitor = monitor
         self.total_steps = total_steps
@@ -495,13 +498,27 @@ class TrainerHooks:
         except Exception as exc:  # a monitor bug must not stop training
             log.warning("monitor hook failed: %s", exc)
 
+    def _extra_stats(self) -> dict[str, float]:
+        try:
+            return dict(self.step_stats())
+        except Exception as exc:  # a stats bug must not stop training
+            log.warning("step stats failed: %s", exc)
+            return {}
+
     def attach(self, trainer: Any) -> None:
         m = self.monitor
-        self._safe(lambda: m.step_started(1, total_steps=self.total_steps))
+        # A run resumed by AReaL's recover goes on with the step after the last checkpoint.
+        recovered = getattr(trainer, "recover_info", None)
+        if recovered is not None:
+            self.current_step = int(recovered.last_step_info.global_step) + 2
+        first = self.current_step
+        self._safe(lambda: m.step_started(first, total_steps=self.total_steps))
 
         commit = trainer.stats_logger.commit
 
         def on_commit(epoch, epoch_step, global_step, data, *a, **kw):
+            if self.step_stats is not None and isinstance(data, dict):
+                data = {**data, **self._extra_stats()}
             result = commit(epoch, epoch_step, global_step, data, *a, **kw)
             stats = data[0] if isinstance(data, list) and data else data
             stats = dict(stats or {})

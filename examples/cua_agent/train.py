@@ -29,13 +29,11 @@ import httpx
 from cua_rl.errors import AgentError, ConfigError, CuaRlError, GymError
 from cua_rl.failfast import RejectionWatch, advice_for
 from cua_rl.genv import GenvClient
-from cua_rl.groups import GROUP_SIZE_ENV
+from cua_rl.groups import GROUP_SIZE_ENV, ZERO_VARIANCE_TOL_ENV
 from cua_rl.logs import get_logger
 from cua_rl.tasks import Task, build_datasets, load_tasks, select_tasks
 from examples.cua_agent.config import CUAConfig
 from examples.cua_agent.lifecycle import TrainerHooks, TrainingMonitor
-
-GROUP_FILTER = "cua_rl.groups.complete_groups"
 
 log = get_logger("cua_rl.train")
 
@@ -289,11 +287,44 @@ def run_baseline(trainer: Any, config: CUAConfig, monitor: TrainingMonitor, sett
     )
 
 
-def run_training(config: CUAConfig) -> int:
+def curriculum_sampler(config: CUAConfig, train_ds, endpoint: MonitorEndpoint, log_dir: Path):
+    """The UCB curriculum's sampler, or None for AReaL's uniform one (docs/curriculum.md)."""
+    if config.curriculum.kind != "ucb":
+        return None
+    from cua_rl.curriculum.trainer import make_sampler
+
+    return make_sampler(
+        config.curriculum,
+        list(train_ds["task_id"]),
+        monitor_url=endpoint.url,
+        run_name=config.run_name,
+        monitor_token=config.monitor.token or os.environ.get("MONITOR_PROJECT_TOKEN") or None,
+        batch_size=config.train_dataset.batch_size,
+        group_size=config.gconfig.n_samples,
+        seed=config.seed,
+        drop_last=config.train_dataset.drop_last,
+        log_dir=log_dir,
+    )
+
+
+def make_trainer(config: CUAConfig, train_ds, valid_ds, sampler):
     from areal import PPOTrainer
+
+    if sampler is None:
+        return PPOTrainer(config, train_dataset=train_ds, valid_dataset=valid_ds)
+    from cua_rl.curriculum.trainer import CurriculumPPOTrainer
+
+    return CurriculumPPOTrainer(
+        config, train_dataset=train_ds, valid_dataset=valid_ds, sampler=sampler
+    )
+
+
+def run_training(config: CUAConfig) -> int:
     from areal.utils.stats_logger import StatsLogger
 
+    # The group filters run in the rollout workers, which inherit these.
     os.environ[GROUP_SIZE_ENV] = str(config.gconfig.n_samples)
+    os.environ[ZERO_VARIANCE_TOL_ENV] = repr(config.curriculum.zero_variance_tol)
     tasks = asyncio.run(fetch_tasks(config))
     train_ds, eval_ds = build_datasets(tasks, config.gym.selection)
     n_steps = total_steps(config, len(train_ds))
@@ -313,6 +344,7 @@ def run_training(config: CUAConfig) -> int:
         monitor.tasks(
             [{**r, "split": "train"} for r in train_ds] + [{**r, "split": "eval"} for r in eval_ds]
         )
+        sampler = None
         hooks = TrainerHooks(
             monitor,
             total_steps=n_steps,
@@ -321,6 +353,9 @@ def run_training(config: CUAConfig) -> int:
             learning_rate=config.actor.optimizer.lr if config.actor.optimizer else None,
         )
         try:
+            sampler = curriculum_sampler(config, train_ds, endpoint, log_dir)
+            if sampler is not None:
+                hooks.step_stats = sampler.pop_step_stats
             prepare_platform(config)
             settings = {
                 phase: config.workflow_settings(
@@ -332,7 +367,7 @@ def run_training(config: CUAConfig) -> int:
                 for phase in ("train", "eval", "baseline")
             }
             valid = eval_ds if len(eval_ds) else None
-            with PPOTrainer(config, train_dataset=train_ds, valid_dataset=valid) as trainer:
+            with make_trainer(config, train_ds, valid, sampler) as trainer:
                 hooks.attach(trainer)
                 if config.evaluator.eval_before_train:
                     run_baseline(trainer, config, monitor, settings["baseline"], len(eval_ds))
@@ -341,13 +376,16 @@ def run_training(config: CUAConfig) -> int:
                     workflow_kwargs={"settings": settings["train"]},
                     eval_workflow=config.workflow if valid is not None else None,
                     eval_workflow_kwargs={"settings": settings["eval"]},
-                    dynamic_filter_fn=GROUP_FILTER,
+                    dynamic_filter_fn=config.group_filter(),
                 )
         except BaseException as exc:
             monitor.step_failed(hooks.current_step, exc)
             monitor.training_failed(exc)
             monitor.close()
             raise
+        finally:
+            if sampler is not None:
+                sampler.close()
         monitor.training_finished()
         monitor.close()
         previous = None
@@ -434,6 +472,13 @@ def summarise(stats: dict[str, float], since: int | None = None) -> str:
     }
     if rejected:
         parts.append(f"rejected={rejected}")
+    groups = {
+        "zero_variance": "rollout/cua/group/zero_variance",
+        "dropped_zero_variance": "rollout/cua/group/rejected/zero_variance",
+        "never_tried": "curriculum/never_tried",
+        "sampled_success": "curriculum/sampled_success",
+    }
+    parts += [f"{name}={stats[k]:.3f}" for name, k in groups.items() if k in stats]
     rows = stats.get("ppo_actor/n_seqs")
     head = f"trained {int(rows)} rows; " if rows is not None else ""
     window = "since the start" if since is None else f"since step {since}"

@@ -63,8 +63,9 @@ def test_a_completed_step_gets_one_rounded_summary_line(tmp_path):
     store.close()
     lines = out.getvalue().splitlines()
     assert lines[0] == (
-        "step 1/2: reward -0.22 ± 0.04, success 25%, episodes 3 accepted, 1 rejected, "
-        "trained tokens 136, eval success 50%, 42s"
+        # An episode cancelled when the run ended was stopped, not rejected.
+        "step 1/2: reward -0.22 ± 0.04, success 25%, episodes 3 accepted, 0 rejected, "
+        "1 stopped at the end, trained tokens 136, eval success 50%, 42s"
     )
     assert len([ln for ln in lines if ln.startswith("step 1/2:")]) == 1
 
