@@ -77,7 +77,8 @@ def test_demo_trains_asynchronously_without_losing_an_episode(demo_run):
     for n, _, metrics in steps:
         m = json.loads(metrics or "{}")
         assert m.get("rollout/accepted") == 1.0, (n, m)
-        assert not [k for k in m if "/rejected/" in k], (n, m)
+        # Rejection counters are recorded as 0 when nothing was rejected.
+        assert not {k: v for k, v in m.items() if "/rejected/" in k and v}, (n, m)
     failed = _rows(db, "SELECT status_message FROM rollout WHERE status = 'failed'")
     assert failed == [], failed
     # Some episodes really did straddle weight updates: their turns carry several versions.
@@ -282,7 +283,7 @@ def test_systematic_rejection_stops_the_training_failed_with_its_reason(
                 f"cluster.fileroot={tmp_path / 'areal'}",
                 f"cluster.name_resolve.nfs_record_root={tmp_path / 'name_resolve'}",
                 "endpoint.mode=direct",
-                "+agent.model_options.logprobs=false",
+                # local.yaml's agent already asks for no token data, like an unpatched agent.
                 f"failfast.window={window}",
                 "total_train_steps=20",
                 "total_train_epochs=20",
@@ -299,7 +300,7 @@ def test_systematic_rejection_stops_the_training_failed_with_its_reason(
     assert "missing_tokens" in err and "endpoint.mode=gateway" in err, err
     rejected = _rows(db, "SELECT COUNT(*) FROM rollout WHERE status = 'failed'")[0][0]
     # Stopped within the window: the rejections that tripped it, plus at most the episodes
-    # that were already running (max_concurrent_rollouts) when it did.
-    assert window <= rejected <= window + 2 * 4, rejected
+    # already running when it did (4 groups of 2) and those ending during one poll and the stop.
+    assert window <= rejected <= window + 2 * 4 * 2, rejected
     print(f"stopped after {took:.0f}s and {rejected} rejected episodes")
     assert not _leftovers(str(tmp_path)), _leftovers(str(tmp_path))

@@ -284,11 +284,15 @@ async def test_cancelled_episode_leaves_no_open_execution(
 
 def test_complete_groups_rejects_groups_that_lost_members(monkeypatch):
     monkeypatch.setenv(GROUP_SIZE_ENV, "4")
-    assert complete_groups({"input_ids": torch.zeros(4, 7)})
-    assert not complete_groups({"input_ids": torch.zeros(3, 7)})
+
+    def group(n: int) -> dict:
+        return {"input_ids": torch.zeros(n, 7), "rewards": torch.arange(n, dtype=torch.float32)}
+
+    assert complete_groups(group(4))
+    assert not complete_groups(group(3))
     monkeypatch.delenv(GROUP_SIZE_ENV)
     with pytest.raises(ValueError, match=GROUP_SIZE_ENV):
-        complete_groups({"input_ids": torch.zeros(4, 7)})
+        complete_groups(group(4))
 
 
 def test_settings_must_be_workflow_settings():

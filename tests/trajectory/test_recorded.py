@@ -122,28 +122,52 @@ def hf_model(tiny_vl_model_dir):
     ).eval()
 
 
-def _logprob_gap(model, row) -> torch.Tensor:
-    """|transformers logprob - recorded vLLM logprob| on every trained token of the row."""
+def _ascii_allowed(processor) -> list[int]:
+    """What the local agent's ``constrain: ascii`` allows: single-token printable ASCII and
+    <|im_end|> (cua_rl/sim/agent.py), from the tokenizer itself."""
+    tok = processor.tokenizer
+    ids = {
+        t[0] for c in range(32, 127) if len(t := tok.encode(chr(c), add_special_tokens=False)) == 1
+    }
+    return sorted({*ids, tok.convert_tokens_to_ids("<|im_end|>")})
+
+
+def _logprob_gap(model, row, allowed: list[int] | None = None) -> torch.Tensor:
+    """|transformers logprob - recorded vLLM logprob| on every trained token of the row;
+    ``allowed`` restricts the distribution the way vLLM's allowed_token_ids did."""
     mm = row["multi_modal_input"][0]
     with torch.no_grad():
-        logits = model(
-            input_ids=row["input_ids"],
-            attention_mask=row["attention_mask"].long(),
-            pixel_values=mm["pixel_values"],
-            image_grid_thw=mm["image_grid_thw"],
-            mm_token_type_ids=row["mm_token_type_ids"],
-        ).logits[0]
-    logp = torch.log_softmax(logits.float(), dim=-1)
+        logits = (
+            model(
+                input_ids=row["input_ids"],
+                attention_mask=row["attention_mask"].long(),
+                pixel_values=mm["pixel_values"],
+                image_grid_thw=mm["image_grid_thw"],
+                mm_token_type_ids=row["mm_token_type_ids"],
+            )
+            .logits[0]
+            .float()
+        )
+    if allowed is not None:
+        masked = torch.full_like(logits, float("-inf"))
+        masked[:, allowed] = logits[:, allowed]
+        logits = masked
+    logp = torch.log_softmax(logits, dim=-1)
     pos = row["loss_mask"][0].nonzero().flatten()
     assert len(pos) > 0
     ids = row["input_ids"][0]
     return (logp[pos - 1, ids[pos]] - row["logprobs"][0, pos]).abs()
 
 
-def test_logprob_agreement_with_transformers(byte_rows, hf_model):
+def test_logprob_agreement_with_transformers(byte_rows, hf_model, processor):
+    """The servers run with --logprobs-mode processed_logprobs: the recorded logprobs are those
+    of the distribution sampled from, here the model restricted to the allowed ids."""
+    allowed = _ascii_allowed(processor)
     for res in byte_rows:
-        diff = _logprob_gap(hf_model, res.row)
+        diff = _logprob_gap(hf_model, res.row, allowed)
         assert diff.max().item() < 1e-3, f"max |Δlogprob| {diff.max().item():.2e} over {len(diff)}"
+        # Not the unrestricted model's: the restriction is in the recorded numbers.
+        assert _logprob_gap(hf_model, res.row).mean().item() > 0.1
 
 
 def test_regex_constrained_logprobs_are_of_the_masked_distribution(
