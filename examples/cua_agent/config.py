@@ -15,6 +15,7 @@ from urllib.parse import urlsplit
 
 from areal.api.cli_args import GRPOConfig, vLLMConfig
 
+from cua_rl.areal_ext.logits import LogitsConfig, check_areal_version
 from cua_rl.errors import ConfigError
 from cua_rl.genv import GenvTimeouts
 from cua_rl.mini_agent import DriverConfig
@@ -208,6 +209,10 @@ class CUAConfig(GRPOConfig):
         default_factory=MonitorSection, metadata={"help": "Training Monitor"}
     )
     vllm: CUAvLLMConfig = field(default_factory=CUAvLLMConfig)
+    logits: LogitsConfig = field(
+        default_factory=LogitsConfig,
+        metadata={"help": "Where the trainer computes full-vocabulary logits"},
+    )
 
     def __post_init__(self):
         super().__post_init__()
@@ -215,6 +220,8 @@ class CUAConfig(GRPOConfig):
 
     def validate(self) -> None:
         """Cross-section checks; each message says how to fix the config."""
+        if self.logits.selective:
+            check_areal_version()
         if not self.gym.gym_id:
             raise ConfigError(
                 "gym.gym_id is missing: set the id of the gym on your gym server "

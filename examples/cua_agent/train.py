@@ -290,8 +290,9 @@ def run_baseline(trainer: Any, config: CUAConfig, monitor: TrainingMonitor, sett
 
 
 def run_training(config: CUAConfig) -> int:
-    from areal import PPOTrainer
     from areal.utils.stats_logger import StatsLogger
+
+    from cua_rl.areal_ext.logits import trainer_class
 
     os.environ[GROUP_SIZE_ENV] = str(config.gconfig.n_samples)
     tasks = asyncio.run(fetch_tasks(config))
@@ -328,7 +329,8 @@ def run_training(config: CUAConfig) -> int:
                 for phase in ("train", "eval", "baseline")
             }
             valid = eval_ds if len(eval_ds) else None
-            with PPOTrainer(config, train_dataset=train_ds, valid_dataset=valid) as trainer:
+            trainer_cls = trainer_class(config.logits)  # PPOTrainer, or its selective-logits form
+            with trainer_cls(config, train_dataset=train_ds, valid_dataset=valid) as trainer:
                 hooks.attach(trainer)
                 if config.evaluator.eval_before_train:
                     run_baseline(trainer, config, monitor, settings["baseline"], len(eval_ds))
