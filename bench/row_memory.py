@@ -15,7 +15,12 @@ This session had no GPU: every figure is CPU. The screenshots are 64 image token
 1,280 of a million-pixel phone screenshot, so that AReaL's path fits in the memory of a small
 machine; docs/logits.md puts the figures next to the H100 ones.
 
-    python bench/row_memory.py [--turns 5 10 20] [--image-tokens 64] [--repeat 2]
+    python bench/row_memory.py [--turns 5 10 20] [--image-tokens 64]
+                               [--screenshot-sizes 64 256] [--repeat 2]
+
+A second sweep keeps the first row's turns and trained tokens and grows its screenshots: the
+update's peak should then grow with the row on AReaL's path and stay nearly flat with selective
+logits.
 """
 
 from __future__ import annotations
@@ -98,10 +103,67 @@ def run_child(turns: int, mode: str, image_tokens: int, repeat: int) -> dict:
     return json.loads(lines[-1])
 
 
+_measured: dict[tuple[int, int, str], dict] = {}
+
+
+def sweep(title: str, cases: list[tuple[int, int]], repeat: int) -> list[tuple[dict, dict]]:
+    """Both paths for each (turns, image tokens per screenshot); one table line per case."""
+    from cua_rl.testing.models import WIDE_VOCAB
+
+    print(f"\n{title}")
+    print(
+        f"{'turns':>5} {'shot':>4} {'tokens':>6} {'trained':>7} {'row logits':>10} | "
+        f"{'update peak: areal':>18} {'selective':>9} {'ratio':>5} | "
+        f"{'update s: areal':>15} {'selective':>9} | "
+        f"{'logp peak: areal':>16} {'selective':>9} | {'logp s: areal':>13} {'selective':>9}"
+    )
+    results = []
+    for turns, shot in cases:
+        for mode in MODES:  # a case both sweeps share is measured once
+            if (turns, shot, mode) not in _measured:
+                _measured[turns, shot, mode] = run_child(turns, mode, shot, repeat)
+        a, s = (_measured[turns, shot, mode] for mode in MODES)
+        results.append((a, s))
+        print(
+            f"{turns:>5} {shot:>4} {a['tokens']:>6} {a['trained']:>7} "
+            f"{a['tokens'] * WIDE_VOCAB * 4 / GIB:>8.2f} G | "
+            f"{a['update_added'] / GIB:>16.2f} G {s['update_added'] / GIB:>7.2f} G "
+            f"{a['update_added'] / s['update_added']:>5.1f} | "
+            f"{a['update_s']:>15.2f} {s['update_s']:>9.2f} | "
+            f"{a['logp_added'] / GIB:>14.2f} G {s['logp_added'] / GIB:>7.2f} G | "
+            f"{a['logp_s']:>13.2f} {s['logp_s']:>9.2f}",
+            flush=True,
+        )
+        if abs(s["grad_norm"] - a["grad_norm"]) > 1e-5 * abs(a["grad_norm"]):
+            print(f"  grad_norm differs: areal {a['grad_norm']}, selective {s['grad_norm']}")
+    return results
+
+
+def growth(results: list[tuple[dict, dict]], per: str) -> str:
+    """Added update peak between the first and last case, in fp32 logits rows per token."""
+    from cua_rl.testing.models import WIDE_VOCAB
+
+    (a0, s0), (a1, s1) = results[0], results[-1]
+    tokens = a1[per] - a0[per]
+    row = WIDE_VOCAB * 4
+
+    def rows(first: dict, last: dict) -> float:
+        return (last["update_added"] - first["update_added"]) / tokens / row
+
+    return f"areal {rows(a0, a1):.2f}, selective {rows(s0, s1):.2f}"
+
+
 def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--turns", type=int, nargs="+", default=[5, 10, 20])
     parser.add_argument("--image-tokens", type=int, default=64)
+    parser.add_argument(
+        "--screenshot-sizes",
+        type=int,
+        nargs="*",
+        default=[64, 256],
+        help="image tokens per screenshot for a second sweep at the first --turns value",
+    )
     parser.add_argument("--repeat", type=int, default=2, help="measured steps after the warm-up")
     parser.add_argument("--child", choices=MODES, help=argparse.SUPPRESS)
     args = parser.parse_args()
@@ -109,48 +171,30 @@ def main() -> int:
         print(json.dumps(measure(args.turns[0], args.child, args.image_tokens, args.repeat)))
         return 0
 
-    from cua_rl.testing.models import WIDE_VOCAB
-
-    print("device: CPU only (no GPU in this session); model qwen2-vl-wide, fp32")
+    print("device: CPU only (no GPU in this session); model qwen2-vl-wide (151,936 ids), fp32")
     print(f"load average at start: {os.getloadavg()[0]:.1f} on {os.cpu_count()} cores")
-    print(f"row: per turn 60 prompt + {args.image_tokens + 2} screenshot + 40 sampled tokens")
-    head = (
-        f"{'turns':>5} {'tokens':>6} {'trained':>7} {'logits of row':>13} | "
-        f"{'update peak areal':>17} {'selective':>9} {'ratio':>5} | "
-        f"{'update s areal':>14} {'selective':>9} | "
-        f"{'logp peak areal':>15} {'selective':>9} | {'logp s areal':>12} {'selective':>9}"
+    print("per turn: 60 prompt tokens, one screenshot ('shot' image tokens + 2), 40 sampled")
+    print("peaks are above the RSS before the call; 'row logits' = fp32 logits of every token")
+    by_turns = sweep(
+        "rows of more turns (trained tokens grow with the row)",
+        [(t, args.image_tokens) for t in args.turns],
+        args.repeat,
     )
-    print(head)
-    results = []
-    for turns in args.turns:
-        a, s = (run_child(turns, mode, args.image_tokens, args.repeat) for mode in MODES)
-        results.append((a, s))
-        row_logits = a["tokens"] * WIDE_VOCAB * 4 / GIB
+    if len(by_turns) > 1:
         print(
-            f"{turns:>5} {a['tokens']:>6} {a['trained']:>7} {row_logits:>11.2f} G | "
-            f"{a['update_added'] / GIB:>15.2f} G {s['update_added'] / GIB:>7.2f} G "
-            f"{a['update_added'] / s['update_added']:>5.1f} | "
-            f"{a['update_s']:>14.2f} {s['update_s']:>9.2f} | "
-            f"{a['logp_added'] / GIB:>13.2f} G {s['logp_added'] / GIB:>7.2f} G | "
-            f"{a['logp_s']:>12.2f} {s['logp_s']:>9.2f}",
-            flush=True,
+            "update peak growth, fp32 logits rows per added trained token: "
+            + growth(by_turns, "trained")
         )
-        for r in (a, s):
-            if abs(r["grad_norm"] - a["grad_norm"]) > 1e-5 * abs(a["grad_norm"]):
-                print(f"  grad_norm differs: areal {a['grad_norm']} selective {s['grad_norm']}")
-    if len(results) > 1:
-        (a0, s0), (a1, s1) = results[0], results[-1]
-        rows = a1["tokens"] - a0["tokens"]
-        trained = a1["trained"] - a0["trained"]
+    if len(args.screenshot_sizes) > 1:
+        by_size = sweep(
+            f"{args.turns[0]} turns, bigger screenshots (same trained tokens)",
+            [(args.turns[0], size) for size in args.screenshot_sizes],
+            args.repeat,
+        )
         print(
-            "growth of the update peak per added token of the row: areal "
-            f"{(a1['update_added'] - a0['update_added']) / rows / 1024:.0f} KiB, selective "
-            f"{(s1['update_added'] - s0['update_added']) / rows / 1024:.0f} KiB; "
-            "per added trained token: areal "
-            f"{(a1['update_added'] - a0['update_added']) / trained / 1024:.0f} KiB, selective "
-            f"{(s1['update_added'] - s0['update_added']) / trained / 1024:.0f} KiB "
-            f"(one fp32 logits row is {WIDE_VOCAB * 4 / 1024:.0f} KiB)"
+            "update peak growth, fp32 logits rows per added row token: " + growth(by_size, "tokens")
         )
+    print(f"load average at end: {os.getloadavg()[0]:.1f}")
     return 0
 
 

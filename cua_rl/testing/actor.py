@@ -28,14 +28,21 @@ _MERGE = 2
 
 
 def init_single_process_group() -> None:
-    """Environment for a one-process torch.distributed group on a free loopback port."""
-    if "MASTER_PORT" not in os.environ:
-        with socket.socket() as s:
-            s.bind(("127.0.0.1", 0))
-            os.environ["MASTER_PORT"] = str(s.getsockname()[1])
-    for key, value in (("RANK", "0"), ("WORLD_SIZE", "1"), ("LOCAL_RANK", "0")):
-        os.environ.setdefault(key, value)
-    os.environ.setdefault("MASTER_ADDR", "127.0.0.1")
+    """Environment for a one-process torch.distributed group on a free loopback port.
+
+    Values inherited from a parent process (which may hold that port) are replaced, unless this
+    process already has its group.
+    """
+    import torch.distributed as dist
+
+    if dist.is_initialized():
+        return
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    os.environ.update(
+        RANK="0", WORLD_SIZE="1", LOCAL_RANK="0", MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port)
+    )
 
 
 def actor_config(model_dir: str | os.PathLike, **overrides: Any):

@@ -203,6 +203,12 @@ def _stale_proximal(full, rows: list[dict]) -> list[dict]:
     return rows
 
 
+def _advantage_batches(actors, vocab: int) -> list[tuple]:
+    """Each actor with its ``compute_advantages`` output for the same stale-proximal rows."""
+    rows = _stale_proximal(actors[0], _rows(vocab))
+    return [(actor, actor.compute_advantages(copy.deepcopy(rows))) for actor in actors]
+
+
 def _grads(actor) -> dict[str, torch.Tensor]:
     return {
         n: p.grad.detach().clone() for n, p in actor.model.named_parameters() if p.grad is not None
@@ -211,11 +217,8 @@ def _grads(actor) -> dict[str, torch.Tensor]:
 
 @pytest.mark.slow
 def test_ppo_update_gives_the_same_gradients_and_statistics(actors, vocab):
-    full, selective = actors
-    rows = _stale_proximal(full, _rows(vocab))
     results = []
-    for actor in (full, selective):
-        batch = actor.compute_advantages(copy.deepcopy(rows))
+    for actor, batch in _advantage_batches(actors, vocab):
         actor.export_stats()  # drop what compute_logp and earlier tests recorded
         actor.ppo_update(batch)  # lr 0: the weights stay as loaded
         results.append((_grads(actor), actor.export_stats()))
@@ -248,11 +251,8 @@ def test_ppo_update_gives_the_same_gradients_and_statistics(actors, vocab):
 def test_loss_is_the_same(actors, vocab):
     from areal.trainer.ppo.actor import grpo_loss_fn
 
-    full, selective = actors
-    rows = _stale_proximal(full, _rows(vocab))
     losses = []
-    for actor in (full, selective):
-        batch = actor.compute_advantages(copy.deepcopy(rows))
+    for actor, batch in _advantage_batches(actors, vocab):
         loss = actor.eval_batch(
             batch,
             loss_fn=functools.partial(
