@@ -56,13 +56,16 @@ def check_areal_version() -> None:
         )
 
 
-def trainer_class(config: LogitsConfig) -> type:
-    """The trainer to construct: ``SelectiveLogitsTrainer``, or AReaL's ``PPOTrainer``."""
-    if not config.selective:
+def trainer_class(config: LogitsConfig, base: type | None = None) -> type:
+    """The trainer class to construct: ``base`` (default AReaL's ``PPOTrainer``) as it is, or
+    with selective logits (``logits_engine.with_selective_logits``)."""
+    if base is None:
         from areal import PPOTrainer
 
-        return PPOTrainer
+        base = PPOTrainer
+    if not config.selective:
+        return base
     check_areal_version()
-    from cua_rl.areal_ext.logits_engine import SelectiveLogitsTrainer
+    from cua_rl.areal_ext.logits_engine import with_selective_logits
 
-    return SelectiveLogitsTrainer
+    return with_selective_logits(base)

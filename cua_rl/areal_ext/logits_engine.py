@@ -24,13 +24,16 @@ file, class or function is modified):
 
 Layouts it does not cover (tensor or sequence parallelism, tree training, critics, micro-batches
 without a loss mask, a model without an output embedding) take AReaL's path unchanged.
-``SelectiveLogitsTrainer`` is ``PPOTrainer`` creating this actor (and the reference and teacher
-models) for the fsdp backend; workers import the class by its dotted path, so it works under any
-scheduler. ``cua_rl.areal_ext.logits.trainer_class`` picks it or AReaL's trainer.
+``SelectiveLogitsMixin`` makes a ``PPOTrainer`` (or a subclass, such as a trainer with its own
+data loader) create this actor, and the reference and teacher models, for the fsdp backend;
+workers import the engine class by its dotted path, so it works under any scheduler.
+``SelectiveLogitsTrainer`` is ``PPOTrainer`` with it; ``cua_rl.areal_ext.logits.trainer_class``
+picks the trainer from the config.
 """
 
 from __future__ import annotations
 
+import functools
 from dataclasses import dataclass
 from typing import Any
 
@@ -209,8 +212,8 @@ class SelectiveLogitsPPOActor(FSDPPPOActor):
         return plan.vocab_min, plan.vocab_max
 
 
-class SelectiveLogitsTrainer(PPOTrainer):
-    """``PPOTrainer`` whose fsdp train engines (actor, reference, teacher) are selective."""
+class SelectiveLogitsMixin:
+    """Put before a ``PPOTrainer`` (sub)class: its fsdp train engines become selective."""
 
     def _create_train_engine(self, actor_config, alloc):
         if alloc.backend != "fsdp":
@@ -223,3 +226,19 @@ class SelectiveLogitsTrainer(PPOTrainer):
             actor = SelectiveLogitsPPOActor(config=actor_config)
         actor.create_process_group(parallel_strategy=alloc.parallel)
         return actor
+
+
+class SelectiveLogitsTrainer(SelectiveLogitsMixin, PPOTrainer):
+    """``PPOTrainer`` whose fsdp train engines (actor, reference, teacher) are selective."""
+
+
+@functools.cache
+def with_selective_logits(base: type) -> type:
+    """``base`` (``PPOTrainer`` or a subclass of it) with ``SelectiveLogitsMixin`` in front."""
+    if not issubclass(base, PPOTrainer):
+        raise TypeError(f"{base.__name__} is not a PPOTrainer")
+    if issubclass(base, SelectiveLogitsMixin):
+        return base
+    if base is PPOTrainer:
+        return SelectiveLogitsTrainer
+    return type(f"SelectiveLogits{base.__name__}", (SelectiveLogitsMixin, base), {})

@@ -65,6 +65,25 @@ def test_trainer_class_follows_the_switch():
     assert issubclass(eng.SelectiveLogitsTrainer, PPOTrainer)
 
 
+class _LoaderTrainer:
+    """Stands for a PPOTrainer subclass of the project's (a trainer with its own data loader)."""
+
+
+def test_a_trainer_subclass_gets_selective_logits_in_front():
+    from areal import PPOTrainer
+
+    base = type("LoaderTrainer", (_LoaderTrainer, PPOTrainer), {})
+    assert sel.trainer_class(sel.LogitsConfig(selective=False), base) is base
+    cls = sel.trainer_class(sel.LogitsConfig(), base)
+    assert issubclass(cls, base) and issubclass(cls, eng.SelectiveLogitsMixin)
+    # Our engine factory first, then the subclass's own methods, then AReaL's.
+    assert cls.__mro__.index(eng.SelectiveLogitsMixin) < cls.__mro__.index(base)
+    assert sel.trainer_class(sel.LogitsConfig(), base) is cls  # one class per base
+    assert eng.with_selective_logits(cls) is cls
+    with pytest.raises(TypeError, match="not a PPOTrainer"):
+        eng.with_selective_logits(_LoaderTrainer)
+
+
 def test_another_areal_release_is_refused(monkeypatch):
     assert sel.areal_version() == sel.SUPPORTED_AREAL
     monkeypatch.setattr(sel, "areal_version", lambda: "1.0.5")
