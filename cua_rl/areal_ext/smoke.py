@@ -6,7 +6,8 @@ and trains with a single-turn workflow: the prompt goes through the chat templat
 a completion with logprobs, and the reward is the share of lowercase ASCII letters in the
 completion (so samples of one group differ). Each committed step is appended to
 ``RUN_DIR/steps.jsonl`` and printed on one line. The exit status is 0 only if every step was
-committed.
+committed. It trains with selective logits (``cua_rl.areal_ext.logits``, as train.py does by
+default) unless ``--full-logits`` asks for AReaL's own ``PPOTrainer``.
 """
 
 import argparse
@@ -152,14 +153,19 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument(
         "--setup-timeout", type=float, default=900.0, help="seconds for the vLLM server to start"
     )
+    parser.add_argument(
+        "--full-logits",
+        action="store_true",
+        help="AReaL's own PPOTrainer (logits at every position) instead of selective logits",
+    )
     parser.add_argument("overrides", nargs="*", help="AReaL config overrides, key=value")
     args = parser.parse_args(argv)
 
-    from areal import PPOTrainer
     from areal.api.cli_args import GRPOConfig, load_expr_config
     from datasets import Dataset
 
     from cua_rl.areal_ext.cpu import enable_cpu_training
+    from cua_rl.areal_ext.logits import LogitsConfig, trainer_class
     from cua_rl.testing.models import ensure_model
 
     run_dir = Path(args.run_dir).resolve()
@@ -181,7 +187,9 @@ def main(argv: list[str] | None = None) -> int:
     train = Dataset.from_list([{"prompt": PROMPTS[i % len(PROMPTS)]} for i in range(n_rows)])
     committed = 0
     t0 = time.monotonic()
-    with PPOTrainer(config, train_dataset=train, valid_dataset=None) as trainer:
+    trainer_cls = trainer_class(LogitsConfig(selective=not args.full_logits))
+    print(f"[smoke] trainer: {trainer_cls.__name__}", flush=True)
+    with trainer_cls(config, train_dataset=train, valid_dataset=None) as trainer:
         print(f"[smoke] trainer ready in {time.monotonic() - t0:.1f}s", flush=True)
         commit = trainer.stats_logger.commit
 

@@ -10,6 +10,11 @@ and for the VLMs the processor) that both transformers and vLLM load:
   every printable ASCII character is one token, so ASCII-constrained sampling keeps the prefix
   property across turns.
 - ``build_tiny_qwen2(dst)``: a text-only Qwen2 with the BPE tokenizer.
+- ``build_tiny_qwen2_vl(dst, tokenizer="byte", vocab_size=WIDE_VOCAB)`` ("qwen2-vl-wide"): the
+  byte-tokenizer Qwen2-VL with a production-sized output layer (Qwen-VL's 151,936 ids; the ids
+  past the tokenizer are never produced by it). Its full-vocabulary logits dominate a training
+  step's memory as they do for a real Qwen-VL model, which is what memory tests and
+  ``bench/row_memory.py`` need; the rest of the model stays tiny.
 
 Same arguments, same bytes: the tokenizer corpus is generated, the weights come from a seeded
 generator, and file writes are sorted. ``ensure_model`` builds into a cache folder once, atomically,
@@ -44,6 +49,9 @@ SPECIAL_TOKENS = [
     "<|video_pad|>",
 ]
 TOKEN_ID = {tok: i for i, tok in enumerate(SPECIAL_TOKENS)}
+
+# Output-layer width of the Qwen2-VL and Qwen2.5-VL checkpoints (config.vocab_size).
+WIDE_VOCAB = 151_936
 
 # Patch 14, merge 2: one image token per 28x28 pixels. The pixel budget keeps a phone screenshot
 # (360x640) at a few dozen image tokens, so 30-turn episodes stay cheap on a CPU.
@@ -178,8 +186,14 @@ def _save_generation_config(dst: Path) -> None:
     )
 
 
-def build_tiny_qwen2_vl(dst: str | os.PathLike, *, tokenizer: str = "bpe", seed: int = 0) -> Path:
-    """Write a tiny random Qwen2-VL (vision + text, text head_dim 64) into ``dst``."""
+def build_tiny_qwen2_vl(
+    dst: str | os.PathLike, *, tokenizer: str = "bpe", seed: int = 0, vocab_size: int | None = None
+) -> Path:
+    """Write a tiny random Qwen2-VL (vision + text, text head_dim 64) into ``dst``.
+
+    ``vocab_size`` widens the embedding and output layers past the tokenizer (default: exactly
+    the tokenizer's size, so every id detokenizes).
+    """
     import torch
     from transformers import (
         Qwen2VLConfig,
@@ -192,7 +206,9 @@ def build_tiny_qwen2_vl(dst: str | os.PathLike, *, tokenizer: str = "bpe", seed:
     dst = Path(dst)
     dst.mkdir(parents=True, exist_ok=True)
     tok = _wrap_tokenizer(_build_tokenizer(tokenizer))
-    text = _text_config(len(tok))
+    if vocab_size is not None and vocab_size < len(tok):
+        raise ValueError(f"vocab_size={vocab_size} is smaller than the tokenizer ({len(tok)} ids)")
+    text = _text_config(vocab_size or len(tok))
     text["rope_parameters"] = {
         "rope_type": "default",
         "rope_theta": 1000000.0,
@@ -275,6 +291,9 @@ BUILDERS = {
     "qwen2-vl-bpe": lambda d, seed: build_tiny_qwen2_vl(d, tokenizer="bpe", seed=seed),
     "qwen2-vl-byte": lambda d, seed: build_tiny_qwen2_vl(d, tokenizer="byte", seed=seed),
     "qwen2-text": lambda d, seed: build_tiny_qwen2(d, seed=seed),
+    "qwen2-vl-wide": lambda d, seed: build_tiny_qwen2_vl(
+        d, tokenizer="byte", seed=seed, vocab_size=WIDE_VOCAB
+    ),
 }
 
 

@@ -15,6 +15,7 @@ from urllib.parse import urlsplit
 
 from areal.api.cli_args import GRPOConfig, vLLMConfig
 
+from cua_rl.areal_ext.logits import LogitsConfig, check_areal_version
 from cua_rl.curriculum.selector import CurriculumConfig
 from cua_rl.errors import ConfigError
 from cua_rl.failfast import FailFastConfig
@@ -267,6 +268,10 @@ class CUAConfig(GRPOConfig):
             "CUAAgentWorkflow with your hooks, in an importable module (not __main__)."
         },
     )
+    logits: LogitsConfig = field(
+        default_factory=LogitsConfig,
+        metadata={"help": "Where the trainer computes full-vocabulary logits"},
+    )
 
     def __post_init__(self):
         super().__post_init__()
@@ -274,6 +279,8 @@ class CUAConfig(GRPOConfig):
 
     def validate(self) -> None:
         """Cross-section checks; each message says how to fix the config."""
+        if self.logits.selective:
+            check_areal_version()
         if not self.gym.gym_id:
             raise ConfigError(
                 "gym.gym_id is missing: set the id of the gym on your gym server "

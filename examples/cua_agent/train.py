@@ -308,15 +308,20 @@ def curriculum_sampler(config: CUAConfig, train_ds, endpoint: MonitorEndpoint, l
 
 
 def make_trainer(config: CUAConfig, train_ds, valid_ds, sampler):
+    """AReaL's PPOTrainer, or its curriculum form; either with selective logits unless
+    ``logits.selective=false`` (docs/logits.md)."""
     from areal import PPOTrainer
 
-    if sampler is None:
-        return PPOTrainer(config, train_dataset=train_ds, valid_dataset=valid_ds)
-    from cua_rl.curriculum.trainer import CurriculumPPOTrainer
+    from cua_rl.areal_ext.logits import trainer_class
 
-    return CurriculumPPOTrainer(
-        config, train_dataset=train_ds, valid_dataset=valid_ds, sampler=sampler
-    )
+    if sampler is None:
+        base, extra = PPOTrainer, {}
+    else:
+        from cua_rl.curriculum.trainer import CurriculumPPOTrainer
+
+        base, extra = CurriculumPPOTrainer, {"sampler": sampler}
+    cls = trainer_class(config.logits, base)
+    return cls(config, train_dataset=train_ds, valid_dataset=valid_ds, **extra)
 
 
 def run_training(config: CUAConfig) -> int:

@@ -151,3 +151,10 @@ def test_nested_library_sections_take_overrides(tmp_path):
     assert cfg.gym.timeouts.read_attempts == 1
     assert cfg.agent.driver.deadline_s == 42
     assert cfg.trajectory.prefix_break_policy == "reject"
+
+
+def test_selective_logits_is_on_by_default_and_can_be_switched_off(tmp_path):
+    assert _load(PROD, tmp_path, *PROD_REQUIRED).logits.selective is True
+    assert _load(LOCAL, tmp_path, "actor.path=/models/tiny").logits.selective is True
+    off = _load(LOCAL, tmp_path, "actor.path=/models/tiny", "logits.selective=false")
+    assert off.logits.selective is False

@@ -82,3 +82,23 @@ def test_vl_model_forward_runs_with_an_image(tiny_vl_model_dir):
         out = model(**batch)
     assert out.logits.shape[:2] == batch["input_ids"].shape
     assert torch.isfinite(out.logits).all()
+
+
+def test_wide_vl_model_has_the_production_vocabulary():
+    from transformers import AutoConfig, AutoModelForImageTextToText, AutoProcessor
+
+    from cua_rl.testing.models import ensure_model
+
+    path = ensure_model("qwen2-vl-wide")
+    cfg = AutoConfig.from_pretrained(path)
+    # Qwen2-VL's released checkpoints have 151,936 output ids.
+    assert cfg.text_config.vocab_size == 151_936
+    model = AutoModelForImageTextToText.from_pretrained(path)
+    assert model.get_output_embeddings().weight.shape == (151_936, cfg.text_config.hidden_size)
+    # The tokenizer stays the byte one: it never produces the ids past its own size.
+    assert len(AutoProcessor.from_pretrained(path).tokenizer) == 256 + len(SPECIAL_TOKENS)
+
+
+def test_a_vocabulary_narrower_than_the_tokenizer_is_refused(tmp_path):
+    with pytest.raises(ValueError, match="smaller than the tokenizer"):
+        build_tiny_qwen2_vl(tmp_path / "m", tokenizer="byte", vocab_size=100)

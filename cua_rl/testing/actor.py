@@ -1,0 +1,145 @@
+"""AReaL's FSDP PPO actor in this process on CPU, and screenshot-heavy rows for it to train on.
+
+Tests and ``bench/row_memory.py`` drive the actor through the calls AReaL's trainer makes on a
+worker (``compute_logp``, ``compute_advantages``, ``ppo_update``), with no scheduler, RPC or
+inference server: a one-process gloo group (world size 1) is all ``FSDPEngine`` needs.
+
+``screenshot_row`` lays a GUI episode out as the converter does, one row for all turns: per
+turn a user prompt, optionally one screenshot (``<|vision_start|>``, image pads,
+``<|vision_end|>`` with matching ``image_grid_thw`` and random pixel patches), then the sampled
+tokens, which alone are in the loss mask. Token ids and pixels come from a seeded generator.
+"""
+
+from __future__ import annotations
+
+import math
+import os
+import socket
+from typing import Any
+
+import torch
+
+from cua_rl.testing.models import SPECIAL_TOKENS, TOKEN_ID
+
+# Qwen2-VL's vision geometry (the tiny models use the real one): 14-pixel patches, 2x2 merged
+# into one image token, 2 frames per temporal patch, 3 channels.
+_PATCH_DIM = 3 * 2 * 14 * 14
+_MERGE = 2
+
+
+def init_single_process_group() -> None:
+    """Environment for a one-process torch.distributed group on a free loopback port.
+
+    Values inherited from a parent process (which may hold that port) are replaced, unless this
+    process already has its group.
+    """
+    import torch.distributed as dist
+
+    if dist.is_initialized():
+        return
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    os.environ.update(
+        RANK="0", WORLD_SIZE="1", LOCAL_RANK="0", MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port)
+    )
+
+
+def actor_config(model_dir: str | os.PathLike, **overrides: Any):
+    """A ``PPOActorConfig`` for a CPU actor: fp32, sdpa, one minibatch, lr 0 unless overridden.
+
+    The defaults mirror configs/cua.yaml's PPO settings (recomputed proximal logprobs,
+    decoupled loss, group-normalised rewards in groups of 2, no KL term).
+    """
+    from areal.api.cli_args import MicroBatchSpec, NormConfig, OptimizerConfig, PPOActorConfig
+
+    values: dict[str, Any] = dict(
+        experiment_name="cpu-actor",
+        trial_name="t",
+        path=str(model_dir),
+        backend="fsdp:d1",
+        dtype="float32",
+        attn_impl="sdpa",
+        optimizer=OptimizerConfig(lr=0.0, weight_decay=0.0),
+        ppo_n_minibatches=1,
+        mb_spec=MicroBatchSpec(max_tokens_per_mb=1 << 20),
+        recompute_logprob=True,
+        use_decoupled_loss=True,
+        kl_ctl=0.0,
+        reward_norm=NormConfig(mean_level="group", std_level="group", group_size=2),
+        adv_norm=NormConfig(mean_level="batch", std_level="batch"),
+        temperature=1.0,
+    )
+    values.update(overrides)
+    return PPOActorConfig(**values)
+
+
+def make_actor(engine_class: type, config: Any, *, dataset_size: int = 8):
+    """Create, connect and initialise ``engine_class(config)`` as an AReaL worker would."""
+    from areal.api.io_struct import FinetuneSpec
+
+    init_single_process_group()
+    actor = engine_class(config)
+    actor.create_process_group()
+    actor.initialize(
+        None,
+        FinetuneSpec(
+            total_train_epochs=1, dataset_size=dataset_size, train_batch_size=dataset_size
+        ),
+    )
+    return actor
+
+
+def screenshot_row(
+    turns: int,
+    *,
+    vocab_size: int,
+    screenshots: bool = True,
+    image_tokens: int = 64,
+    prompt_tokens: int = 60,
+    sampled_tokens: int = 40,
+    seed: int = 0,
+) -> dict[str, Any]:
+    """One multi-turn training row in AReaL's trajectory format (batch dimension 1).
+
+    ``image_tokens`` must be a square (the screenshot's grid of merged tokens). Sampled tokens
+    carry made-up behaviour logprobs (negative), version 0 and a seeded reward in [0, 1).
+    """
+    side = math.isqrt(image_tokens)
+    if side * side != image_tokens or side < 1:
+        raise ValueError(f"image_tokens={image_tokens} must be a positive square, e.g. 64")
+    gen = torch.Generator().manual_seed(seed)
+    low = len(SPECIAL_TOKENS)
+    ids: list[int] = []
+    loss: list[int] = []
+    pixels, grids = [], []
+    for _ in range(turns):
+        prompt = torch.randint(low, vocab_size, (prompt_tokens,), generator=gen).tolist()
+        ids += prompt
+        loss += [0] * prompt_tokens
+        if screenshots:
+            ids += [TOKEN_ID["<|vision_start|>"]]
+            ids += [TOKEN_ID["<|image_pad|>"]] * image_tokens
+            ids += [TOKEN_ID["<|vision_end|>"]]
+            loss += [0] * (image_tokens + 2)
+            grid = side * _MERGE
+            pixels.append(torch.randn(grid * grid, _PATCH_DIM, generator=gen))
+            grids.append(torch.tensor([[1, grid, grid]]))
+        ids += torch.randint(low, vocab_size, (sampled_tokens,), generator=gen).tolist()
+        loss += [1] * sampled_tokens
+    input_ids = torch.tensor([ids], dtype=torch.long)
+    loss_mask = torch.tensor([loss], dtype=torch.int32)
+    behaviour = -torch.rand(1, len(ids), generator=gen) * 3.0 * loss_mask
+    media = (
+        {"pixel_values": torch.cat(pixels), "image_grid_thw": torch.cat(grids)} if pixels else {}
+    )
+    return dict(
+        input_ids=input_ids,
+        loss_mask=loss_mask,
+        attention_mask=torch.ones_like(input_ids, dtype=torch.bool),
+        logprobs=behaviour.float(),
+        versions=torch.where(loss_mask.bool(), 0, -1).to(torch.int32),
+        rewards=torch.rand(1, generator=gen),
+        mm_token_type_ids=(input_ids == TOKEN_ID["<|image_pad|>"]).long(),
+        multi_modal_input=[media],
+    )
