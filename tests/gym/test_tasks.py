@@ -293,6 +293,20 @@ def test_dataset_rows_carry_what_the_workflow_needs():
     assert ds[1]["number"] is None
 
 
+def test_an_empty_split_is_an_empty_dataset_with_the_columns():
+    _, eval_ = build_datasets(_many(4), TaskSelectionConfig(train_ratio=1.0))
+    assert len(eval_) == 0
+    assert eval_.column_names == [
+        "task_id",
+        "name",
+        "description",
+        "instruction",
+        "tags",
+        "number",
+        "raw",
+    ]
+
+
 async def test_gym_tasks_become_train_and_eval_datasets(genv):
     tasks = await load_tasks(TaskSourceConfig(kind="gym"), genv)
     train, eval_ = build_datasets(tasks, TaskSelectionConfig(eval_number_range="011-013"))
