@@ -65,6 +65,10 @@ class Child:
         self._log.close()
 
 
+# What --quiet still shows of the trainer's output: its summaries and why it stopped.
+QUIET_PREFIXES = (b"tasks:", b"training failed", b"config error", b"stopped by")
+
+
 def free_port() -> int:
     sock = bind_free_port()
     port = sock.getsockname()[1]
@@ -130,6 +134,11 @@ def main(argv: list[str] | None = None) -> int:
     )
     parser.add_argument(
         "--box-startup", type=float, default=0.0, help="seconds the local gym takes to create a box"
+    )
+    parser.add_argument(
+        "--quiet",
+        action="store_true",
+        help="show only the trainer's summary and error lines (all of it is in logs/train.log)",
     )
     parser.add_argument("overrides", nargs="*", help="extra key=value overrides for train.py")
     args = parser.parse_args(argv)
@@ -214,9 +223,14 @@ def main(argv: list[str] | None = None) -> int:
             try:
                 for line in proc.stdout:
                     tee.write(line)
-                    sys.stdout.write(line.decode(errors="replace"))
-                    sys.stdout.flush()
+                    if not args.quiet or line.startswith(QUIET_PREFIXES):
+                        sys.stdout.write(line.decode(errors="replace"))
+                        sys.stdout.flush()
                 rc = proc.wait()
+                if rc and args.quiet:
+                    tee.flush()
+                    tail = train_log.read_text(errors="replace").splitlines()[-40:]
+                    print("\n".join(["[demo] the trainer's last lines:", *tail]), flush=True)
             except KeyboardInterrupt:
                 # train.py stops on SIGTERM as on Ctrl-C (AReaL stops its workers and vLLM, the
                 # training is recorded cancelled); SIGINT could be ignored by inheritance.
