@@ -56,10 +56,10 @@ class Progress(threading.Thread):
         self.db_path, self.label, self.total = db_path, label, total
         self.interval_s = interval_s
         self.shown = 0
-        self._stop = threading.Event()
+        self._halt = threading.Event()
 
     def run(self) -> None:
-        while not self._stop.wait(self.interval_s):
+        while not self._halt.wait(self.interval_s):
             self.poll()
 
     def poll(self) -> None:
@@ -80,7 +80,7 @@ class Progress(threading.Thread):
         self.shown = max(self.shown, len(points))
 
     def stop(self) -> None:
-        self._stop.set()
+        self._halt.set()
         self.join(timeout=10)
         self.poll()
 

@@ -137,7 +137,9 @@ def test_progress_prints_each_committed_step_once(tmp_path, capsys):
     progress.poll()  # no database yet: nothing, no error
     _write_run(db, "r", [(1, "completed", 0.125)], "2026-01-01 00:00:00")
     progress.poll()
-    progress.poll()
+    progress.start()  # the thread's own polls and the final one print nothing new
+    progress.stop()
+    assert not progress.is_alive()
     out = capsys.readouterr().out.splitlines()
     assert out == ["[learn] run step 1/5: success 0.125 (3/24) at 90s"]
 
