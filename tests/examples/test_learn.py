@@ -1,7 +1,7 @@
 """Proof of learning: the curve tools, the negative control's mask, and (slow) real training.
 
 The fast tests read curves from real monitor databases written through ``MonitorStore``. The
-slow test trains the tiny Qwen2-VL on the learn family with ``make learn``'s launcher, shortened,
+slow test trains the tiny Qwen2-VL on the learn family with ``make learn``'s launcher
 twice: the production workflow must raise its success rate by a margin, and the control whose
 loss mask is one token late must not, in the same budget. The margin and the runs behind it are
 in docs/learning.md.
@@ -153,12 +153,13 @@ def test_the_control_mask_skips_the_first_generated_token():
 
 # -- real training ------------------------------------------------------------------------------
 
-# Shortened `make learn`: the runs in docs/learning.md cross from ~0.1 to >0.9 within 10 steps.
-STEPS = 12
+# `make learn`'s whole length: the step at which a run crosses 0.5 success varies from 7 to past
+# 12 between reruns of one seed (vLLM sampling and the asynchronous batching are not
+# deterministic); every measured run held >= 0.9 from step 17 on (docs/learning.md).
+STEPS = 20
 WINDOW = 3
-# Measured (docs/learning.md): every run of the real workflow went from at most 0.15 in its
-# first 3 steps to at least 0.9 in its last 3 (gain >= 0.75); the controls stayed within 0.1
-# of their start. Halfway between the two.
+# Measured (docs/learning.md): the real workflow's runs gained >= 0.85 between their first and
+# last 3 steps of 20; the controls gained <= 0.05. 0.4 sits between, with room on both sides.
 MARGIN = 0.4
 
 
