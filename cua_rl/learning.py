@@ -172,6 +172,7 @@ def plot_curves(
 
     matplotlib.use("Agg")  # no display on training machines
     import matplotlib.pyplot as plt
+    from matplotlib.ticker import MaxNLocator
 
     fig, ax = plt.subplots(figsize=(7, 4), dpi=110)
     try:
@@ -180,6 +181,7 @@ def plot_curves(
                 ax.plot([p.step for p in points], successes(points), marker="o", ms=3, label=label)
         if target is not None:
             ax.axhline(target, color="grey", linestyle="--", linewidth=1, label=f"target {target}")
+        ax.xaxis.set_major_locator(MaxNLocator(integer=True))
         ax.set_xlabel("training step")
         ax.set_ylabel("success rate of the step's episodes")
         ax.set_ylim(-0.03, 1.03)
