@@ -11,11 +11,12 @@ PY_VLLM := $(VENV_VLLM)/bin/python
 PIP_QUIET ?= -q
 export CUA_VLLM_PYTHON ?= $(abspath $(PY_VLLM))
 
-.PHONY: help envs venv venv-vllm test test-fast lint format demo clean-envs freeze-vllm models browser
+.PHONY: help envs venv venv-vllm test test-fast lint format demo clean-envs freeze-vllm models browser learn
 SUDO := $(shell [ "$$(id -u)" = 0 ] || echo sudo)
 
 help:
 	@echo "make demo       create/reuse both environments and run the main job on the embedded default"
+	@echo "make learn      proof of learning: train the tiny model on the learn tasks, plot success per step"
 	@echo "make test       create/reuse both environments and run the whole suite (slow tests included)"
 	@echo "make test-fast  the suite without tests marked slow"
 	@echo "make lint       ruff check + format check"
@@ -64,6 +65,12 @@ demo: envs
 browser:
 	@command -v chromium >/dev/null 2>&1 || { echo "== installing chromium (Debian package)"; \
 	  $(SUDO) apt-get update -q && DEBIAN_FRONTEND=noninteractive $(SUDO) apt-get install -y -q chromium; }
+
+# Proof of learning: the tiny model learns the sim gym's "learn" tasks on CPU in minutes; prints the
+# success rate per step and writes success.png under runs/learn-<time> (docs/learning.md).
+# More runs: make learn LEARN_ARGS="--offpolicyness 0 2 --seeds 1 2 3"; the control: --control.
+learn: envs
+	$(PY) -m examples.cua_agent.learn $(LEARN_ARGS)
 
 # Lint first: it takes a second and CI then catches style drift too.
 test: envs browser

@@ -375,7 +375,11 @@ def to_dataset(tasks: Sequence[Task]) -> datasets.Dataset:
             "raw": datasets.Value("string"),
         }
     )
-    return datasets.Dataset.from_list([task_row(t) for t in tasks], features=features)
+    # from_list cannot infer columns from no rows: an empty eval split (train_ratio 1.0) needs
+    # the columns spelled out.
+    rows = [task_row(t) for t in tasks]
+    columns = {name: [r[name] for r in rows] for name in features}
+    return datasets.Dataset.from_dict(columns, features=features)
 
 
 def build_datasets(

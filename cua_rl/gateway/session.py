@@ -189,7 +189,16 @@ class EpisodeSession:
         prompt = self.conversation.prompt(template, images, key)
         if self._server is None:
             # One server per episode: its KV and image caches then serve every later turn.
-            self._server = self.spec.engine.choose_server()
+            try:
+                self._server = self.spec.engine.choose_server()
+            except (IndexError, RuntimeError, AttributeError) as exc:
+                # The engine is being torn down (the training ended under a late episode).
+                raise GatewayFailure(
+                    f"no inference server to sample from: {type(exc).__name__}: {exc}",
+                    status=503,
+                    code="engine_unavailable",
+                    kind="api_error",
+                ) from exc
         try:
             gen = await generate(
                 client,

@@ -719,6 +719,42 @@ TASKS: tuple[SimTask, ...] = (
         (V("calculator_result", 1, _calc("111")), V("answer", 1, _answer("111"))),
     ),
 )
+# The "learn" family (level "learn"): one tap at the centre of the top-right cell of a 3x3 grid
+# over the screen, (300, 106) at 360x640, solves each task in one step. That point is the
+# Calculator icon on the home screen and the Wi-Fi switch on the Settings screen, where these
+# tasks start. A lenient local agent taps the centre of the grid cell that a reply's first
+# character names, so a policy learns these tasks by putting its mass on the first tokens that
+# name cell 2, without reading the screen; docs/learning.md gives the chance rate.
+LEARN_TASKS: tuple[SimTask, ...] = (
+    SimTask(
+        14,
+        "learn_open_calculator",
+        "learn",
+        "calculator",
+        "Open the Calculator app.",
+        _set(screen="home"),
+        (V("calculator_open", 1, _is("screen", "calculator")),),
+    ),
+    SimTask(
+        15,
+        "learn_wifi_on",
+        "learn",
+        "settings",
+        "Turn Wi-Fi on.",
+        _set(screen="settings", wifi=False),
+        (V("wifi_on", 1, _is("wifi", True)),),
+    ),
+    SimTask(
+        16,
+        "learn_wifi_off",
+        "learn",
+        "settings",
+        "Turn Wi-Fi off.",
+        _set(screen="settings", wifi=True),
+        (V("wifi_off", 1, _is("wifi", False)),),
+    ),
+)
+TASKS = TASKS + LEARN_TASKS
 TASKS_BY_ID = {t.task_id: t for t in TASKS}
 
 

@@ -13,6 +13,7 @@ and the command that serves the database again for browsing.
 from __future__ import annotations
 
 import argparse
+import io
 import os
 import signal
 import sqlite3
@@ -134,6 +135,12 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument(
         "--box-startup", type=float, default=0.0, help="seconds the local gym takes to create a box"
     )
+    parser.add_argument(
+        "--quiet",
+        action="store_true",
+        help="no live progress lines (a caller prints its own); the end still says where "
+        "things are, and a failure shows the end of logs/train.log",
+    )
     parser.add_argument("overrides", nargs="*", help="extra key=value overrides for train.py")
     args = parser.parse_args(argv)
 
@@ -214,7 +221,7 @@ def main(argv: list[str] | None = None) -> int:
         )
         # The trainer's and AReaL's workers' output stays in the log; the terminal shows
         # progress read from the monitor's database.
-        progress = DemoProgress(db_path, prefix="[demo] ")
+        progress = DemoProgress(db_path, io.StringIO() if args.quiet else None, prefix="[demo] ")
         with open(train_log, "wb") as log_file:
             proc = subprocess.Popen(
                 cmd, cwd=ROOT, stdout=log_file, stderr=subprocess.STDOUT, start_new_session=True

@@ -15,7 +15,7 @@ from PIL import Image as PILImage
 from cua_rl.gateway import Gateway, GatewayConfig, Sampling
 from cua_rl.serving import ThreadedServer
 from cua_rl.trajectory.config import TrajectoryConfig
-from tests.gateway.conftest import data_url, png, user
+from tests.gateway.conftest import FakeEngine, data_url, png, user
 
 pytestmark = pytest.mark.slow
 
@@ -269,3 +269,16 @@ async def test_calls_wait_while_the_rollout_is_paused(open_episode, gateway):
     assert turn.paused_s >= 0.9
     # The server labels no version (no update reached it): the engine's version after the call.
     assert set(turn.versions) == {4}
+
+
+class TornDownEngine(FakeEngine):
+    def choose_server(self) -> str:
+        raise IndexError("list index out of range")  # AReaL's engine after destroy()
+
+
+async def test_a_torn_down_engine_answers_503_not_a_traceback(open_episode, gateway):
+    episode, url, _ = open_episode(engine=TornDownEngine("unused:1"))
+    async with httpx.AsyncClient(timeout=60) as http:
+        r = await http.post(f"{url}/chat/completions", json={"messages": [user("x")]})
+    assert r.status_code == 503 and _error(r)["code"] == "engine_unavailable"
+    assert [e.code for e in gateway.close(episode).errors] == ["engine_unavailable"]

@@ -15,6 +15,8 @@ HOME = {"settings": (70, 130), "notes": (180, 130), "calculator": (290, 130), "c
 WIFI, BLUETOOTH = (300, 116), (300, 186)
 SLIDER_Y = 290  # track runs from x=30 (0%) to x=330 (100%)
 NEW_NOTE, SAVE, CANCEL = (305, 50), (280, 345), (80, 345)
+# Centres of the cells of a 3x3 grid over 360x640, row by row (the lenient agent's taps).
+GRID = [(x, y) for y in (106, 320, 533) for x in (60, 180, 300)]
 CALC = {
     k: (51 + 86 * c, 239 + 90 * r)
     for r, row in enumerate(("789/", "456*", "123-", "C0=+"))
@@ -118,7 +120,12 @@ SCRIPTS = {
         [app("calculator"), *keys("37*3=")],
         "112",
     ),
+    # The learn family: one tap on the top-right cell's centre (Calculator icon / Wi-Fi switch).
+    "sim-014-learn-open-calculator": ([tap(GRID[2])], None, [tap(GRID[1])], None),
+    "sim-015-learn-wifi-on": ([tap(GRID[2])], None, [tap(BLUETOOTH)], None),
+    "sim-016-learn-wifi-off": ([tap(GRID[2])], None, [tap(BLUETOOTH)], None),
 }
+LEARN = ("sim-014-learn-open-calculator", "sim-015-learn-wifi-on", "sim-016-learn-wifi-off")
 
 
 async def run_script(genv, gym, http, task_id, script, answer):
@@ -136,7 +143,7 @@ async def run_script(genv, gym, http, task_id, script, answer):
 async def test_every_served_task_has_a_script_and_all_levels_exist(genv):
     tasks = await genv.list_tasks()
     assert {t["task_id"] for t in tasks} == set(SCRIPTS)
-    assert {"easy", "normal", "hard"} <= {tag for t in tasks for tag in t["tags"]}
+    assert {"easy", "normal", "hard", "learn"} <= {tag for t in tasks for tag in t["tags"]}
 
 
 @pytest.mark.parametrize("task_id", sorted(SCRIPTS))
@@ -199,3 +206,19 @@ async def test_final_answer_must_state_the_number(genv, gym, http, answer, passe
     script, _, _, _ = SCRIPTS["sim-013-calc-answer"]
     result = await run_script(genv, gym, http, "sim-013-calc-answer", script, answer)
     assert result.success is passes
+
+
+@pytest.mark.parametrize("task_id", LEARN)
+async def test_exactly_one_grid_cell_solves_each_learn_task(genv, gym, http, task_id):
+    # The family's scripted difficulty: one tap on a random cell solves it with probability 1/9.
+    solved = []
+    for cell, (x, y) in enumerate(GRID):
+        async with genv.execution(task_id) as ex:
+            r = await http.post(
+                f"{gym.base_url}/executions/{ex.execution_id}/actions",
+                json={"name": "tap", "args": {"x": x, "y": y}},
+            )
+            assert r.status_code == 200, r.text
+            if (await ex.evaluate()).success:
+                solved.append(cell)
+    assert solved == [2]

@@ -267,20 +267,15 @@ def test_selection_config_errors(kw):
 
 
 # -- dataset rows ----------------------------------------------------------------------------------
+COLUMNS = ["task_id", "name", "description", "instruction", "tags", "number", "raw"]
+
+
 def test_dataset_rows_carry_what_the_workflow_needs():
     obj = _task(
         task_id="t-007", name="seven", instruction="Open it", tags=["hard", "notes"], extra=[1, 2]
     )
     ds = to_dataset(normalize_tasks([obj, _task(task_id="plain", name="plain")]))
-    assert ds.column_names == [
-        "task_id",
-        "name",
-        "description",
-        "instruction",
-        "tags",
-        "number",
-        "raw",
-    ]
+    assert ds.column_names == COLUMNS
     row = ds[0]
     assert (row["task_id"], row["name"], row["instruction"], row["tags"], row["number"]) == (
         "t-007",
@@ -291,6 +286,12 @@ def test_dataset_rows_carry_what_the_workflow_needs():
     )
     assert json.loads(row["raw"]) == obj
     assert ds[1]["number"] is None
+
+
+def test_an_empty_split_is_an_empty_dataset_with_the_columns():
+    _, eval_ = build_datasets(_many(4), TaskSelectionConfig(train_ratio=1.0))
+    assert len(eval_) == 0
+    assert eval_.column_names == COLUMNS
 
 
 async def test_gym_tasks_become_train_and_eval_datasets(genv):
