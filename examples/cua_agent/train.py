@@ -129,6 +129,9 @@ async def check_services(config: CUAConfig, *, timeout: float = 10.0) -> list[Ch
         except (httpx.HTTPError, AgentError) as exc:
             results.append(CheckResult("agent", False, f"{agent_url or '(unset)'}: {_reason(exc)}"))
 
+        if config.endpoint.mode == "gateway":
+            results.append(gateway_check(config))
+
         # Model endpoint: an external one must serve the model; the engine's own are started later.
         if config.endpoint.base_url:
             url = config.endpoint.base_url.rstrip("/")
@@ -182,6 +185,33 @@ async def check_services(config: CUAConfig, *, timeout: float = 10.0) -> list[Ch
                     CheckResult("monitor", False, f"{config.monitor.db_path}: {_reason(exc)}")
                 )
     return results
+
+
+_LOOPBACK = ("127.0.0.1", "localhost", "::1")
+
+
+def gateway_check(config: CUAConfig) -> CheckResult:
+    """The gateway starts with the rollout workers; what can be checked now is whether the agent
+    will be able to reach the address it is told."""
+    from urllib.parse import urlsplit
+
+    g = config.gateway
+    told = g.public_host or (
+        "the worker's IP" if g.bind_host in ("0.0.0.0", "::", "") else g.bind_host
+    )
+    detail = (
+        f"each rollout worker listens on {g.bind_host}:{g.bind_port or 'a free port'}, "
+        f"the agent is told {told}"
+    )
+    agent_host = (urlsplit(config.agent.base_url).hostname or "").lower()
+    local_agent = agent_host in _LOOPBACK
+    reachable = local_agent or (g.bind_host not in _LOOPBACK and told not in _LOOPBACK)
+    if not reachable:
+        detail += (
+            f"; the agent at {agent_host} runs elsewhere and cannot reach a loopback gateway: "
+            "set gateway.bind_host=0.0.0.0 (and gateway.public_host to an address it can reach)"
+        )
+    return CheckResult("gateway", reachable, detail)
 
 
 def run_check(config: CUAConfig) -> int:

@@ -40,7 +40,7 @@ def test_check_reaches_every_service(tmp_path, tiny_vl_model_dir, capsys):
         )
     out = capsys.readouterr().out
     assert rc == 0, out
-    for name in ("gym", "agent", "model", "monitor"):
+    for name in ("gym", "agent", "gateway", "model", "monitor"):
         assert any(line.startswith("ok") and f" {name} " in line for line in out.splitlines()), out
     assert (tmp_path / "monitor.db").exists()
 
@@ -90,3 +90,18 @@ def test_check_reports_a_refused_monitor_token(tmp_path, capsys):
     out = capsys.readouterr().out
     assert rc == 1
     assert any(line.startswith("FAIL") and "token refused" in line for line in out.splitlines())
+
+
+def test_check_refuses_a_loopback_gateway_for_a_remote_agent(tmp_path, capsys):
+    from examples.cua_agent.train import gateway_check, load_config
+
+    config = load_config(
+        [
+            "--config", "configs/local.yaml", f"cluster.fileroot={tmp_path}",
+            "actor.path=/models/tiny", "agent.base_url=http://agent.internal:3000",
+        ]
+    )  # fmt: skip
+    result = gateway_check(config)
+    assert not result.ok and "gateway.bind_host=0.0.0.0" in result.detail
+    config.gateway.bind_host = "0.0.0.0"
+    assert gateway_check(config).ok

@@ -25,6 +25,7 @@ from cua_rl.serving import ThreadedServer, bind_free_port
 from cua_rl.sim.agent import AgentServer
 from cua_rl.sim.gym import GymServer
 from cua_rl.tasks import task_row
+from cua_rl.testing.forward import load_vl_model, trained_gap
 from cua_rl.trajectory.config import TrajectoryConfig
 from examples.cua_agent.config import AgentSection, EndpointSection, GymSection, WorkflowSettings
 from examples.cua_agent.lifecycle import step_client_id
@@ -364,24 +365,8 @@ async def test_agent_without_token_data_trains_through_the_gateway(
     assert stats["rollout/cua/gateway/overridden_calls"] == stats["rollout/cua/gateway/calls"] >= 1
     trained = row["loss_mask"][0].bool()
     assert (row["versions"][0][trained] == 2).all()
-    from transformers import Qwen2VLForConditionalGeneration
-
-    model = Qwen2VLForConditionalGeneration.from_pretrained(
-        tiny_vl_bpe_model_dir, dtype=torch.float32
-    ).eval()
-    mm = row["multi_modal_input"][0]
-    with torch.no_grad():
-        logits = model(
-            input_ids=row["input_ids"],
-            attention_mask=row["attention_mask"].long(),
-            pixel_values=mm["pixel_values"],
-            image_grid_thw=mm["image_grid_thw"],
-            mm_token_type_ids=row["mm_token_type_ids"],
-        ).logits[0]
-    logp = torch.log_softmax(logits.float() / temperature, dim=-1)
-    pos = trained.nonzero().flatten()
-    ids = row["input_ids"][0]
-    gap = (logp[pos - 1, ids[pos]] - row["logprobs"][0, pos]).abs()
+    model = load_vl_model(tiny_vl_bpe_model_dir)
+    gap = trained_gap(model, row, temperature=temperature)
     assert gap.max().item() < 1e-3, gap.max().item()
 
 

@@ -8,11 +8,11 @@ import shutil
 
 import httpx
 import pytest
-import torch
 from safetensors.torch import load_file, save_file
 
 from cua_rl.areal_ext.vllm_server import OUR_EXTENSION
 from cua_rl.gateway import Gateway, GatewayConfig, Sampling, SessionSpec
+from cua_rl.testing.forward import load_vl_model, next_token_logprobs
 from cua_rl.testing.vllm_server import VLLMServer
 from cua_rl.trajectory import convert_turns
 from cua_rl.trajectory.config import TrajectoryConfig
@@ -41,33 +41,6 @@ def sharper_v1(tmp_path_factory, tiny_vl_bpe_model_dir):
     weights["model.norm.weight"] = weights["model.norm.weight"] * 2.0  # sharper distributions
     save_file(weights, dst / "model.safetensors", metadata={"format": "pt"})
     return dst
-
-
-def _logprobs(model_dir, row, stop_ids: list[int]) -> torch.Tensor:
-    """Each position's logprob of the next token under ``model_dir``, with the stop tokens
-    masked as vLLM masks them while min_tokens is not reached (every position here)."""
-    from transformers import Qwen2VLForConditionalGeneration
-
-    model = Qwen2VLForConditionalGeneration.from_pretrained(model_dir, dtype=torch.float32).eval()
-    mm = row["multi_modal_input"][0]
-    with torch.no_grad():
-        logits = (
-            model(
-                input_ids=row["input_ids"],
-                attention_mask=row["attention_mask"].long(),
-                pixel_values=mm["pixel_values"],
-                image_grid_thw=mm["image_grid_thw"],
-                mm_token_type_ids=row["mm_token_type_ids"],
-            )
-            .logits[0]
-            .float()
-        )
-    logits[:, stop_ids] = float("-inf")
-    logp = torch.log_softmax(logits, dim=-1)
-    ids = row["input_ids"][0]
-    out = torch.zeros(len(ids))
-    out[1:] = logp[:-1].gather(-1, ids[1:, None])[:, 0]
-    return out
 
 
 async def test_weight_update_mid_call_gives_a_normal_answer_and_both_versions(
@@ -129,8 +102,9 @@ async def test_weight_update_mid_call_gives_a_normal_answer_and_both_versions(
     recorded = row["logprobs"][0, trained]
     stops = sorted({0, 2, *(processor.tokenizer.convert_tokens_to_ids(t) for t in (
         "<|image_pad|>", "<|video_pad|>", "<|vision_start|>", "<|vision_end|>"))})  # fmt: skip
-    old = _logprobs(tiny_vl_bpe_model_dir, row, stops)[trained]
-    new = _logprobs(sharper_v1, row, stops)[trained]
+    # While min_tokens is not reached (every position here) vLLM removes the stop tokens.
+    old = next_token_logprobs(load_vl_model(tiny_vl_bpe_model_dir), row, banned=stops)[trained]
+    new = next_token_logprobs(load_vl_model(sharper_v1), row, banned=stops)[trained]
     before, after = versions == 0, versions == 1
     assert (recorded[before] - old[before]).abs().max() < 1e-3
     assert (recorded[after] - new[after]).abs().max() < 1e-3

@@ -13,6 +13,7 @@ import logging
 import pytest
 import torch
 
+from cua_rl.testing.forward import load_vl_model, trained_gap
 from cua_rl.trajectory import TrajectoryConfig, convert_events
 
 from .conftest import open_executions, record
@@ -115,11 +116,7 @@ def test_images_match_the_prompt(recorded_logs, byte_rows, processor):
 
 @pytest.fixture(scope="module")
 def hf_model(tiny_vl_model_dir):
-    from transformers import Qwen2VLForConditionalGeneration
-
-    return Qwen2VLForConditionalGeneration.from_pretrained(
-        tiny_vl_model_dir, dtype=torch.float32
-    ).eval()
+    return load_vl_model(tiny_vl_model_dir)
 
 
 def _ascii_allowed(processor) -> list[int]:
@@ -132,42 +129,15 @@ def _ascii_allowed(processor) -> list[int]:
     return sorted({*ids, tok.convert_tokens_to_ids("<|im_end|>")})
 
 
-def _logprob_gap(model, row, allowed: list[int] | None = None) -> torch.Tensor:
-    """|transformers logprob - recorded vLLM logprob| on every trained token of the row;
-    ``allowed`` restricts the distribution the way vLLM's allowed_token_ids did."""
-    mm = row["multi_modal_input"][0]
-    with torch.no_grad():
-        logits = (
-            model(
-                input_ids=row["input_ids"],
-                attention_mask=row["attention_mask"].long(),
-                pixel_values=mm["pixel_values"],
-                image_grid_thw=mm["image_grid_thw"],
-                mm_token_type_ids=row["mm_token_type_ids"],
-            )
-            .logits[0]
-            .float()
-        )
-    if allowed is not None:
-        masked = torch.full_like(logits, float("-inf"))
-        masked[:, allowed] = logits[:, allowed]
-        logits = masked
-    logp = torch.log_softmax(logits, dim=-1)
-    pos = row["loss_mask"][0].nonzero().flatten()
-    assert len(pos) > 0
-    ids = row["input_ids"][0]
-    return (logp[pos - 1, ids[pos]] - row["logprobs"][0, pos]).abs()
-
-
 def test_logprob_agreement_with_transformers(byte_rows, hf_model, processor):
     """The servers run with --logprobs-mode processed_logprobs: the recorded logprobs are those
     of the distribution sampled from, here the model restricted to the allowed ids."""
     allowed = _ascii_allowed(processor)
     for res in byte_rows:
-        diff = _logprob_gap(hf_model, res.row, allowed)
+        diff = trained_gap(hf_model, res.row, allowed=allowed)
         assert diff.max().item() < 1e-3, f"max |Δlogprob| {diff.max().item():.2e} over {len(diff)}"
         # Not the unrestricted model's: the restriction is in the recorded numbers.
-        assert _logprob_gap(hf_model, res.row).mean().item() > 0.1
+        assert trained_gap(hf_model, res.row).mean().item() > 0.1
 
 
 def test_regex_constrained_logprobs_are_of_the_masked_distribution(
@@ -178,7 +148,7 @@ def test_regex_constrained_logprobs_are_of_the_masked_distribution(
     runs = asyncio.run(record(agent_stack, vllm_server, steps=2, seed=5, constrain="regex"))
     res = convert_events(runs[0].events, processor=processor, reward=0.0, version=0)
     assert res.ok, (res.reason, res.detail)
-    diff = _logprob_gap(hf_model, res.row)
+    diff = trained_gap(hf_model, res.row)
     # Where the grammar leaves one choice the masked logprob is 0 while the model's is about
     # -log(vocab): far beyond the 1e-3 the unmasked (ascii) runs agree to.
     assert diff.mean().item() > 0.5, diff
