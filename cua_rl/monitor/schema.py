@@ -9,11 +9,14 @@ Two side tables keep the monitor's own bookkeeping out of the seed tables so the
 to the seed: ``client_key`` maps ``(entity, client_id)`` to a row id (idempotent upserts and
 references by client id), ``extra_field`` keeps fields a client sent that the schema does not name.
 Later changes append a migration; a shipped migration is never edited. Migration 2 adds the
-``screenshot`` table of the screenshot store.
+``screenshot`` table of the screenshot store. Migration 3 lets an environment exist before its
+rollout (``environment.rollout_id`` nullable), as the existing clients record it
+(cua_rl/monitor/compat.py); the only departure from the seed's columns.
 """
 
 from __future__ import annotations
 
+import re
 from dataclasses import dataclass
 
 # The status vocabularies of the seed, one tuple per stateful table.
@@ -386,9 +389,9 @@ def _quoted(values: tuple[str, ...]) -> str:
     return ", ".join(f"'{v}'" for v in values)
 
 
-def _status_history_triggers() -> str:
+def _status_history_triggers(tables: tuple[str, ...] = tuple(STATUSES)) -> str:
     parts = []
-    for table in STATUSES:
+    for table in tables:
         # environment has no progress_percent column; its history rows carry NULL there.
         progress = "NULL" if table == "environment" else "NEW.progress_percent"
         insert = (
@@ -409,14 +412,14 @@ def _status_history_triggers() -> str:
     return "\n".join(parts)
 
 
-def _updated_at_triggers() -> str:
+def _updated_at_triggers(tables: tuple[str, ...] = UPDATED_AT_TABLES) -> str:
     # Fires only when the writer did not set updated_at itself; recursive triggers are off, so
     # the inner UPDATE does not fire this trigger again (and it does not touch status).
     return "\n".join(
         f"CREATE TRIGGER trg_{t}_updated_at AFTER UPDATE ON {t}\n"
         f"WHEN NEW.updated_at IS OLD.updated_at\n"
         f"BEGIN UPDATE {t} SET updated_at = CURRENT_TIMESTAMP WHERE id = NEW.id; END;"
-        for t in UPDATED_AT_TABLES
+        for t in tables
     )
 
 
@@ -469,7 +472,50 @@ CREATE TABLE screenshot (
 CREATE INDEX idx_screenshot_created ON screenshot (created_at);
 """
 
+
+def _migration_3() -> str:
+    """``environment.rollout_id`` loses NOT NULL, everything else of the table stays.
+
+    SQLite cannot drop a column constraint in place, so this is its documented table
+    redefinition, inside the migration's transaction: a copy of migration 1's table with the one
+    constraint relaxed, the rows copied with their ids (status_history, client_key and
+    extra_field refer to them), the AUTOINCREMENT counter carried over, the old table dropped
+    (no table references environment, so foreign keys allow it), the copy renamed, and the
+    table's indexes and triggers created again."""
+    seed = _TABLES_SQL.format(**{t: _quoted(v) for t, v in STATUSES.items()})
+    found = re.search(r"^CREATE TABLE environment \(\n.*?^\);$", seed, flags=re.M | re.S)
+    if found is None:
+        raise RuntimeError("migration 1 has no environment table")
+    required = "rollout_id INTEGER NOT NULL REFERENCES rollout(id)"
+    if required not in found.group(0):
+        raise RuntimeError("migration 1's environment.rollout_id is not the expected column")
+    table = found.group(0).replace("CREATE TABLE environment (", "CREATE TABLE environment_v3 (")
+    table = table.replace(required, "rollout_id INTEGER REFERENCES rollout(id)")
+    indexes = "\n".join(
+        f"CREATE INDEX {name} ON {t} ({', '.join(cols)});"
+        for name, t, cols in SEED_INDEXES
+        if t == "environment"
+    )
+    return "\n".join(
+        [
+            table,
+            "INSERT INTO environment_v3 SELECT * FROM environment;",
+            "INSERT INTO sqlite_sequence (name, seq) SELECT 'environment_v3', seq "
+            "FROM sqlite_sequence WHERE name = 'environment' "
+            "AND NOT EXISTS (SELECT 1 FROM sqlite_sequence WHERE name = 'environment_v3');",
+            "UPDATE sqlite_sequence SET seq = MAX(seq, (SELECT COALESCE(MAX(seq), 0) "
+            "FROM sqlite_sequence WHERE name = 'environment')) WHERE name = 'environment_v3';",
+            "DROP TABLE environment;",
+            "ALTER TABLE environment_v3 RENAME TO environment;",
+            indexes,
+            _status_history_triggers(("environment",)),
+            _updated_at_triggers(("environment",)),
+        ]
+    )
+
+
 MIGRATIONS: tuple[Migration, ...] = (
     Migration(1, "seed schema", _migration_1()),
     Migration(2, "screenshot store", _SCREENSHOT_SQL),
+    Migration(3, "environment before its rollout", _migration_3()),
 )

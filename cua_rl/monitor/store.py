@@ -15,6 +15,10 @@ References: ``<x>_id`` given as an integer is a server id (checked to exist); gi
 or as ``<x>_client_id``, it is the referenced record's client id, resolved here. Fields the
 schema does not name are kept in ``extra_field`` and returned as ``extra`` by the reads.
 
+The existing clients' dialect (cua_rl/monitor/compat.py) is read here too: a training created
+without ``log_path`` / ``model_name`` or updated by ``training_id``, their status words, field
+aliases, and a rollout that names its environment by ``env_id`` (linked on write).
+
 Speed: client ids of a kind are looked up in one query per 500, and consecutive new records of
 one kind with the same columns are inserted with one ``executemany`` (undone to a savepoint and
 redone one by one if any of them fails, so errors still name the record).
@@ -35,6 +39,7 @@ from typing import Any
 import sqlite_utils
 
 from cua_rl.errors import CuaRlError
+from cua_rl.monitor import compat
 from cua_rl.monitor.migrations import connect, migrate
 from cua_rl.monitor.schema import SOURCE_TYPES, STATUSES
 
@@ -293,9 +298,20 @@ class MonitorStore:
         client_id = record.get("client_id")
         if client_id is not None and not isinstance(client_id, str):
             client_id = str(client_id)
+        conn = ctx.conn
         try:
+            training_row = None  # a training named by its server id (an update)
+            env_ref = None  # (field, environment id): the rollout names its environment
+            aliased = table in compat.FIELD_ALIASES
             for name, value in record.items():
                 if name == "client_id":
+                    continue
+                if table == "training" and name == "training_id":
+                    if value is not None:
+                        training_row = ctx.resolve("training", value, name)
+                    continue
+                if table == "rollout" and name in compat.ENV_REFERENCES:
+                    env_ref = self._env_reference(ctx, record, name, value) or env_ref
                     continue
                 if name in spec.refs:
                     if value is not None:
@@ -309,6 +325,8 @@ class MonitorStore:
                         if value is not None and ref not in record:
                             values[ref] = ctx.resolve(spec.refs[ref], str(value), name)
                         continue
+                if aliased:
+                    name = compat.seed_name(table, name, record)
                 col = columns.get(name)
                 if col is None:
                     extras[name] = value
@@ -318,7 +336,18 @@ class MonitorStore:
                 present = [s for s, c in _SOURCE_ID_COLUMNS.items() if values.get(c) is not None]
                 if len(present) == 1:
                     values["source_type"] = present[0]
-            if client_id is not None:
+            original = None  # a status word of the existing clients, stored as the seed's word
+            mapped = compat.map_status(table, values.get("status"))
+            if mapped is not None:
+                original, values["status"] = values["status"], mapped
+                extras[compat.ORIGINAL_STATUS] = original
+            if training_row is not None:
+                row_id = training_row
+                if client_id is None:
+                    client_id = conn.execute(
+                        "SELECT run_name FROM training WHERE id = ?", (row_id,)
+                    ).fetchone()[0]
+            elif client_id is not None:
                 # Known client id: update. Unknown: insert, and only if that hits the natural
                 # key (a row made under another client id) look it up; saves a query per row.
                 row_id = ctx.lookup_client(table, client_id)
@@ -328,7 +357,29 @@ class MonitorStore:
                 if row_id is None:
                     row_id = ctx.lookup_client(table, client_id)
             self._check_values(table, values, inserting=row_id is None)
+            if env_ref is not None:
+                owner = compat.environment_owner(conn, env_ref[1])
+                if owner is not None and owner != row_id:
+                    raise _BadField(
+                        env_ref[0], f"environment {env_ref[1]} belongs to rollout {owner}"
+                    )
+            # A seed word replaces a mapped one: the kept original no longer describes the row.
+            forget_original = (
+                mapped is None
+                and "status" in values
+                and table in compat.STATUS_ALIASES
+                and row_id is not None
+            )
+            # These need the row's id right away (history, link, extras): no deferred insert.
+            if original is not None or env_ref is not None:
+                if group is not None:
+                    self._flush_group(ctx, spec, group)
+                group = None
             if row_id is None:
+                if table == "training":
+                    for name, default in compat.TRAINING_DEFAULTS.items():
+                        if values.get(name) is None:
+                            values[name] = default
                 for name in self._required[table]:
                     if values.get(name) is None:
                         raise _BadField(name, "is required to create this record")
@@ -344,7 +395,26 @@ class MonitorStore:
             ) from None
         except sqlite3.IntegrityError as exc:
             raise _integrity_error(spec, index, exc) from None
-        return client_id, self._write_record(ctx, spec, index, client_id, row_id, values, extras)
+        mark = compat.history_mark(conn) if original is not None else 0
+        row_id = self._write_record(ctx, spec, index, client_id, row_id, values, extras)
+        if original is not None:
+            compat.note_original_status(conn, table, row_id, original, mark)
+        elif forget_original:
+            _drop_extra(conn, table, row_id, compat.ORIGINAL_STATUS)
+        if env_ref is not None:
+            compat.link_environment(conn, env_ref[1], row_id)
+        return client_id, row_id
+
+    @staticmethod
+    def _env_reference(
+        ctx: _BatchContext, record: dict, name: str, value: Any
+    ) -> tuple[str, int] | None:
+        """The environment a rollout names (``env_id``: server or client id; ``env_client_id``:
+        client id, unless ``env_id`` is sent too); it must have been sent in an earlier batch."""
+        if value is None or (name == "env_client_id" and record.get("env_id") is not None):
+            return None
+        ref = str(value) if name == "env_client_id" else value
+        return name, ctx.resolve("environment", ref, name)
 
     def _insert_sql(self, table: str, names: tuple[str, ...]) -> str:
         sql = self._sql.get((table, names))
@@ -661,6 +731,22 @@ def _merge_extras(conn: sqlite3.Connection, table: str, row_id: int, extras: dic
         "INSERT INTO extra_field (entity_type, entity_id, fields_json) VALUES (?, ?, ?) "
         "ON CONFLICT (entity_type, entity_id) DO UPDATE SET fields_json = excluded.fields_json",
         (table, row_id, json.dumps(merged, separators=(",", ":"), default=str)),
+    )
+
+
+def _drop_extra(conn: sqlite3.Connection, table: str, row_id: int, key: str) -> None:
+    row = conn.execute(
+        "SELECT fields_json FROM extra_field WHERE entity_type = ? AND entity_id = ?",
+        (table, row_id),
+    ).fetchone()
+    if row is None:
+        return
+    fields = json.loads(row[0])
+    if fields.pop(key, None) is None:
+        return
+    conn.execute(
+        "UPDATE extra_field SET fields_json = ? WHERE entity_type = ? AND entity_id = ?",
+        (json.dumps(fields, separators=(",", ":"), default=str), table, row_id),
     )
 
 

@@ -182,6 +182,30 @@ def shared_monitor(tmp_path_factory):
     proc.stop()
 
 
+# Every table a batch can write to, with the side tables and the history.
+COUNTED = (
+    "training",
+    "task",
+    "validator",
+    "step",
+    "baseline",
+    "eval",
+    "rollout",
+    "environment",
+    "turn",
+    "action",
+    "obs",
+    "validation",
+    "status_history",
+    "extra_field",
+    "client_key",
+)
+
+
+def count_rows(conn, tables: tuple[str, ...] = COUNTED) -> dict[str, int]:
+    return {t: conn.execute(f"SELECT count(*) FROM {t}").fetchone()[0] for t in tables}
+
+
 def uid(prefix: str = "") -> str:
     return f"{prefix}{uuid.uuid4().hex[:12]}"
 

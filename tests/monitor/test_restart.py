@@ -15,7 +15,7 @@ from cua_rl.monitor.client import MonitorClient, MonitorClientConfig
 from cua_rl.monitor.context import MonitorContext
 from cua_rl.monitor.recorder import RolloutRecorder
 
-from .conftest import MonitorProcess, uid
+from .conftest import MonitorProcess, count_rows, uid
 
 ROLLOUTS, TURNS, ACTIONS = 12, 3, 2
 KILL_AT, RESTART_AT = 4, 8  # rollout numbers
@@ -89,9 +89,9 @@ async def test_monitor_killed_and_restarted_mid_run_keeps_every_record_once(tmp_
     assert not (tmp_path / "spool.jsonl").exists()
 
     db = sqlite3.connect(tmp_path / "run.db")
-    count = {
-        t: db.execute(f"SELECT count(*) FROM {t}").fetchone()[0]
-        for t in (
+    count = count_rows(
+        db,
+        (
             "training",
             "step",
             "task",
@@ -101,8 +101,8 @@ async def test_monitor_killed_and_restarted_mid_run_keeps_every_record_once(tmp_
             "action",
             "obs",
             "validation",
-        )
-    }
+        ),
+    )
     assert count == {
         "training": 1,
         "step": 1,

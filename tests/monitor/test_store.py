@@ -9,30 +9,11 @@ import pytest
 
 from cua_rl.monitor.store import BATCH_KEYS, IngestValidationError
 
-from .conftest import full_batch, uid
-
-COUNTED = (
-    "training",
-    "task",
-    "validator",
-    "step",
-    "baseline",
-    "eval",
-    "rollout",
-    "environment",
-    "turn",
-    "action",
-    "obs",
-    "validation",
-    "status_history",
-    "extra_field",
-    "client_key",
-)
+from .conftest import count_rows, full_batch, uid
 
 
 def counts(store) -> dict[str, int]:
-    conn = store._reader()
-    return {t: conn.execute(f"SELECT count(*) FROM {t}").fetchone()[0] for t in COUNTED}
+    return count_rows(store._reader())
 
 
 def test_full_batch_round_trips_every_key(store):
@@ -156,7 +137,8 @@ def test_bad_record_rolls_back_the_batch_and_names_it(store):
         (lambda b: b["actions"][0].pop("turn_client_id"), ("actions", 0, "turn_id")),
         (lambda b: b["validations"][0].pop("success"), ("validations", 0, "success")),
         (lambda b: b["steps"][0].update(training_id=10**9), ("steps", 0, "training_id")),
-        (lambda b: b["training"].pop("log_path"), ("training", 0, "log_path")),
+        (lambda b: b["training"].pop("run_name"), ("training", 0, "run_name")),
+        (lambda b: b["training"].update(training_id=10**9), ("training", 0, "training_id")),
         (lambda b: b["tasks"].append(7), ("tasks", 1, None)),
     ],
 )
