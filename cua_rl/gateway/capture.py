@@ -32,6 +32,7 @@ class CapturedTurn:
     images: list[Image]
     segment: int
     extended: bool  # the server's prompt began with the conversation so far
+    backend: str = "vllm"  # the request's shape (cua_rl.gateway.backends); "text": text in
     asked: dict[str, Any] = field(default_factory=dict)  # the agent's sampling settings
     overridden: dict[str, Any] = field(default_factory=dict)  # those the trainer replaced
     aborts: int = 0
@@ -82,6 +83,13 @@ class EpisodeCapture:
             "gateway/overridden_calls": float(sum(1 for t in turns if t.overridden)),
             "gateway/versions_per_episode": float(len(versions)),
             "gateway/segments": float(max((t.segment for t in turns), default=0)),
+            # Calls whose messages did not extend the conversation served (the agent rewrote or
+            # truncated its history): each starts a new segment, a prefix break in the row.
+            "gateway/new_segments": float(
+                sum(1 for a, b in zip(turns, turns[1:], strict=False) if b.segment != a.segment)
+            ),
+            "gateway/not_extended": float(sum(1 for t in turns if not t.extended)),
+            "gateway/text_in_calls": float(sum(1 for t in turns if t.backend == "text")),
         }
 
     def images(self) -> dict[str, bytes]:

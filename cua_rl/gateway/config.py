@@ -11,6 +11,7 @@ from dataclasses import dataclass, field
 
 from cua_rl.errors import ConfigError
 
+GATEWAY_BACKENDS = ("auto", "vllm", "sglang", "text")
 MISMATCH_POLICIES = ("override", "error")
 
 
@@ -37,6 +38,16 @@ class GatewayConfig:
     public_port: int = field(
         default=0,
         metadata={"help": "Port the agent uses (behind a port mapping); 0: the bound port."},
+    )
+    backend: str = field(
+        default="auto",
+        metadata={
+            "help": "Request shape of the inference servers: 'vllm' (tokens in on "
+            "/inference/v1/generate), 'sglang' (tokens in on /generate), 'text' (chat "
+            "completions: the server re-tokenises the history, prefix breaks are counted). "
+            "'auto': the rollout backend's (rollout.backend), vllm when unknown. A vLLM "
+            "without the tokens-in endpoint falls back to text by itself, with a warning."
+        },
     )
     sampling_mismatch: str = field(
         default="override",
@@ -69,7 +80,14 @@ class GatewayConfig:
         },
     )
 
+    def resolved_backend(self) -> str:
+        return "vllm" if self.backend == "auto" else self.backend
+
     def __post_init__(self) -> None:
+        if self.backend not in GATEWAY_BACKENDS:
+            raise ConfigError(
+                f"gateway.backend={self.backend!r}; use one of {', '.join(GATEWAY_BACKENDS)}"
+            )
         if self.sampling_mismatch not in MISMATCH_POLICIES:
             raise ConfigError(
                 f"gateway.sampling_mismatch={self.sampling_mismatch!r}; use one of "

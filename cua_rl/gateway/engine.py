@@ -7,7 +7,8 @@ re-sends the same messages after an abort and appends the second answer to the f
 so it cannot be used for GUI episodes. This module keeps its semantics and sends ids: vLLM's
 tokens-in endpoint (``POST /inference/v1/generate``, served with ``--enable-scale-out``) takes
 the ids with one pad per image plus the images, expands the pads itself and returns the expanded
-prompt, the sampled ids, their logprobs and which weight version sampled which tokens.
+prompt, the sampled ids, their logprobs and which weight version sampled which tokens. Other
+servers' requests are in ``backends`` (SGLang's ``/generate``; text in as a fallback).
 
 Versions: ``cua_rl.areal_ext.vllm_server`` labels each weight load with its AReaL version, so the
 server's spans are exact; a server that does not (label ``default``) gets AReaL's own rule, the
@@ -24,14 +25,18 @@ from typing import Any, Protocol
 import httpx
 
 from cua_rl.errors import ModelServerError
+from cua_rl.gateway.backends import VLLMTokens
 from cua_rl.gateway.config import Sampling
 from cua_rl.gateway.render import BadRequest, Image
 from cua_rl.logs import get_logger
 
 log = get_logger("cua_rl.gateway.engine")
 
-GENERATE_PATH = "/inference/v1/generate"
 PAUSE_POLL_S = 0.2
+
+
+class TokensInUnavailable(ModelServerError):
+    """The server has no tokens-in endpoint (404/405): the session falls back to text in."""
 
 
 class EngineView(Protocol):
@@ -96,45 +101,6 @@ def spans_to_versions(spans: Any, n: int, fallback: int) -> list[int]:
     return versions
 
 
-def build_request(
-    ids: list[int], images: list[Image], sampling: Sampling, max_tokens: int, model: str
-) -> dict:
-    body: dict[str, Any] = {
-        "token_ids": ids,
-        "sampling_params": sampling.vllm_params(max_tokens),
-        "return_token_ids": True,
-        "model": model,
-    }
-    if images:
-        # The hash doubles as vLLM's multimodal cache key: a history image is processed once.
-        body["content_parts"] = [
-            {"type": "image_url", "url": img.data_url(), "uuid": img.sha256} for img in images
-        ]
-    return body
-
-
-def parse_response(body: Any) -> tuple[list[int] | None, list[int], list[float], Any, str]:
-    """(expanded prompt ids, sampled ids, logprobs, version spans, finish reason)."""
-    try:
-        choice = body["choices"][0]
-        out = [int(t) for t in choice.get("token_ids") or []]
-        content = (choice.get("logprobs") or {}).get("content") or []
-        lps = [float(c["logprob"]) for c in content]
-        prompt = body.get("prompt_token_ids")
-        prompt = [int(t) for t in prompt] if prompt is not None else None
-    except (KeyError, IndexError, TypeError, ValueError) as exc:
-        raise ModelServerError(f"malformed generate answer: {exc!r}", body=str(body)[:300]) from exc
-    if len(lps) != len(out):
-        raise ModelServerError(f"{len(out)} sampled ids but {len(lps)} logprobs")
-    return (
-        prompt,
-        out,
-        lps,
-        choice.get("weight_versions"),
-        str(choice.get("finish_reason") or "stop"),
-    )
-
-
 async def generate(
     client: httpx.AsyncClient,
     engine: EngineView,
@@ -147,9 +113,14 @@ async def generate(
     model: str,
     timeout_s: float,
     retries: int,
+    backend: Any = None,
+    messages: list[dict] | None = None,
 ) -> Generation:
     """Sample up to ``max_tokens`` after ``ids``; an abort or a dropped connection re-submits
-    the prompt plus what was sampled so far, after any weight update in progress."""
+    the prompt plus what was sampled so far, after any weight update in progress. ``backend``
+    (``cua_rl.gateway.backends``, vLLM tokens-in by default) shapes the request; a text backend
+    sends ``messages`` and samples an aborted call again from its start."""
+    backend = backend or VLLMTokens()
     t0 = time.monotonic()
     gen: Generation | None = None
     out: list[int] = []
@@ -163,10 +134,12 @@ async def generate(
         while engine.is_paused():
             await asyncio.sleep(PAUSE_POLL_S)
         paused_s += time.monotonic() - t_wait
-        body = build_request(ids + out, images, sampling, max_tokens - len(out), model)
+        if not backend.tokens_in and out:
+            gen, out, lps, versions = None, [], [], []
+        body = backend.body(ids + out, images, messages, sampling, max_tokens - len(out), model)
         try:
             resp = await client.post(
-                f"{server_url(server)}{GENERATE_PATH}", json=body, timeout=timeout_s
+                f"{server_url(server)}{backend.path}", json=body, timeout=timeout_s
             )
         except httpx.HTTPError as exc:
             failures += 1
@@ -186,6 +159,16 @@ async def generate(
                 )
             await asyncio.sleep(min(0.5 * 2 ** (failures - 1), 8.0))
             continue
+        # A missing route, not a missing model (vLLM answers an unknown model 404 too, with
+        # an error that names it): only then is text in the way to go on.
+        missing_route = resp.status_code == 405 or (
+            resp.status_code == 404 and "model" not in resp.text.lower()
+        )
+        if missing_route and backend.tokens_in:
+            raise TokensInUnavailable(
+                f"model server {server} has no {backend.path} ({resp.status_code})",
+                status=resp.status_code,
+            )
         if resp.status_code != 200:
             raise BadRequest(
                 f"model server refused the prompt: {resp.text[:500]}", code="model_refused"
@@ -194,14 +177,14 @@ async def generate(
             answer = resp.json()
         except ValueError as exc:
             raise ModelServerError(f"model server {server} answered non-JSON") from exc
-        prompt_ids, new, new_lps, spans, finish = parse_response(answer)
+        parsed = backend.parse(answer)
+        finish = parsed.finish_reason
         if gen is None:
-            if prompt_ids is None:
-                raise ModelServerError("the generate answer has no prompt_token_ids")
-            gen = Generation(prompt_ids=prompt_ids)
-        out += new
-        lps += new_lps
-        versions += spans_to_versions(spans, len(new), engine.get_version())
+            # No prompt in the answer: the ids sent, pads included, are the prompt.
+            gen = Generation(prompt_ids=parsed.prompt_ids or list(ids))
+        out += parsed.output_ids
+        lps += parsed.logprobs
+        versions += spans_to_versions(parsed.spans, len(parsed.output_ids), engine.get_version())
         if finish == "abort":
             aborts += 1
     gen.output_ids, gen.logprobs, gen.versions = out, lps, versions

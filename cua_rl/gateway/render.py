@@ -144,6 +144,23 @@ def collapse_pads(ids: Sequence[int], pad_id: int) -> list[int]:
     return out
 
 
+def expand_pads(ids: Sequence[int], pad_id: int, counts: Sequence[int]) -> list[int]:
+    """One pad per image -> each image's pad run (``counts`` in image order)."""
+    runs = iter(counts)
+    out: list[int] = []
+    for t in ids:
+        if t == pad_id:
+            try:
+                out.extend([pad_id] * next(runs))
+            except StopIteration:
+                raise BadRequest("more image pads in the prompt than images") from None
+        else:
+            out.append(t)
+    if next(runs, None) is not None:
+        raise BadRequest("more images than image pads in the prompt")
+    return out
+
+
 @dataclass
 class Prompt:
     """What one request sends: ids with one pad per image, and every image of the prompt."""

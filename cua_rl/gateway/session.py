@@ -20,19 +20,31 @@ from typing import Any
 import httpx
 
 from cua_rl.errors import CuaRlError, ModelServerError, RejectedEpisode
+from cua_rl.gateway.backends import VLLMText, backend_named
 from cua_rl.gateway.capture import CapturedTurn, EpisodeCapture, GatewayError
 from cua_rl.gateway.config import GatewayConfig, Sampling
-from cua_rl.gateway.engine import EngineView, generate
+from cua_rl.gateway.engine import EngineView, TokensInUnavailable, generate
 from cua_rl.gateway.render import (
     BadRequest,
     Conversation,
     Image,
+    expand_pads,
     extends_stored,
     image_sources,
     normalize,
 )
+from cua_rl.logs import get_logger
 from cua_rl.trajectory.config import TrajectoryConfig
-from cua_rl.trajectory.images import check_image_url, decode_data_url, fetch_one
+from cua_rl.trajectory.images import (
+    check_image_url,
+    decode_data_url,
+    fetch_one,
+    image_token_ids,
+    iter_images,
+    process_images,
+)
+
+log = get_logger("cua_rl.gateway.session")
 
 # Request keys that change what is sampled. The trainer owns them (DESIGN decision 8).
 TRAINER_KEYS = ("temperature", "top_p", "top_k", "max_tokens", "max_completion_tokens")
@@ -136,8 +148,10 @@ class EpisodeSession:
             spec.sampling,
             stop_token_ids=sorted({*spec.sampling.stop_token_ids, *self.vision_ids}),
         )
+        self.backend = backend_named(config.resolved_backend())
         self.closed = False
         self._images: dict[str, Image] = {}
+        self._pads: dict[str, int] = {}  # image hash -> its pad count (backends that need it)
         self._server: str | None = None
         self._lock: asyncio.Lock | None = None
         self.inflight: set[asyncio.Task] = set()
@@ -200,18 +214,12 @@ class EpisodeSession:
                     kind="api_error",
                 ) from exc
         try:
-            gen = await generate(
-                client,
-                self.spec.engine,
-                self._server,
-                prompt.send_ids,
-                images,
-                self.sampling,
-                max_tokens=self.sampling.max_new_tokens,
-                model=self.spec.model_name,
-                timeout_s=self.config.request_timeout_s,
-                retries=self.config.retries,
-            )
+            try:
+                gen = await self._generate(client, prompt.send_ids, images, template)
+            except TokensInUnavailable as exc:
+                log.warning("%s; episode %s goes on with text in", exc, self.episode_id)
+                self.backend = VLLMText()
+                gen = await self._generate(client, prompt.send_ids, images, template)
         except BadRequest as exc:
             raise GatewayFailure(str(exc), status=400, code=exc.code) from exc
         except ModelServerError as exc:
@@ -239,6 +247,7 @@ class EpisodeSession:
             images=images,
             segment=prompt.segment,
             extended=extends_stored(prompt, gen.prompt_ids),
+            backend=self.backend.name,
             asked=asked,
             overridden=overridden,
             aborts=gen.aborts,
@@ -250,6 +259,38 @@ class EpisodeSession:
         )
         self.capture.turns.append(turn)
         return self.answer(turn, body)
+
+    async def _generate(self, client, send_ids, images, template):
+        ids = send_ids
+        if not self.backend.expands_pads:
+            pad_id, _ = image_token_ids(self.spec.processor)
+            # Image processing off the event loop: other episodes' calls share it.
+            counts = await asyncio.to_thread(self._pad_counts, images)
+            ids = expand_pads(send_ids, pad_id, counts)
+        return await generate(
+            client,
+            self.spec.engine,
+            self._server,
+            ids,
+            images,
+            self.sampling,
+            max_tokens=self.sampling.max_new_tokens,
+            model=self.spec.model_name,
+            timeout_s=self.config.request_timeout_s,
+            retries=self.config.retries,
+            backend=self.backend,
+            messages=template,
+        )
+
+    def _pad_counts(self, images: list[Image]) -> list[int]:
+        """Each image's pad count, as the processor (and so the row builder) expands it."""
+        new = list({img.sha256: img for img in images if img.sha256 not in self._pads}.values())
+        if new:
+            keys = [img.sha256 for img in new]
+            pil = iter_images(keys, {img.sha256: img.data for img in new}, self.spec.images)
+            _, _, counts = process_images(self.spec.processor, pil)
+            self._pads.update(zip(keys, counts, strict=True))
+        return [self._pads[img.sha256] for img in images]
 
     async def _resolve_images(self, messages: Any, client: httpx.AsyncClient) -> None:
         if not isinstance(messages, list):

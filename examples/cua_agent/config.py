@@ -363,15 +363,27 @@ class CUAConfig(GRPOConfig):
 
     def _validate_gateway(self) -> None:
         backend = (self.rollout.backend or "").split(":", 1)[0]
-        if backend != "vllm":
+        if backend not in ("vllm", "sglang"):
             raise ConfigError(
-                f"endpoint.mode=gateway samples through vLLM's tokens-in endpoint; rollout.backend "
-                f"is {self.rollout.backend!r}: use a vllm backend, or endpoint.mode=direct"
+                f"endpoint.mode=gateway samples through vLLM or SGLang; rollout.backend is "
+                f"{self.rollout.backend!r}: use a vllm or sglang backend, or endpoint.mode=direct"
             )
-        if not self.vllm.enable_scale_out:
+        if self.gateway.backend == "auto":
+            self.gateway.backend = backend
+        elif self.gateway.backend != backend and not (
+            backend == "vllm" and self.gateway.backend == "text"
+        ):
+            raise ConfigError(
+                f"gateway.backend={self.gateway.backend!r} but rollout.backend is "
+                f"{self.rollout.backend!r}: set gateway.backend=auto"
+            )
+        if backend == "sglang":
+            return  # SGLang returns logprobs after temperature by default; nothing else to set
+        if not self.vllm.enable_scale_out and self.gateway.backend == "vllm":
             raise ConfigError(
                 "endpoint.mode=gateway needs vllm.enable_scale_out=true (it serves "
-                "/inference/v1/generate, the gateway's tokens-in endpoint)"
+                "/inference/v1/generate, the gateway's tokens-in endpoint); without it, "
+                "gateway.backend=text samples from re-tokenised history (prefix breaks)"
             )
         if self.vllm.logprobs_mode != "processed_logprobs":
             raise ConfigError(

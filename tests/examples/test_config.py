@@ -46,6 +46,17 @@ def test_production_config_loads_with_overrides(tmp_path):
     )
 
 
+def test_gateway_backend_follows_the_rollout_backend(tmp_path):
+    assert _load(PROD, tmp_path / "a", *PROD_REQUIRED).gateway.backend == "vllm"
+    cfg = _load(PROD, tmp_path / "b", *PROD_REQUIRED, "rollout.backend=sglang:d4")
+    assert cfg.gateway.backend == "sglang"
+    # A vLLM without the tokens-in endpoint can still be sampled from as text.
+    cfg = _load(
+        PROD, tmp_path / "c", *PROD_REQUIRED, "vllm.enable_scale_out=false", "gateway.backend=text"
+    )
+    assert cfg.gateway.backend == "text"
+
+
 def test_local_config_loads(tmp_path):
     cfg = _load(LOCAL, tmp_path, "actor.path=/models/tiny", "+gym.selection.limit=3")
     assert cfg.gym.gym_id == "sim"
@@ -115,7 +126,9 @@ def test_vllm_command_line_reaches_vllm(tmp_path):
         ),
         (["endpoint.mode=proxy"], "endpoint.mode='proxy'"),
         (["endpoint.base_url=http://vllm:8000/v1"], "set endpoint.mode=direct"),
-        (["rollout.backend=sglang:d4"], "use a vllm backend, or endpoint.mode=direct"),
+        (["rollout.backend=trtllm:d4"], "use a vllm or sglang backend"),
+        (["rollout.backend=sglang:d4", "gateway.backend=vllm"], "set gateway.backend=auto"),
+        (["gateway.backend=grpc"], "gateway.backend='grpc'"),
         (["vllm.enable_scale_out=false"], "vllm.enable_scale_out=true"),
         (["vllm.logprobs_mode=raw_logprobs"], "vllm.logprobs_mode=processed_logprobs"),
         (["+agent.model_options.constrain=ascii"], "agent.model_options.parse=lenient"),

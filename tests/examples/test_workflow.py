@@ -377,3 +377,65 @@ def _asking_temperature_zero(build):
         return spec
 
     return build_run_spec
+
+
+class _KeepsConversions(CUAAgentWorkflow):
+    """The workflow as it runs, keeping each episode's conversion for the checks."""
+
+    def __init__(self, settings):
+        super().__init__(settings)
+        self.results = []
+
+    async def build_row(self, episode):
+        result = await super().build_row(episode)
+        self.results.append((episode.capture, result))
+        return result
+
+
+async def test_bpe_episodes_sampled_freely_keep_every_turn_in_one_exact_row(
+    gym, agent, vllm_bpe_server, tiny_vl_bpe_model_dir, easy_task
+):
+    """Tokens in, tokens out: the BPE model sampled without any constraint at temperature 1.0,
+    8 episodes of 4 turns through the gateway. The agent resends its history as text; the
+    gateway extends the ids it served, so no prefix breaks: every turn trains in one row, and
+    the transformers forward pass reproduces every trained token's logprob."""
+    workflow_context.set(workflow_context.WorkflowContext(is_eval=False))
+    _rollout_stats()
+    settings = _settings(gym, agent, vllm_bpe_server, tiny_vl_bpe_model_dir)
+    settings.agent = AgentSection(
+        **{
+            **settings.agent.__dict__,
+            "max_steps": 4,
+            "model_options": {"logprobs": False, "parse": "lenient"},
+        }
+    )
+    settings.sampling = Sampling(temperature=1.0, max_new_tokens=24)
+    wf = _KeepsConversions(settings)
+    try:
+        rows = await asyncio.gather(
+            *(wf.arun_episode(_engine(vllm_bpe_server), dict(easy_task)) for _ in range(8))
+        )
+    finally:
+        await wf.aclose()
+    assert all(row is not None for row in rows), _rollout_stats()
+    assert len(wf.results) == 8
+    model = load_vl_model(tiny_vl_bpe_model_dir)
+    for capture, result in wf.results:
+        stats = result.stats
+        assert stats["turns"] >= 4, stats
+        assert stats["prefix_breaks"] == 0 and stats["trained_turns"] == stats["turns"], stats
+        assert capture.stats()["gateway/new_segments"] == 0
+        # The agent got text back and sent text: the row's ids are the ones sampled.
+        assert sum(len(t.output_ids) for t in capture.turns) == stats["trained_tokens"]
+        gap = trained_gap(model, result.row)
+        assert gap.max().item() < 1e-3, gap.max().item()
+    # Unconstrained BPE sampling did produce what re-tokenising would change (FACTS §4): the
+    # check above is not vacuous.
+    tok = wf.processor.tokenizer
+    changed = sum(
+        tok.encode(tok.decode(t.output_ids, skip_special_tokens=True), add_special_tokens=False)
+        != [i for i in t.output_ids if i not in tok.all_special_ids]
+        for capture, _ in wf.results
+        for t in capture.turns
+    )
+    assert changed > 0

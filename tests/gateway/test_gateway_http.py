@@ -9,11 +9,13 @@ import os
 
 import httpx
 import pytest
-from fastapi import FastAPI, Response
+from fastapi import FastAPI, Request, Response
 from PIL import Image as PILImage
 
 from cua_rl.gateway import Gateway, GatewayConfig, Sampling
 from cua_rl.serving import ThreadedServer
+from cua_rl.testing.forward import load_vl_model, trained_gap
+from cua_rl.trajectory import convert_turns, split_segments
 from cua_rl.trajectory.config import TrajectoryConfig
 from tests.gateway.conftest import FakeEngine, data_url, png, user
 
@@ -282,3 +284,87 @@ async def test_a_torn_down_engine_answers_503_not_a_traceback(open_episode, gate
         r = await http.post(f"{url}/chat/completions", json={"messages": [user("x")]})
     assert r.status_code == 503 and _error(r)["code"] == "engine_unavailable"
     assert [e.code for e in gateway.close(episode).errors] == ["engine_unavailable"]
+
+
+async def test_an_agent_that_drops_its_oldest_screenshot_breaks_the_row_once(
+    open_episode, gateway, bpe_processor
+):
+    """Four turns; at turn 3 the agent keeps only its latest screenshots (the first one becomes
+    text), then goes on from that history: one new segment, one counted break, at turn 3."""
+    episode, url, _ = open_episode()
+    shots = [data_url(png((60 * i, 90, 200 - 40 * i))) for i in range(4)]
+    messages: list[dict] = [{"role": "system", "content": "You operate a phone."}]
+    async with httpx.AsyncClient(timeout=120) as http:
+        for n, shot in enumerate(shots, start=1):
+            if n == 3:
+                messages[1] = user("Step 1 (screenshot dropped)")
+            messages.append(user(f"Step {n}", shot))
+            r = await http.post(
+                f"{url}/chat/completions", json={"model": "x", "messages": messages}
+            )
+            assert r.status_code == 200, r.text
+            messages.append(r.json()["choices"][0]["message"])
+    capture = gateway.close(episode)
+    assert [t.segment for t in capture.turns] == [1, 1, 2, 2]
+    assert all(t.extended for t in capture.turns)  # the server expanded what was sent
+    stats = capture.stats()
+    assert stats["gateway/new_segments"] == 1 and stats["gateway/segments"] == 2
+    turns = capture.row_turns([])
+    segments, breaks = split_segments(turns)
+    assert breaks == 1
+    assert [[t.index for t in s.turns] for s in segments] == [[0, 1], [2, 3]]
+    res = convert_turns(
+        turns, processor=bpe_processor, reward=1.0, version=0, fetched_images=capture.images()
+    )
+    assert res.row is not None, res.reason
+    assert res.stats["prefix_breaks"] == 1 and res.stats["trained_turns"] == 2
+
+
+async def test_a_server_without_tokens_in_falls_back_to_text_and_counts_breaks(
+    open_episode, gateway, vllm_bpe_server, tiny_vl_bpe_model_dir, bpe_processor
+):
+    """A vLLM without the tokens-in endpoint (here: a proxy that answers it 404 and passes chat
+    completions to the real server): the episode goes on with text in, every call is counted,
+    the row builder splits where the server's re-tokenised prompt broke the prefix, and the
+    logprobs are still the model's."""
+    app = FastAPI()
+
+    @app.post("/inference/v1/generate")
+    async def no_tokens_in():
+        return Response(status_code=404)
+
+    @app.post("/v1/chat/completions")
+    async def chat(request: Request):
+        async with httpx.AsyncClient(timeout=120) as http:
+            r = await http.post(
+                f"{vllm_bpe_server.base_url}/chat/completions", json=await request.json()
+            )
+        return Response(r.content, status_code=r.status_code, media_type="application/json")
+
+    with ThreadedServer(app, name="no-tokens-in") as proxy:
+        episode, url, _ = open_episode(
+            engine=FakeEngine(proxy.url.removeprefix("http://")),
+            sampling=Sampling(temperature=1.0, max_new_tokens=12),
+        )
+        messages: list[dict] = [{"role": "system", "content": "You operate a phone."}]
+        async with httpx.AsyncClient(timeout=120) as http:
+            for n in range(3):
+                messages.append(user(f"Step {n + 1}", data_url(png((80 * n, 40, 90)))))
+                r = await http.post(f"{url}/chat/completions", json={"messages": messages})
+                assert r.status_code == 200, r.text
+                messages.append(r.json()["choices"][0]["message"])
+    capture = gateway.close(episode)
+    stats = capture.stats()
+    assert (
+        stats["gateway/text_in_calls"] == 3 and [t.backend for t in capture.turns] == ["text"] * 3
+    )
+    turns = capture.row_turns([])
+    _, breaks = split_segments(turns)
+    assert breaks == stats["gateway/not_extended"]
+    res = convert_turns(
+        turns, processor=bpe_processor, reward=1.0, version=0, fetched_images=capture.images()
+    )
+    assert res.row is not None, res.reason
+    assert res.stats["prefix_breaks"] == breaks
+    gap = trained_gap(load_vl_model(tiny_vl_bpe_model_dir), res.row)
+    assert gap.max().item() < 1e-3

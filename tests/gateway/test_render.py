@@ -170,3 +170,51 @@ def test_malformed_messages_are_refused():
     with pytest.raises(BadRequest, match="not PNG"):
         sniff_mime(b"GIF8" + b"x" * 20)
     assert sniff_mime(_png((0, 0, 0))) == "image/png"
+
+
+def test_follow_up_ids_keep_a_split_a_full_re_render_would_merge(processor):
+    """The ids sent for turn 2 are turn 1's prompt + its sampled ids + the new messages rendered
+    on their own. The sampled ids here split "tap" into characters (as a model may sample it):
+    re-rendering the whole conversation tokenises the same text canonically, and differs."""
+    tok = processor.tokenizer
+    im_end = tok.convert_tokens_to_ids("<|im_end|>")
+    conv = Conversation.for_processor(processor)
+    msgs = [{"role": "system", "content": "You operate a phone."}]
+    msgs.append(_user("Step 1", _data_url(_png((10, 20, 30)))))
+    template, images, key = normalize(msgs, _images(msgs))
+    ids1 = _expand(processor, conv.prompt(template, images, key).send_ids, images)
+    text = "tap(4, 2)"
+    out = [t for ch in text for t in tok.encode(ch, add_special_tokens=False)] + [im_end]
+    assert out[:-1] != tok.encode(text, add_special_tokens=False)  # a non-canonical split
+    reply = tok.decode(out, skip_special_tokens=True)
+    assert reply == text
+    conv.commit(template, key, ids1, out, reply)
+
+    msgs2 = [
+        *msgs,
+        {"role": "assistant", "content": reply},
+        _user("Step 2", _data_url(_png((200, 0, 0)))),
+    ]
+    template2, images2, key2 = normalize(msgs2, _images(msgs2))
+    p2 = conv.prompt(template2, images2, key2)
+    sent = _expand(processor, p2.send_ids, images2)
+
+    full_text = processor.apply_chat_template(
+        [
+            {"role": "system", "content": "You operate a phone."},
+            {"role": "user", "content": [{"type": "text", "text": "Step 1"}, {"type": "image"}]},
+            {"role": "assistant", "content": reply},
+            {"role": "user", "content": [{"type": "text", "text": "Step 2"}, {"type": "image"}]},
+        ],
+        tokenize=False,
+        add_generation_prompt=True,
+    )
+    # What the template writes after the reply's <|im_end|>: the new messages, rendered once.
+    tail = full_text[full_text.index("<|im_end|>", full_text.index(reply)) + len("<|im_end|>") :]
+    new = _expand(processor, tok.encode(tail, add_special_tokens=False), images2[1:])
+    assert sent == ids1 + out + new
+
+    full = _expand(processor, tok.encode(full_text, add_special_tokens=False), images2)
+    assert tok.decode(full) == tok.decode(sent)  # the same text ...
+    assert full != sent  # ... but not the ids the model sampled
+    assert full[: len(ids1)] == ids1 and full[len(ids1) : len(ids1) + len(out)] != out

@@ -158,6 +158,12 @@ def test_every_page_loads_cleanly_with_curves_screenshots_and_drawn_actions(
 def _check_rollout_turns(page, db, rollout_id: int) -> None:
     """Each turn shows the screenshot the model saw (loaded from the store) and its action."""
     turns = _ids(db, f"SELECT id FROM turn WHERE rollout_id = {rollout_id}")
+    # Screenshots load lazily (a long rollout would fetch every one up front): bring each into
+    # view and let it finish before reading its state.
+    shots = page.locator("img.screenshot")
+    for i in range(shots.count()):
+        shots.nth(i).scroll_into_view_if_needed()
+        shots.nth(i).evaluate("img => img.decode().catch(() => null)")
     cards = page.eval_on_selector_all(
         ".turn",
         """els => els.map(e => {
