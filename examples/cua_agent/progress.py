@@ -2,7 +2,9 @@
 
 The trainer's and AReaL's workers' output goes to log files; the terminal gets one live line
 (the step of N, the step's episodes finished / running / rejected, the last reward and success)
-and, once a step is recorded completed, one summary line with rounded numbers. Everything is
+and, once a step is recorded completed, one summary line with rounded numbers: the reward of
+the batch it trained on, and the training episodes that finished since the step before (an
+asynchronous step trains on a batch that finished earlier, so the two differ). Everything is
 read from the monitor's SQLite file (read-only, so it never contends with the writer), which
 already holds all of it: no change to the trainer's output is needed.
 
@@ -19,7 +21,7 @@ import time
 from pathlib import Path
 from typing import TextIO
 
-from cua_rl.monitor.views import seconds_between
+from cua_rl.monitor.views import parse_time, seconds_between
 
 _DONE = ("completed",)
 _REJECTED = ("failed",)
@@ -130,6 +132,7 @@ class DemoProgress:
     def step_summaries(self, db: sqlite3.Connection, training: sqlite3.Row) -> list[str]:
         lines = []
         total = training["total_steps"]
+        prev_end = None
         for s in db.execute(
             "SELECT s.*, e.success_rate AS eval_success FROM step s LEFT JOIN eval e "
             "ON e.training_id = s.training_id AND e.step = s.step "
@@ -137,19 +140,27 @@ class DemoProgress:
             (training["id"],),
         ):
             if s["step"] in self.summarised:
+                prev_end = s["end_time"]
                 continue
             self.summarised.add(s["step"])
             metrics = _metrics(s["metrics_json"])
-            counts = self._counts(db, "step_id", s["id"])
             if s["status"] == "failed":
                 lines.append(f"step {s['step']}/{total or '?'} failed: {s['error_message'] or ''}")
                 continue
+            # What the step trained on, then the episodes that finished since the step before
+            # (asynchronous steps train on batches finished earlier, so the two differ).
+            reward = f"reward {_fmt(s['reward_mean'])}"
+            if s["reward_std"] is not None:
+                reward += f" ± {_fmt(s['reward_std'])}"
+            done, rejected = self._finished(db, training["id"], prev_end, s["end_time"])
+            prev_end = s["end_time"]
+            success = metrics.get("rollout/cua/success")
             parts = [
-                f"reward {_fmt(s['reward_mean'])} ± {_fmt(s['reward_std'])}",
-                f"success {_pct(metrics.get('rollout/cua/success'))}",
-                f"episodes {counts['done']} accepted, {counts['rejected']} rejected"
-                + (f", {counts['stopped']} stopped at the end" if counts["stopped"] else ""),
-                f"trained tokens {int(s['num_tokens'] or 0)}",
+                reward,
+                f"trained on {int(s['num_trajectories'] or 0)} episodes, "
+                f"{int(s['num_tokens'] or 0)} tokens",
+                f"finished since the step before: {done} accepted, {rejected} rejected"
+                + (f", success {_pct(success)}" if success is not None else ""),
             ]
             if s["eval_success"] is not None:
                 parts.append(f"eval success {_pct(s['eval_success'])}")
@@ -158,6 +169,22 @@ class DemoProgress:
                 parts.append(f"{took:.0f}s")
             lines.append(f"step {s['step']}/{total or '?'}: " + ", ".join(parts))
         return lines
+
+    def _finished(self, db: sqlite3.Connection, training_id: int, after, until) -> tuple[int, int]:
+        """(accepted, rejected) training episodes that ended in ``(after, until]``."""
+        lo, hi = parse_time(after), parse_time(until)
+        done = rejected = 0
+        for status, end in db.execute(
+            "SELECT r.status, r.end_time FROM rollout r JOIN step s ON s.id = r.step_id "
+            "WHERE s.training_id = ? AND r.source_type = 'step'",
+            (training_id,),
+        ):
+            t = parse_time(end)
+            if t is None or hi is None or t > hi or (lo is not None and t <= lo):
+                continue
+            done += status in _DONE
+            rejected += status in _REJECTED
+        return done, rejected
 
     def _counts(self, db: sqlite3.Connection, column: str, source_id: int) -> dict[str, int]:
         counts = {"done": 0, "running": 0, "rejected": 0, "stopped": 0}

@@ -21,7 +21,7 @@ def _batch(step_status: str = "completed", rollouts: tuple[str, ...] = ()) -> di
         "steps": [{
             "client_id": step, "training_client_id": RUN, "step": 1, "batch": 0,
             "status": step_status, "reward_mean": -0.22499999403953552,
-            "reward_std": 0.04330127018922193, "num_tokens": 136,
+            "reward_std": 0.04330127018922193, "num_tokens": 136, "num_trajectories": 4,
             "start_time": "2026-01-01 00:00:00", "end_time": "2026-01-01 00:00:41.6",
             "metrics_json": {"rollout/cua/success": 0.25},
         }],
@@ -63,9 +63,9 @@ def test_a_completed_step_gets_one_rounded_summary_line(tmp_path):
     store.close()
     lines = out.getvalue().splitlines()
     assert lines[0] == (
-        # An episode cancelled when the run ended was stopped, not rejected.
-        "step 1/2: reward -0.22 ± 0.04, success 25%, episodes 3 accepted, 0 rejected, "
-        "1 stopped at the end, trained tokens 136, eval success 50%, 42s"
+        # An episode cancelled when the run ended was stopped: neither accepted nor rejected.
+        "step 1/2: reward -0.22 ± 0.04, trained on 4 episodes, 136 tokens, finished since "
+        "the step before: 3 accepted, 0 rejected, success 25%, eval success 50%, 42s"
     )
     assert len([ln for ln in lines if ln.startswith("step 1/2:")]) == 1
 
@@ -95,3 +95,33 @@ def test_an_eval_pass_is_named_after_its_step_and_a_finished_run_has_no_live_lin
     assert lines[1:] == [
         "eval after step 1/2 · rollout · episodes 0 finished, 0 running, 0 rejected"
     ]
+
+
+def test_a_step_counts_the_episodes_that_finished_since_the_step_before(tmp_path):
+    """Asynchronous steps train on batches that finished earlier: each step line counts the
+    episodes that ended after the previous step's end, whichever policy sampled them."""
+    store = MonitorStore(tmp_path / "m.db")
+    batch = _batch("completed", ("completed", "completed"))
+    step2 = {
+        **batch["steps"][0],
+        "client_id": f"step-{RUN}-2-0",
+        "step": 2,
+        "start_time": "2026-01-01 00:00:41.6",
+        "end_time": "2026-01-01 00:01:00",
+    }
+    batch["steps"].append(step2)
+    # Sampled by step 1's policy, but finished after step 1 ended: step 2's line counts them.
+    batch["rollouts"] += [
+        {**batch["rollouts"][0], "client_id": f"late{i}", "rollout_id": f"late{i}",
+         "status": status, "end_time": f"2026-01-01 00:00:5{i}"}
+        for i, status in enumerate(("completed", "failed", "completed"))
+    ]  # fmt: skip
+    store.ingest(batch)
+    out = io.StringIO()
+    progress = DemoProgress(tmp_path / "m.db", out, quiet_s=3600)
+    progress.tick()
+    progress.close()
+    store.close()
+    lines = [ln for ln in out.getvalue().splitlines() if ln.startswith("step ")]
+    assert "finished since the step before: 2 accepted, 0 rejected" in lines[0], lines
+    assert "finished since the step before: 2 accepted, 1 rejected" in lines[1], lines
