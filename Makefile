@@ -72,11 +72,12 @@ browser:
 learn: envs
 	$(PY) -m examples.cua_agent.learn $(LEARN_ARGS)
 
-# Lint first: it takes a second and CI then catches style drift too.
+# Lint first: it takes a second and CI then catches style drift too. The suite runs as two pytest
+# processes side by side (scripts/test_shards.py: the two longest trainings beside the rest).
 test: envs browser
 	$(VENV)/bin/ruff check .
 	$(VENV)/bin/ruff format --check .
-	$(PY) -m pytest -ra --durations=15
+	$(PY) scripts/test_shards.py
 
 test-fast: venv
 	$(PY) -m pytest -ra -m "not slow"

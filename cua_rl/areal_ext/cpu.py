@@ -69,6 +69,9 @@ def enable_cpu_training(
     Call it in the controller process before ``PPOTrainer(config, ...)``. It raises
     ``ConfigError`` for settings that cannot work on CPU rather than silently changing them.
     """
+    from cua_rl.areal_ext.ports import unseed_port_choice
+
+    unseed_port_choice()  # the controller picks the workers' ports
     changes: list[str] = []
     vllm_python = vllm_python or default_vllm_python()
     if not Path(vllm_python).exists():
@@ -194,7 +197,10 @@ def patch_packed_attention() -> None:
 
 def patch_worker() -> None:
     """Patches applied inside every AReaL worker process (see ``rpc_worker``)."""
+    from cua_rl.areal_ext.ports import unseed_port_choice
+
     patch_packed_attention()
+    unseed_port_choice()
     import time
     import uuid
 

@@ -357,6 +357,10 @@ def make_trainer(config: CUAConfig, train_ds, valid_ds, sampler):
 def run_training(config: CUAConfig) -> int:
     from areal.utils.stats_logger import StatsLogger
 
+    from cua_rl.areal_ext.ports import unseed_port_choice
+
+    # Two trainings of one seed on a machine would otherwise draw the same ports (ports.py).
+    unseed_port_choice()
     # The group filters run in the rollout workers, which inherit these.
     os.environ[GROUP_SIZE_ENV] = str(config.gconfig.n_samples)
     os.environ[ZERO_VARIANCE_TOL_ENV] = repr(config.curriculum.zero_variance_tol)
