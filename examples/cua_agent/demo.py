@@ -261,7 +261,7 @@ def main(argv: list[str] | None = None) -> int:
         for child in reversed(children):
             child.stop()
         print(f"[demo] finished with exit code {rc} in {time.monotonic() - t0:.0f}s", flush=True)
-        print(f"[demo] monitor database: {db_path}", flush=True)
+        print(f"[demo] monitor database: {_shown(db_path)}", flush=True)
         print(
             f"[demo] logs: {_shown(log_dir)} (train.log, monitor.log, gym.log, agent.log; "
             f"AReaL's workers: {_shown(run_dir / 'areal' / 'logs')})",
