@@ -2,9 +2,10 @@
 
 The trainer's and AReaL's workers' output goes to log files; the terminal gets one live line
 (the step of N, the step's episodes finished / running / rejected, the last reward and success)
-and, once a step is recorded completed, one summary line with rounded numbers: the reward of
-the batch it trained on, and the training episodes that finished since the step before (an
-asynchronous step trains on a batch that finished earlier, so the two differ). Everything is
+and, once a step is recorded completed, one summary line with rounded numbers: the batch it
+trained on (its size, mean reward and trained tokens), and the training episodes that finished
+since the step before (counts, reward and success; an asynchronous step trains on a batch that
+finished earlier, so the two differ). Everything is
 read from the monitor's SQLite file (read-only, so it never contends with the writer), which
 already holds all of it: no change to the trainer's output is needed.
 
@@ -148,19 +149,26 @@ class DemoProgress:
                 lines.append(f"step {s['step']}/{total or '?'} failed: {s['error_message'] or ''}")
                 continue
             # What the step trained on, then the episodes that finished since the step before
-            # (asynchronous steps train on batches finished earlier, so the two differ).
-            reward = f"reward {_fmt(s['reward_mean'])}"
-            if s["reward_std"] is not None:
-                reward += f" ± {_fmt(s['reward_std'])}"
+            # (asynchronous steps train on batches finished earlier, so the two differ). The
+            # step record's reward columns describe the latter when it holds any episode.
+            trained = metrics.get("ppo_actor/task_reward/avg")
             done, rejected = self._finished(db, training["id"], prev_end, s["end_time"])
             prev_end = s["end_time"]
+            finished = f"finished since the step before: {done} accepted, {rejected} rejected"
+            if "rollout/cua/reward" in metrics:
+                finished += f", reward {_fmt(metrics['rollout/cua/reward'])}"
+                if s["reward_std"] is not None:
+                    finished += f" ± {_fmt(s['reward_std'])}"
+            elif trained is None and s["reward_mean"] is not None:
+                trained = s["reward_mean"]
             success = metrics.get("rollout/cua/success")
+            if success is not None:
+                finished += f", success {_pct(success)}"
             parts = [
-                reward,
-                f"trained on {int(s['num_trajectories'] or 0)} episodes, "
-                f"{int(s['num_tokens'] or 0)} tokens",
-                f"finished since the step before: {done} accepted, {rejected} rejected"
-                + (f", success {_pct(success)}" if success is not None else ""),
+                f"trained on {int(s['num_trajectories'] or 0)} episodes"
+                + (f" (reward {_fmt(trained)})" if trained is not None else "")
+                + f", {int(s['num_tokens'] or 0)} tokens",
+                finished,
             ]
             if s["eval_success"] is not None:
                 parts.append(f"eval success {_pct(s['eval_success'])}")

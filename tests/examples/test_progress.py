@@ -23,7 +23,10 @@ def _batch(step_status: str = "completed", rollouts: tuple[str, ...] = ()) -> di
             "status": step_status, "reward_mean": -0.22499999403953552,
             "reward_std": 0.04330127018922193, "num_tokens": 136, "num_trajectories": 4,
             "start_time": "2026-01-01 00:00:00", "end_time": "2026-01-01 00:00:41.6",
-            "metrics_json": {"rollout/cua/success": 0.25},
+            "metrics_json": {
+                "rollout/cua/success": 0.25, "rollout/cua/reward": -0.22499999403953552,
+                "ppo_actor/task_reward/avg": -0.15000000596046448,
+            },
         }],
         "evals": [{"client_id": f"eval-{RUN}-1", "training_client_id": RUN, "step": 1,
                    "model_path": "m", "status": "completed", "success_rate": 0.5}],
@@ -64,8 +67,8 @@ def test_a_completed_step_gets_one_rounded_summary_line(tmp_path):
     lines = out.getvalue().splitlines()
     assert lines[0] == (
         # An episode cancelled when the run ended was stopped: neither accepted nor rejected.
-        "step 1/2: reward -0.22 ± 0.04, trained on 4 episodes, 136 tokens, finished since "
-        "the step before: 3 accepted, 0 rejected, success 25%, eval success 50%, 42s"
+        "step 1/2: trained on 4 episodes (reward -0.15), 136 tokens, finished since the step "
+        "before: 3 accepted, 0 rejected, reward -0.22 ± 0.04, success 25%, eval success 50%, 42s"
     )
     assert len([ln for ln in lines if ln.startswith("step 1/2:")]) == 1
 
@@ -91,7 +94,7 @@ def test_an_eval_pass_is_named_after_its_step_and_a_finished_run_has_no_live_lin
     progress.close()
     store.close()
     lines = out.getvalue().splitlines()
-    assert lines[0].startswith("step 1/2: reward -0.22")
+    assert lines[0].startswith("step 1/2: trained on 4 episodes (reward -0.15)")
     assert lines[1:] == [
         "eval after step 1/2 · rollout · episodes 0 finished, 0 running, 0 rejected"
     ]
@@ -108,7 +111,9 @@ def test_a_step_counts_the_episodes_that_finished_since_the_step_before(tmp_path
         "step": 2,
         "start_time": "2026-01-01 00:00:41.6",
         "end_time": "2026-01-01 00:01:00",
-    }
+        # No episode reached the stats of this window: the trained batch's reward only.
+        "reward_mean": -0.4, "reward_std": None, "metrics_json": {"ppo_actor/task_reward/avg": -0.4},
+    }  # fmt: skip
     batch["steps"].append(step2)
     # Sampled by step 1's policy, but finished after step 1 ended: step 2's line counts them.
     batch["rollouts"] += [
@@ -124,4 +129,7 @@ def test_a_step_counts_the_episodes_that_finished_since_the_step_before(tmp_path
     store.close()
     lines = [ln for ln in out.getvalue().splitlines() if ln.startswith("step ")]
     assert "finished since the step before: 2 accepted, 0 rejected" in lines[0], lines
-    assert "finished since the step before: 2 accepted, 1 rejected" in lines[1], lines
+    assert lines[1] == (
+        "step 2/2: trained on 4 episodes (reward -0.40), 136 tokens, "
+        "finished since the step before: 2 accepted, 1 rejected, 18s"
+    ), lines

@@ -132,7 +132,11 @@ def test_demo_trains_and_records_everything(demo_run):
     )
     assert dashboard < first_step
     assert "(AReaL)" not in text and "INFO" not in text, text[-3000:]
-    summaries = [ln for ln in lines if re.match(rf"\[demo\] step \d/{DEMO_STEPS}: reward ", ln)]
+    summaries = [
+        ln
+        for ln in lines
+        if re.match(rf"\[demo\] step \d/{DEMO_STEPS}: trained on \d+ episodes \(reward ", ln)
+    ]
     want = [f"[demo] step {n}/{DEMO_STEPS}" for n in range(1, DEMO_STEPS + 1)]
     assert [ln.split(":")[0] for ln in summaries] == want
     for ln in summaries:
