@@ -45,6 +45,7 @@ PHASE_TIMERS = {
 }
 ACTIVE_TRAINING = ("pending", "initializing", "running", "paused")
 FINISHED = frozenset({"completed", "failed", "cancelled"})
+_NO_OUTCOMES = {"accepted": 0, "rejected": 0, "stopped": 0, "running": 0}
 LOW_TOKENS = 3  # how many least likely tokens a turn marks
 
 
@@ -172,13 +173,17 @@ def training_page(conn: sqlite3.Connection, training_id: int, *, now: datetime, 
         "(SELECT id FROM step WHERE training_id = ?) GROUP BY r.step_id, r.status, reason",
         (training_id,),
     ):
-        per = outcomes.setdefault(r["step_id"], {"accepted": 0, "rejected": 0, "running": 0})
+        per = outcomes.setdefault(r["step_id"], dict(_NO_OUTCOMES))
         if r["status"] == "completed":
             per["accepted"] += r["n"]
-        elif r["status"] in ("failed", "cancelled"):
+        elif r["status"] == "failed":
             per["rejected"] += r["n"]
             reason = r["reason"] or r["status"]
             reasons[reason] = reasons.get(reason, 0) + r["n"]
+        elif r["status"] == "cancelled":
+            # Stopped by the end of the run (a prefetched batch no step trains) or by a
+            # cancellation: not a rejection of the episode, so no reason is counted.
+            per["stopped"] += r["n"]
         else:
             per["running"] += r["n"]
 
@@ -200,7 +205,7 @@ def training_page(conn: sqlite3.Connection, training_id: int, *, now: datetime, 
                 s[key] = float(metrics[timer])
         s["eval_success"] = ev["success_rate"] if ev else None
         s["eval_id"] = ev["id"] if ev else None
-        s.update(outcomes.get(s["id"], {"accepted": 0, "rejected": 0, "running": 0}))
+        s.update(outcomes.get(s["id"], _NO_OUTCOMES))
         if s["num_tokens"] is None:
             tokens = _metric(metrics, "trained_tokens")
             s["num_tokens"] = tokens
@@ -253,7 +258,8 @@ def training_charts(steps: list[dict], baseline_success: float | None) -> list[d
                     ["train", col("train_s")], ["weight sync", col("weights_s")],
                     ["eval", col("eval_s")]]},
         {"id": "episodes", "title": "Episodes", "x": x,
-         "series": [["accepted", col("accepted")], ["rejected", col("rejected")]]},
+         "series": [["accepted", col("accepted")], ["rejected", col("rejected")],
+                    ["stopped", col("stopped")]]},
     ]  # fmt: skip
     return charts
 

@@ -251,3 +251,38 @@ def test_reward_colour_runs_from_red_to_green():
     assert reward_colour(0.0, 0.0, 1.0) == "hsl(0, 65%, 72%)"
     assert reward_colour(1.0, 0.0, 1.0) == "hsl(120, 65%, 72%)"
     assert reward_colour(0.5, 0.5, 0.5) == "hsl(60, 65%, 72%)"
+
+
+def test_episodes_stopped_by_the_end_of_a_run_are_not_rejections(store):
+    """A cancelled episode (a prefetched batch no step trains, a stopped run) is counted
+    stopped, apart from the rejected ones, and names no rejection reason."""
+    from datetime import datetime, timezone
+
+    from cua_rl.monitor.views import training_page
+
+    name, step = uid("stopped-"), uid("step-")
+    statuses = ("completed", "completed", "failed", "cancelled", "cancelled")
+    store.ingest(
+        {
+            "training": {"client_id": name, "run_name": name, "log_path": "l",
+                         "model_name": "m", "status": "completed"},
+            "tasks": [{"client_id": "t", "task_id": "t", "name": "t", "description": "d"}],
+            "steps": [{"client_id": step, "training_client_id": name, "step": 1,
+                       "status": "completed"}],
+            "rollouts": [
+                {"client_id": f"{step}-{i}", "rollout_id": f"{step}-{i}",
+                 "step_client_id": step, "task_client_id": "t", "model_path": "m",
+                 "status": st, "status_message": "missing_tokens" if st == "failed" else None}
+                for i, st in enumerate(statuses)
+            ],
+        }
+    )  # fmt: skip
+    training_id = store.find_id("training", name)
+    page = training_page(
+        store._reader(), training_id, now=datetime.now(timezone.utc), stale_after_s=60
+    )
+    (row,) = page["steps"]
+    assert (row["accepted"], row["rejected"], row["stopped"], row["running"]) == (2, 1, 2, 0)
+    assert page["reasons"] == [("missing_tokens", 1)]
+    episodes = next(c for c in page["charts"] if c["id"] == "episodes")
+    assert dict(episodes["series"]) == {"accepted": [2], "rejected": [1], "stopped": [2]}
