@@ -256,7 +256,7 @@ def test_reward_colour_runs_from_red_to_green():
 def test_episodes_stopped_by_the_end_of_a_run_are_not_rejections(store):
     """A cancelled episode (a prefetched batch no step trains, a stopped run) is counted
     stopped, apart from the rejected ones, and names no rejection reason."""
-    from datetime import datetime, timezone
+    from datetime import UTC, datetime
 
     from cua_rl.monitor.views import training_page
 
@@ -279,7 +279,7 @@ def test_episodes_stopped_by_the_end_of_a_run_are_not_rejections(store):
     )  # fmt: skip
     training_id = store.find_id("training", name)
     page = training_page(
-        store._reader(), training_id, now=datetime.now(timezone.utc), stale_after_s=60
+        store._reader(), training_id, now=datetime.now(UTC), stale_after_s=60
     )
     (row,) = page["steps"]
     assert (row["accepted"], row["rejected"], row["stopped"], row["running"]) == (2, 1, 2, 0)
