@@ -56,9 +56,9 @@ envs:
 	$(MAKE) -j2 venv venv-vllm
 
 # The main job on the embedded default: monitor, local gym, local agent, and AReaL's PPOTrainer
-# with a vLLM CPU server and a tiny Qwen2-VL, all on this machine (examples/cua_agent/demo.py).
+# with a vLLM CPU server and a tiny Qwen2-VL, all on this machine (cua_rl/app/demo.py).
 demo: envs
-	$(PY) -m examples.cua_agent.demo $(DEMO_ARGS)
+	$(PY) -m cua_rl.app.demo $(DEMO_ARGS)
 
 # The dashboard's browser tests drive Debian's chromium through Playwright's Python API
 # (Playwright's own browser download cannot run here); installed once when missing.
@@ -70,7 +70,7 @@ browser:
 # success rate per step and writes success.png under runs/learn-<time> (docs/learning.md).
 # More runs: make learn LEARN_ARGS="--offpolicyness 0 2 --seeds 1 2 3"; the control: --control.
 learn: envs
-	$(PY) -m examples.cua_agent.learn $(LEARN_ARGS)
+	$(PY) -m cua_rl.app.learn $(LEARN_ARGS)
 
 # Lint first: it takes a second and CI then catches style drift too. The suite runs as two pytest
 # processes side by side (scripts/test_shards.py: the two longest trainings beside the rest).

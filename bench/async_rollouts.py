@@ -1,7 +1,7 @@
 """Asynchronous rollouts through the gateway: episodes per minute, box utilisation, episodes lost.
 
 Trains the embedded default once per ``rollout.max_head_offpolicyness`` value (0, 1 and 2 by
-default) with ``make demo``'s launcher (``examples/cua_agent/demo.py``): the monitor on a SQLite
+default) with ``make demo``'s launcher (``cua_rl/app/demo.py``): the monitor on a SQLite
 file, the local gym with a box start-up time (``--box-startup``), the local agent with a latency
 after every step (``--step-latency``), vLLM CPU and AReaL's PPOTrainer, the agent's model calls
 through the rollout gateway (``endpoint.mode=gateway``). The baseline pass runs first and warms
@@ -288,7 +288,7 @@ def train_once(args: argparse.Namespace, k: int, runs_dir: Path) -> RunFigures:
     cmd = [
         sys.executable,
         "-m",
-        "examples.cua_agent.demo",
+        "cua_rl.app.demo",
         "--run-dir",
         str(run_dir),
         "--model",

@@ -59,19 +59,19 @@ def _percentile(values: list[float], q: float) -> float:
 async def episodes(mode: str, args, gym, agent, vllm, model_dir) -> dict[str, float]:
     from areal.infra import workflow_context
 
-    from cua_rl.gateway import Sampling
-    from cua_rl.genv import GenvClient
-    from cua_rl.mini_agent import DriverConfig
-    from cua_rl.reward import RewardConfig
-    from cua_rl.tasks import load_tasks_gym, task_row
-    from cua_rl.trajectory.config import TrajectoryConfig
-    from examples.cua_agent.config import (
+    from cua_rl.app.config import (
         AgentSection,
         EndpointSection,
         GymSection,
         WorkflowSettings,
     )
-    from examples.cua_agent.workflow import CUAAgentWorkflow
+    from cua_rl.gateway import Sampling
+    from cua_rl.genv import GenvClient
+    from cua_rl.mini_agent import DriverConfig
+    from cua_rl.reward import RewardConfig
+    from cua_rl.rollout.workflow import CUAAgentWorkflow
+    from cua_rl.tasks import load_tasks_gym, task_row
+    from cua_rl.trajectory.config import TrajectoryConfig
 
     class Keeping(CUAAgentWorkflow):
         results: list = []

@@ -44,9 +44,9 @@ import orjson
 REPO = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(REPO))
 
-from cua_rl.monitor.client import MonitorClient, MonitorClientConfig  # noqa: E402
-from cua_rl.monitor.context import MonitorContext  # noqa: E402
-from cua_rl.monitor.store import MonitorStore  # noqa: E402
+from cua_rl.monitor.server.store import MonitorStore  # noqa: E402
+from cua_rl.monitor.worker.client import MonitorClient, MonitorClientConfig  # noqa: E402
+from cua_rl.monitor.worker.context import MonitorContext  # noqa: E402
 
 TOKEN = "bench-token"
 
@@ -181,7 +181,7 @@ def server_cpu_s(pid: int) -> float:
 
 
 async def bench_client_ingest(url: str, total_turns: int, spool: Path) -> None:
-    from cua_rl.monitor.recorder import RolloutRecorder
+    from cua_rl.monitor.worker.recorder import RolloutRecorder
 
     cfg = MonitorClientConfig(
         base_url=url,
@@ -385,7 +385,7 @@ def screen_images(turns: int, width: int, height: int) -> list[bytes]:
 
 
 async def bench_screenshots(url: str, db: Path, turns: int) -> None:
-    from cua_rl.monitor.screenshots import prepare_screenshot
+    from cua_rl.monitor.server.screenshots import prepare_screenshot
 
     cfg = MonitorClientConfig(base_url=url, token=TOKEN, spool_path=str(db.with_suffix(".spool")))
     for width, height in ((360, 640), (1080, 2400)):

@@ -1,5 +1,5 @@
 """Peak memory and time of one actor update on a long screenshot row: AReaL's logits against
-selective logits (cua_rl/areal_ext/logits.py).
+selective logits (cua_rl/areal/logits.py).
 
 Each measurement runs in a fresh child process: AReaL's real FSDP PPO actor on CPU (world size
 1, gloo) with the tiny Qwen2-VL of production vocabulary width ("qwen2-vl-wide": 151,936 ids,
@@ -45,7 +45,7 @@ def measure(turns: int, mode: str, image_tokens: int, repeat: int) -> dict:
     from areal.api.cli_args import OptimizerConfig
     from areal.engine.fsdp_engine import FSDPPPOActor
 
-    from cua_rl.areal_ext.logits_engine import SelectiveLogitsPPOActor
+    from cua_rl.areal.logits_engine import SelectiveLogitsPPOActor
     from cua_rl.testing.actor import actor_config, make_actor, screenshot_row
     from cua_rl.testing.memory import peak_rss, release_freed_memory
     from cua_rl.testing.models import WIDE_VOCAB, ensure_model

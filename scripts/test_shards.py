@@ -7,7 +7,7 @@ restart run) share no fixture with the rest, so they run in a second process bes
 one. The main process streams as usual; the second one's output goes to a log file and is
 printed when both have ended. The exit status is the first failing process's. Two trainings at
 once on one machine are safe only because AReaL's port choice no longer follows the training
-seed (cua_rl/areal_ext/ports.py): before that, trainings of one config drew the same ports.
+seed (cua_rl/areal/ports.py): before that, trainings of one config drew the same ports.
 
     python scripts/test_shards.py [--log PATH] [-- extra pytest args for both]
 """
@@ -24,7 +24,7 @@ from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[1]
 # Whole trainings that need nothing the rest of the suite builds (no shared vLLM server, no demo).
-BESIDE = ("tests/examples/test_learn.py", "tests/curriculum/test_in_the_loop.py")
+BESIDE = ("tests/app/test_learn.py", "tests/curriculum/test_in_the_loop.py")
 
 
 def main(argv: list[str] | None = None) -> int:

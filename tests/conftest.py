@@ -73,7 +73,7 @@ DEMO_STEPS = 6
 
 @pytest.fixture(scope="session")
 def demo_run(tmp_path_factory, tiny_vl_model_dir):
-    """``python -m examples.cua_agent.demo`` once, in the regime production trains in: six real
+    """``python -m cua_rl.app.demo`` once, in the regime production trains in: six real
     PPO steps, asynchronous (two steps of staleness, eight episodes in flight), through the
     gateway, with the BPE tiny model; the monitor on SQLite."""
     run_dir = tmp_path_factory.mktemp("demo") / "demo"
@@ -81,7 +81,7 @@ def demo_run(tmp_path_factory, tiny_vl_model_dir):
         [
             sys.executable,
             "-m",
-            "examples.cua_agent.demo",
+            "cua_rl.app.demo",
             "--run-dir",
             str(run_dir),
             *DEMO_OVERRIDES,

@@ -11,7 +11,7 @@ rewards are all equal (a task far too hard, or already solved) teaches nothing. 
   in AReaL's recover checkpoint;
 - ``trainer``: ``CurriculumPPOTrainer``, the one-method ``PPOTrainer`` subclass that installs it.
 
-The group filters that count and drop zero-variance groups are in ``cua_rl.groups``. Only
+The group filters that count and drop zero-variance groups are in ``cua_rl.rollout.groups``. Only
 ``selector`` is imported here; the others import torch or AReaL.
 """
 

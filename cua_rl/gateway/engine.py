@@ -10,7 +10,7 @@ the ids with one pad per image plus the images, expands the pads itself and retu
 prompt, the sampled ids, their logprobs and which weight version sampled which tokens. Other
 servers' requests are in ``backends`` (SGLang's ``/generate``; text in as a fallback).
 
-Versions: ``cua_rl.areal_ext.vllm_server`` labels each weight load with its AReaL version, so the
+Versions: ``cua_rl.cpu.vllm_server`` labels each weight load with its AReaL version, so the
 server's spans are exact; a server that does not (label ``default``) gets AReaL's own rule, the
 engine's version when the answer came back.
 """

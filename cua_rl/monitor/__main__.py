@@ -11,9 +11,9 @@ import logging
 import os
 import sys
 
-from cua_rl.monitor.app import DEFAULT_MAX_BODY_BYTES
-from cua_rl.monitor.dashboard import DEFAULT_STALE_AFTER_S
-from cua_rl.monitor.screenshots import (
+from cua_rl.monitor.server.app import DEFAULT_MAX_BODY_BYTES
+from cua_rl.monitor.server.dashboard import DEFAULT_STALE_AFTER_S
+from cua_rl.monitor.server.screenshots import (
     DEFAULT_MAX_IMAGE_BYTES,
     DEFAULT_MAX_TOTAL_BYTES,
     ScreenshotStore,
@@ -81,8 +81,8 @@ def main(argv: list[str] | None = None) -> int:
         parser.error("--stale-after-s must be > 0")
     import uvicorn
 
-    from cua_rl.monitor.app import create_app
-    from cua_rl.monitor.store import MonitorStore
+    from cua_rl.monitor.server.app import create_app
+    from cua_rl.monitor.server.store import MonitorStore
 
     logging.basicConfig(level=args.log_level.upper(), format="%(asctime)s %(name)s %(message)s")
     token = args.token or os.environ.get("MONITOR_PROJECT_TOKEN") or None

@@ -69,7 +69,7 @@ class VLLMServer:
         return [
             str(vllm_python()),
             "-m",
-            "cua_rl.areal_ext.vllm_server",
+            "cua_rl.cpu.vllm_server",
             "--enable-scale-out",
             "--logprobs-mode", "processed_logprobs",
             "--model", str(self.model_dir),

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import pytest
 
-from cua_rl.areal_ext import cpu
+from cua_rl.cpu import training as cpu
 from cua_rl.testing.vllm_server import VLLMServer, vllm_python
 
 

@@ -11,7 +11,7 @@ from pathlib import Path
 import pytest
 from areal.api.cli_args import GRPOConfig, load_expr_config
 
-from cua_rl.areal_ext import cpu
+from cua_rl.cpu import training as cpu
 from cua_rl.errors import ConfigError
 
 _YAML = """
@@ -83,13 +83,11 @@ def test_defaults_are_rewritten_for_cpu(config, fake_vllm_python):
 
     assert config.actor.weight_update_mode == "disk"
     assert config.actor.attn_impl == "sdpa"
-    assert (
-        config.vllm.worker_extension_cls == "cua_rl.areal_ext.vllm_worker.DiskWeightReloadExtension"
-    )
+    assert config.vllm.worker_extension_cls == "cua_rl.cpu.vllm_worker.DiskWeightReloadExtension"
     assert config.vllm.block_size == 32
     for section in (config.actor, config.rollout):
         spec = section.scheduling_spec[0]
-        assert spec.cmd == "python -m cua_rl.areal_ext.rpc_worker"
+        assert spec.cmd == "python -m cua_rl.cpu.rpc_worker"
         assert spec.cpu == 1
         assert spec.env_vars["CUA_VLLM_PYTHON"] == fake_vllm_python
         # AReaL joins env_vars as "K=V,K=V" and splits on "=" (launcher.get_env_vars).
@@ -134,7 +132,7 @@ def test_settings_that_cannot_run_on_cpu_are_refused(config, fake_vllm_python, k
 
 def test_a_custom_worker_command_is_refused(config, fake_vllm_python):
     config.actor.scheduling_spec[0].cmd = "python my_worker.py"
-    with pytest.raises(ConfigError, match=re.escape("python -m cua_rl.areal_ext.rpc_worker")):
+    with pytest.raises(ConfigError, match=re.escape("python -m cua_rl.cpu.rpc_worker")):
         cpu.enable_cpu_training(config, vllm_python=fake_vllm_python)
 
 
@@ -151,11 +149,11 @@ def test_server_command_uses_vllm_python_and_our_module(config, fake_vllm_python
     cmd = cpu.server_command(args, vllm_python=fake_vllm_python)
     areal_cmd = vLLMConfig.build_cmd_from_args(args)
     assert areal_cmd[:3] == ["python3", "-m", "areal.engine.vllm_ext.areal_vllm_server"]
-    assert cmd[:3] == [fake_vllm_python, "-m", "cua_rl.areal_ext.vllm_server"]
+    assert cmd[:3] == [fake_vllm_python, "-m", "cua_rl.cpu.vllm_server"]
     # Everything after the module is AReaL's own argument list, unchanged.
     assert cmd[3:] == areal_cmd[3:]
     i = cmd.index("--worker-extension-cls")
-    assert cmd[i + 1] == "cua_rl.areal_ext.vllm_worker.DiskWeightReloadExtension"
+    assert cmd[i + 1] == "cua_rl.cpu.vllm_worker.DiskWeightReloadExtension"
 
 
 def test_server_env_drops_the_trainer_site_packages(monkeypatch):
@@ -167,7 +165,7 @@ def test_server_env_drops_the_trainer_site_packages(monkeypatch):
     }
     env = cpu.server_env(base)
     assert trainer_site not in env["PYTHONPATH"].split(os.pathsep)
-    assert (Path(env["PYTHONPATH"]) / "cua_rl" / "areal_ext" / "vllm_server.py").exists()
+    assert (Path(env["PYTHONPATH"]) / "cua_rl" / "cpu" / "vllm_server.py").exists()
     assert "VIRTUAL_ENV" not in env and env["KEEP"] == "1"
     assert base["VIRTUAL_ENV"] == "x"  # the caller's dict is not modified
 
@@ -205,7 +203,7 @@ def test_patch_worker_replaces_areal_launch(monkeypatch, tmp_path):
     server_args = {"model": "m", "port": 1, "host": "192.0.2.7"}
     vllm_remote.VLLMBackend().launch_server(server_args)
     ((cmd, env),) = launched
-    assert cmd[:3] == [str(script), "-m", "cua_rl.areal_ext.vllm_server"]
+    assert cmd[:3] == [str(script), "-m", "cua_rl.cpu.vllm_server"]
     assert cmd[3:] == ["--model", "m", "--port", "1", "--host", "127.0.0.1"]
     assert server_args["host"] == "127.0.0.1"
     assert env["PYTHONPATH"] == str(Path(cpu.__file__).resolve().parents[2])

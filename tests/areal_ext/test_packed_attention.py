@@ -7,7 +7,7 @@ import torch
 from transformers import AutoModelForCausalLM
 from transformers.modeling_utils import ALL_ATTENTION_FUNCTIONS
 
-from cua_rl.areal_ext.cpu import packed_sdpa_attention, patch_packed_attention
+from cua_rl.cpu.training import packed_sdpa_attention, patch_packed_attention
 
 SEQS = [[5, 17, 33, 64, 101, 7, 9], [40, 41, 42, 43, 44], [3, 90, 12]]
 

@@ -6,7 +6,7 @@ import random
 
 from areal.utils import network, seeding
 
-from cua_rl.areal_ext.ports import unseed_port_choice
+from cua_rl.areal.ports import unseed_port_choice
 
 
 def _trainer_draw() -> list[int]:

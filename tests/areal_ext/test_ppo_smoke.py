@@ -11,7 +11,7 @@ from pathlib import Path
 
 import pytest
 
-from cua_rl.areal_ext.smoke import lowercase_share
+from cua_rl.cpu.smoke import lowercase_share
 
 REPO = Path(__file__).resolve().parents[2]
 
@@ -46,7 +46,7 @@ def _processes_mentioning(text: str) -> list[str]:
 def test_two_ppo_steps_on_cpu(tmp_path):
     run_dir = tmp_path / "smoke"
     proc = subprocess.run(
-        [sys.executable, "-m", "cua_rl.areal_ext.smoke", "--run-dir", str(run_dir), "--steps", "2"],
+        [sys.executable, "-m", "cua_rl.cpu.smoke", "--run-dir", str(run_dir), "--steps", "2"],
         cwd=REPO,
         capture_output=True,
         text=True,

@@ -19,8 +19,8 @@ from pathlib import Path
 import pytest
 import torch
 
-from cua_rl.areal_ext import logits as sel
-from cua_rl.areal_ext import logits_engine as eng
+from cua_rl.areal import logits as sel
+from cua_rl.areal import logits_engine as eng
 from cua_rl.errors import ConfigError
 
 REPO = Path(__file__).resolve().parents[2]
@@ -129,7 +129,7 @@ def actors(tiny_vl_model_dir):
     from areal.utils import stats_tracker
     from transformers.modeling_utils import ALL_ATTENTION_FUNCTIONS
 
-    from cua_rl.areal_ext.cpu import patch_packed_attention
+    from cua_rl.cpu.training import patch_packed_attention
     from cua_rl.testing.actor import actor_config, make_actor
 
     # As in a CPU worker: SDPA that keeps packed rows apart.

@@ -7,14 +7,14 @@ import threading
 
 import pytest
 
-from cua_rl.errors import ConfigError
-from cua_rl.failfast import (
+from cua_rl.app.failfast import (
     FailFastConfig,
-    OutcomeLog,
     RejectionWatch,
     advice_for,
     systematic_reason,
 )
+from cua_rl.errors import ConfigError
+from cua_rl.rollout.outcomes import OutcomeLog
 
 
 def test_only_a_full_window_of_one_reason_trips():

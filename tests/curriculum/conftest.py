@@ -9,10 +9,10 @@ from dataclasses import dataclass
 import httpx
 import pytest
 
-from cua_rl.monitor.app import create_app
-from cua_rl.monitor.store import MonitorStore
+from cua_rl.monitor.protocol import eval_client_id, step_client_id
+from cua_rl.monitor.server.app import create_app
+from cua_rl.monitor.server.store import MonitorStore
 from cua_rl.serving import ThreadedServer
-from examples.cua_agent.lifecycle import eval_client_id, step_client_id
 
 
 @dataclass

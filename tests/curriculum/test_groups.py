@@ -8,7 +8,7 @@ import torch
 from areal.utils import stats_tracker
 
 from cua_rl.errors import ConfigError
-from cua_rl.groups import (
+from cua_rl.rollout.groups import (
     COMPLETE_GROUPS,
     COMPLETE_VARIED_GROUPS,
     GROUP_SIZE_ENV,
@@ -86,7 +86,7 @@ def test_the_group_size_must_be_set(monkeypatch):
 def test_the_dotted_paths_resolve_to_the_filters():
     import importlib
 
-    import examples.cua_agent.workflow as workflow
+    import cua_rl.rollout.workflow as workflow
 
     for path, fn in (
         (COMPLETE_GROUPS, complete_groups),

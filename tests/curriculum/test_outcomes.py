@@ -64,8 +64,8 @@ def test_a_wrong_url_or_a_failing_monitor_is_an_error_not_an_empty_answer(monito
 
 
 def test_the_token_is_sent(tmp_path):
-    from cua_rl.monitor.app import create_app
-    from cua_rl.monitor.store import MonitorStore
+    from cua_rl.monitor.server.app import create_app
+    from cua_rl.monitor.server.store import MonitorStore
     from cua_rl.serving import ThreadedServer
 
     store = MonitorStore(str(tmp_path / "m.db"))

@@ -12,13 +12,14 @@ import pytest
 from areal.api.cli_args import load_expr_config
 from torchdata.stateful_dataloader import StatefulDataLoader
 
+from cua_rl.app.config import CUAConfig
+from cua_rl.areal.curriculum_trainer import CurriculumPPOTrainer, make_sampler
+from cua_rl.areal.hooks import TrainerHooks
 from cua_rl.curriculum.sampler import CurriculumSampler
 from cua_rl.curriculum.selector import CurriculumConfig
-from cua_rl.curriculum.trainer import CurriculumPPOTrainer, make_sampler
 from cua_rl.errors import ConfigError
-from cua_rl.monitor.client import MonitorClientConfig
-from examples.cua_agent.config import CUAConfig
-from examples.cua_agent.lifecycle import TrainerHooks, TrainingMonitor
+from cua_rl.monitor.worker.client import MonitorClientConfig
+from cua_rl.monitor.worker.training import TrainingMonitor
 
 ROOT = Path(__file__).resolve().parents[2]
 LOCAL = ROOT / "configs" / "local.yaml"
@@ -32,7 +33,7 @@ def _load(tmp_path: Path, *overrides: str) -> CUAConfig:
 def test_the_curriculum_section_loads_and_picks_the_group_filter(tmp_path):
     cfg = _load(tmp_path)
     assert cfg.curriculum.kind == "uniform"
-    assert cfg.group_filter() == "cua_rl.groups.complete_groups"
+    assert cfg.group_filter() == "cua_rl.rollout.groups.complete_groups"
     cfg = _load(
         tmp_path,
         "curriculum.kind=ucb",
@@ -41,7 +42,7 @@ def test_the_curriculum_section_loads_and_picks_the_group_filter(tmp_path):
         "+curriculum.seed=9",
     )
     assert (cfg.curriculum.kind, cfg.curriculum.floor, cfg.curriculum.seed) == ("ucb", 0.2, 9)
-    assert cfg.group_filter() == "cua_rl.groups.complete_varied_groups"
+    assert cfg.group_filter() == "cua_rl.rollout.groups.complete_varied_groups"
 
 
 @pytest.mark.parametrize(
@@ -127,8 +128,8 @@ def _trainer(recovered_global_step: int | None = None):
 
 
 def test_step_stats_reach_the_logger_and_the_monitor_and_resumed_runs_go_on(tmp_path):
-    from cua_rl.monitor.app import create_app
-    from cua_rl.monitor.store import MonitorStore
+    from cua_rl.monitor.server.app import create_app
+    from cua_rl.monitor.server.store import MonitorStore
     from cua_rl.serving import ThreadedServer
 
     store = MonitorStore(str(tmp_path / "m.db"))

@@ -10,7 +10,7 @@ import httpx
 import pytest
 from safetensors.torch import load_file, save_file
 
-from cua_rl.areal_ext.vllm_server import OUR_EXTENSION
+from cua_rl.cpu.vllm_server import OUR_EXTENSION
 from cua_rl.gateway import Gateway, GatewayConfig, Sampling, SessionSpec
 from cua_rl.testing.forward import load_vl_model, next_token_logprobs
 from cua_rl.testing.vllm_server import VLLMServer

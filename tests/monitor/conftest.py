@@ -20,7 +20,7 @@ from pathlib import Path
 import httpx
 import pytest
 
-from cua_rl.monitor.store import IngestValidationError, MonitorStore
+from cua_rl.monitor.server.store import IngestValidationError, MonitorStore
 
 SEED = Path(__file__).parent / "data" / "training-monitor-schema.md"
 REPO = Path(__file__).resolve().parents[2]

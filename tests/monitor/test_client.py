@@ -10,7 +10,7 @@ import httpx
 import pytest
 
 from cua_rl.errors import ConfigError
-from cua_rl.monitor.client import MonitorClient, MonitorClientConfig
+from cua_rl.monitor.worker.client import MonitorClient, MonitorClientConfig
 
 from .conftest import FlakyMonitor, uid
 

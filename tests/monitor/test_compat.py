@@ -18,9 +18,9 @@ from pathlib import Path
 import httpx
 import pytest
 
-from cua_rl.monitor.migrations import connect, migrate
-from cua_rl.monitor.schema import MIGRATIONS
-from cua_rl.monitor.store import IngestValidationError, MonitorStore
+from cua_rl.monitor.server.migrations import connect, migrate
+from cua_rl.monitor.server.schema import MIGRATIONS
+from cua_rl.monitor.server.store import IngestValidationError, MonitorStore
 
 from .conftest import COUNTED, count_rows, full_batch, uid
 

@@ -8,7 +8,7 @@ import re
 import httpx
 import pytest
 
-from cua_rl.monitor.views import action_overlay, reward_colour, token_view
+from cua_rl.monitor.server.views import action_overlay, reward_colour, token_view
 
 from .conftest import MonitorProcess, uid
 
@@ -258,7 +258,7 @@ def test_episodes_stopped_by_the_end_of_a_run_are_not_rejections(store):
     stopped, apart from the rejected ones, and names no rejection reason."""
     from datetime import UTC, datetime
 
-    from cua_rl.monitor.views import training_page
+    from cua_rl.monitor.server.views import training_page
 
     name, step = uid("stopped-"), uid("step-")
     statuses = ("completed", "completed", "failed", "cancelled", "cancelled")

@@ -13,9 +13,9 @@ import json
 import httpx
 import pytest
 
-from cua_rl.monitor.client import MonitorClient, MonitorClientConfig
-from cua_rl.monitor.context import MonitorContext, current, monitor_context
-from cua_rl.monitor.recorder import RolloutRecorder
+from cua_rl.monitor.worker.client import MonitorClient, MonitorClientConfig
+from cua_rl.monitor.worker.context import MonitorContext, current, monitor_context
+from cua_rl.monitor.worker.recorder import RolloutRecorder
 
 from .conftest import FlakyMonitor, uid
 

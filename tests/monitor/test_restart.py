@@ -11,9 +11,9 @@ import sqlite3
 
 import pytest
 
-from cua_rl.monitor.client import MonitorClient, MonitorClientConfig
-from cua_rl.monitor.context import MonitorContext
-from cua_rl.monitor.recorder import RolloutRecorder
+from cua_rl.monitor.worker.client import MonitorClient, MonitorClientConfig
+from cua_rl.monitor.worker.context import MonitorContext
+from cua_rl.monitor.worker.recorder import RolloutRecorder
 
 from .conftest import MonitorProcess, count_rows, uid
 

@@ -9,9 +9,9 @@ import threading
 
 import pytest
 
-from cua_rl.monitor.migrations import connect, migrate
-from cua_rl.monitor.schema import MIGRATIONS
-from cua_rl.monitor.store import MonitorStore
+from cua_rl.monitor.server.migrations import connect, migrate
+from cua_rl.monitor.server.schema import MIGRATIONS
+from cua_rl.monitor.server.store import MonitorStore
 
 from .conftest import SEED
 

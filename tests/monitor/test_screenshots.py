@@ -13,16 +13,16 @@ import httpx
 import pytest
 from PIL import Image
 
-from cua_rl.monitor.client import MonitorClient, MonitorClientConfig
-from cua_rl.monitor.context import MonitorContext
-from cua_rl.monitor.recorder import RolloutRecorder
-from cua_rl.monitor.screenshots import (
+from cua_rl.monitor.server.screenshots import (
     ScreenshotError,
     ScreenshotStore,
     default_root,
     prepare_screenshot,
 )
-from cua_rl.monitor.store import MonitorStore
+from cua_rl.monitor.server.store import MonitorStore
+from cua_rl.monitor.worker.client import MonitorClient, MonitorClientConfig
+from cua_rl.monitor.worker.context import MonitorContext
+from cua_rl.monitor.worker.recorder import RolloutRecorder
 
 from .conftest import MonitorProcess, uid
 

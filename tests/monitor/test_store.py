@@ -7,7 +7,7 @@ import json
 
 import pytest
 
-from cua_rl.monitor.store import BATCH_KEYS, IngestValidationError
+from cua_rl.monitor.server.store import BATCH_KEYS, IngestValidationError
 
 from .conftest import count_rows, full_batch, uid
 

@@ -1,0 +1,353 @@
+"""Configuration of the CUA agent example: AReaL's GRPO config plus one section per concern.
+
+``CUAConfig`` is what ``load_expr_config(argv, CUAConfig)`` builds from a YAML file and
+``key=value`` overrides. The sections reuse the library's own config dataclasses (task selection,
+trajectory policies, reward shaping, run driver, gym timeouts) so each knob is documented once.
+``CUAConfig.workflow_settings()`` extracts the part the rollout workers need: a plain dataclass
+that AReaL can ship to workers as ``workflow_kwargs``.
+"""
+
+from __future__ import annotations
+
+import json
+from dataclasses import dataclass, field
+from urllib.parse import urlsplit
+
+from areal.api.cli_args import GRPOConfig, vLLMConfig
+
+from cua_rl.app.failfast import FailFastConfig
+from cua_rl.areal.logits import LogitsConfig, check_areal_version
+from cua_rl.curriculum.selector import CurriculumConfig
+from cua_rl.errors import ConfigError
+from cua_rl.gateway.config import GatewayConfig, Sampling
+from cua_rl.reward import RewardConfig
+from cua_rl.rollout.groups import COMPLETE_GROUPS, COMPLETE_VARIED_GROUPS
+from cua_rl.rollout.settings import (
+    AgentSection,
+    EndpointSection,
+    GymSection,
+    WorkflowSettings,
+)
+from cua_rl.trajectory.config import TrajectoryConfig
+
+LOGPROBS_MODES = ("processed_logprobs", "raw_logprobs", "processed_logits", "raw_logits")
+ENDPOINT_MODES = ("gateway", "direct")
+DEFAULT_WORKFLOW = "examples.cua_agent.workflow.CUAAgentWorkflow"
+
+
+@dataclass
+class CUAvLLMConfig(vLLMConfig):
+    """vLLM server options AReaL's ``vLLMConfig`` lacks. AReaL turns every non-empty field into
+    ``--kebab-name value`` (a list into one flag followed by its items), so these reach vLLM."""
+
+    limit_mm_per_prompt: str = field(
+        default="",
+        metadata={
+            "help": 'JSON object, e.g. \'{"image": 64, "video": 0}\': most images per prompt. '
+            "A multi-turn GUI episode keeps every screenshot in its prompt, so this bounds the "
+            "episode length in steps."
+        },
+    )
+    allowed_media_domains: list[str] = field(
+        default_factory=list,
+        metadata={
+            "help": "Hostnames vLLM may fetch image URLs from (exact match, no port). Empty "
+            "means any URL, loopback included: set it in production."
+        },
+    )
+
+    enable_scale_out: bool = field(
+        default=True,
+        metadata={
+            "help": "Serve vLLM's tokens-in endpoint (POST /inference/v1/generate), which the "
+            "rollout gateway samples through (endpoint.mode=gateway)."
+        },
+    )
+    logprobs_mode: str = field(
+        default="processed_logprobs",
+        metadata={
+            "help": "Which logprobs vLLM returns. processed_logprobs: of the distribution "
+            "sampled from (after temperature), what decoupled PPO needs at any temperature; "
+            "raw_logprobs (vLLM's default) equal it only at temperature 1."
+        },
+    )
+
+    def __post_init__(self):
+        if self.logprobs_mode not in LOGPROBS_MODES:
+            raise ConfigError(
+                f"vllm.logprobs_mode={self.logprobs_mode!r}; use one of {', '.join(LOGPROBS_MODES)}"
+            )
+        if self.limit_mm_per_prompt:
+            try:
+                parsed = json.loads(self.limit_mm_per_prompt)
+            except json.JSONDecodeError as e:
+                raise ConfigError(
+                    f"vllm.limit_mm_per_prompt={self.limit_mm_per_prompt!r} is not JSON ({e}); "
+                    "write it as a JSON string, e.g. '{\"image\": 64}'"
+                ) from None
+            if not isinstance(parsed, dict):
+                raise ConfigError(
+                    'vllm.limit_mm_per_prompt must be a JSON object like {"image": 64}'
+                )
+        for domain in self.allowed_media_domains:
+            if not domain or any(c in domain for c in ":/*"):
+                raise ConfigError(
+                    f"vllm.allowed_media_domains entry {domain!r} must be a bare hostname "
+                    "(vLLM matches hostnames exactly: no scheme, port or wildcard)"
+                )
+
+
+@dataclass
+class MonitorSection:
+    enabled: bool = field(default=True, metadata={"help": "Record the run in a Training Monitor"})
+    base_url: str = field(
+        default="",
+        metadata={
+            "help": "Monitor URL (default $MONITOR_BASE_URL). Empty with db_path set: train.py "
+            "serves an embedded monitor on a free loopback port."
+        },
+    )
+    token: str = field(
+        default="", metadata={"help": "Project token (default $MONITOR_PROJECT_TOKEN)"}
+    )
+    db_path: str = field(
+        default="",
+        metadata={"help": "SQLite file of the embedded monitor (used when base_url is empty)"},
+    )
+    run_name: str = field(
+        default="",
+        metadata={"help": "Training run name (unique). Empty: {experiment_name}-{trial_name}"},
+    )
+    spool_path: str = field(
+        default="",
+        metadata={"help": "Spool file for records the monitor could not take (default: temp dir)"},
+    )
+
+
+@dataclass
+class CUAConfig(GRPOConfig):
+    gym: GymSection = field(default_factory=GymSection, metadata={"help": "The gym server"})
+    agent: AgentSection = field(
+        default_factory=AgentSection, metadata={"help": "The gbox-mini-agent service"}
+    )
+    endpoint: EndpointSection = field(
+        default_factory=EndpointSection, metadata={"help": "Model endpoint the agent calls"}
+    )
+    trajectory: TrajectoryConfig = field(
+        default_factory=TrajectoryConfig, metadata={"help": "Event log -> training row policies"}
+    )
+    reward: RewardConfig = field(
+        default_factory=RewardConfig, metadata={"help": "Evaluation -> reward, and shaping"}
+    )
+    monitor: MonitorSection = field(
+        default_factory=MonitorSection, metadata={"help": "Training Monitor"}
+    )
+    vllm: CUAvLLMConfig = field(default_factory=CUAvLLMConfig)
+    curriculum: CurriculumConfig = field(
+        default_factory=CurriculumConfig,
+        metadata={"help": "Which tasks each batch draws, and zero-variance groups"},
+    )
+    gateway: GatewayConfig = field(
+        default_factory=GatewayConfig,
+        metadata={"help": "The rollout gateway (endpoint.mode=gateway)"},
+    )
+    failfast: FailFastConfig = field(
+        default_factory=FailFastConfig,
+        metadata={"help": "Stop a training whose episodes are all rejected for one reason"},
+    )
+    workflow: str = field(
+        default=DEFAULT_WORKFLOW,
+        metadata={
+            "help": "Rollout workflow class as a dotted path (pkg.module.Class): a subclass of "
+            "CUAAgentWorkflow with your hooks, in an importable module (not __main__)."
+        },
+    )
+    logits: LogitsConfig = field(
+        default_factory=LogitsConfig,
+        metadata={"help": "Where the trainer computes full-vocabulary logits"},
+    )
+
+    def __post_init__(self):
+        super().__post_init__()
+        self.validate()
+
+    def validate(self) -> None:
+        """Cross-section checks; each message says how to fix the config."""
+        if self.logits.selective:
+            check_areal_version()
+        if not self.gym.gym_id:
+            raise ConfigError(
+                "gym.gym_id is missing: set the id of the gym on your gym server "
+                "(e.g. gym.gym_id=android-tasks); there is no default that is safe to assume"
+            )
+        if self.gym.source.kind == "gym" and not self.gym.base_url:
+            raise ConfigError("gym.base_url is missing: set the gym server URL (without /api/v1)")
+        if self.gconfig.n_samples > 1 and self.gconfig.temperature == 0:
+            raise ConfigError(
+                f"gconfig.temperature=0 with gconfig.n_samples={self.gconfig.n_samples}: every "
+                "member of a group would act the same, so group advantages are all zero; set "
+                "gconfig.temperature (e.g. 1.0) or gconfig.n_samples=1"
+            )
+        if self.rollout.max_concurrent_rollouts is None:
+            raise ConfigError(
+                "rollout.max_concurrent_rollouts is unset: each rollout holds a gym box and an "
+                "agent run, so bound it to what your gym can host (e.g. "
+                "rollout.max_concurrent_rollouts=32)"
+            )
+        parts = self.workflow.split(".")
+        if len(parts) < 2 or not all(p.isidentifier() for p in parts) or parts[0] == "__main__":
+            raise ConfigError(
+                f"workflow={self.workflow!r} must be an importable dotted path to a class, e.g. "
+                "mypkg.workflows.MyWorkflow (AReaL's workers import it; __main__ is not importable)"
+            )
+        if self.endpoint.mode not in ENDPOINT_MODES:
+            raise ConfigError(
+                f"endpoint.mode={self.endpoint.mode!r}; use gateway (the default) or direct"
+            )
+        if self.endpoint.mode == "gateway":
+            self._validate_gateway()
+        if (
+            self.endpoint.mode == "direct"
+            and self.agent.model_options.get("constrain") == "regex"
+            and (self.actor.use_decoupled_loss or not self.actor.recompute_logprob)
+        ):
+            # vLLM applies a structured-output grammar mask to the logits before it computes
+            # logprobs, so the recorded logprobs are those of the masked distribution (near 0 where
+            # the grammar leaves one choice) while the trainer scores the unmasked model: measured
+            # 4.7 nats apart per token at identical weights. Only the trainer's own recomputation
+            # can then serve as the old policy.
+            raise ConfigError(
+                "agent.model_options.constrain=regex makes vLLM report logprobs of the grammar-"
+                "masked distribution, which the trainer cannot reproduce; set "
+                "actor.recompute_logprob=true and actor.use_decoupled_loss=false (or constrain "
+                "with 'ascii', whose logprobs are the unmasked model's)"
+            )
+        allowed = set(self.vllm.allowed_media_domains)
+        fetchable = set(self.trajectory.allowed_image_hosts)
+        for host in self.agent.screenshot_hosts:
+            if allowed and host not in allowed and self.endpoint.mode == "direct":
+                raise ConfigError(
+                    f"screenshot host {host!r} (agent.screenshot_hosts) is not in "
+                    f"vllm.allowed_media_domains {sorted(allowed)}: vLLM would refuse the "
+                    f"screenshots; add {host!r} to vllm.allowed_media_domains"
+                )
+            if host not in fetchable:
+                raise ConfigError(
+                    f"screenshot host {host!r} (agent.screenshot_hosts) is not in "
+                    f"trajectory.allowed_image_hosts {sorted(fetchable)}: the converter would "
+                    f"refuse its images; add {host!r} to trajectory.allowed_image_hosts"
+                )
+        if self.endpoint.base_url:
+            parts = urlsplit(self.endpoint.base_url)
+            if parts.scheme not in ("http", "https") or not parts.path.rstrip("/").endswith("/v1"):
+                raise ConfigError(
+                    f"endpoint.base_url={self.endpoint.base_url!r} must be an http(s) OpenAI "
+                    "base URL ending in /v1, or empty for the engine's own servers"
+                )
+        self.validate_curriculum()
+        if self.monitor.enabled and not (self.monitor.base_url or self.monitor.db_path):
+            import os
+
+            if not os.environ.get("MONITOR_BASE_URL"):
+                raise ConfigError(
+                    "monitor.enabled is true but neither monitor.base_url, $MONITOR_BASE_URL nor "
+                    "monitor.db_path is set: point it at a monitor, give an SQLite path for the "
+                    "embedded one, or set monitor.enabled=false"
+                )
+
+    def _validate_gateway(self) -> None:
+        backend = (self.rollout.backend or "").split(":", 1)[0]
+        if backend not in ("vllm", "sglang"):
+            raise ConfigError(
+                f"endpoint.mode=gateway samples through vLLM or SGLang; rollout.backend is "
+                f"{self.rollout.backend!r}: use a vllm or sglang backend, or endpoint.mode=direct"
+            )
+        if self.gateway.backend == "auto":
+            self.gateway.backend = backend
+        elif self.gateway.backend != backend and not (
+            backend == "vllm" and self.gateway.backend == "text"
+        ):
+            raise ConfigError(
+                f"gateway.backend={self.gateway.backend!r} but rollout.backend is "
+                f"{self.rollout.backend!r}: set gateway.backend=auto"
+            )
+        if backend == "sglang":
+            return  # SGLang returns logprobs after temperature by default; nothing else to set
+        if not self.vllm.enable_scale_out and self.gateway.backend == "vllm":
+            raise ConfigError(
+                "endpoint.mode=gateway needs vllm.enable_scale_out=true (it serves "
+                "/inference/v1/generate, the gateway's tokens-in endpoint); without it, "
+                "gateway.backend=text samples from re-tokenised history (prefix breaks)"
+            )
+        if self.vllm.logprobs_mode != "processed_logprobs":
+            raise ConfigError(
+                "endpoint.mode=gateway records the logprobs of the distribution it sampled "
+                "from: set vllm.logprobs_mode=processed_logprobs"
+            )
+        if self.endpoint.base_url:
+            raise ConfigError(
+                "endpoint.base_url points the agent at an external server, which is direct mode: "
+                "set endpoint.mode=direct, or empty endpoint.base_url to use the gateway"
+            )
+        if self.agent.model_options.get("constrain"):
+            raise ConfigError(
+                "agent.model_options.constrain is the local agent's own sampling; through the "
+                "gateway the trainer samples. Drop it (use agent.model_options.parse=lenient to "
+                "keep a random model's replies actionable), or use endpoint.mode=direct"
+            )
+
+    def validate_curriculum(self) -> None:
+        if self.curriculum.kind == "ucb":
+            if not self.monitor.enabled:
+                raise ConfigError(
+                    "curriculum.kind=ucb reads task outcomes from the Training Monitor: set "
+                    "monitor.enabled=true (with monitor.db_path or monitor.base_url), or "
+                    "curriculum.kind=uniform"
+                )
+            if self.train_dataset.num_workers:
+                raise ConfigError(
+                    "curriculum.kind=ucb draws tasks when the trainer asks for them; loader "
+                    "workers would draw ahead of the outcomes: set train_dataset.num_workers=0"
+                )
+
+    def group_filter(self) -> str:
+        """The ``dynamic_filter_fn`` dotted path for ``PPOTrainer.train``."""
+        return COMPLETE_VARIED_GROUPS if self.curriculum.drop_zero_variance else COMPLETE_GROUPS
+
+    @property
+    def run_name(self) -> str:
+        return self.monitor.run_name or f"{self.experiment_name}-{self.trial_name}"
+
+    def model_path(self) -> str:
+        return self.actor.path or self.tokenizer_path
+
+    def workflow_settings(
+        self,
+        *,
+        monitor_base_url: str = "",
+        phase: str = "train",
+        total_steps: int = 0,
+        outcome_dir: str = "",
+    ) -> WorkflowSettings:
+        """Settings for the train workflow, or (``phase`` eval / baseline) the eval workflow."""
+        if phase not in ("train", "eval", "baseline"):
+            raise ConfigError(f"phase must be train, eval or baseline, not {phase!r}")
+        is_eval = phase != "train"
+        gconfig = self.eval_gconfig if (is_eval and self.eval_gconfig) else self.gconfig
+        return WorkflowSettings(
+            gym=self.gym,
+            agent=self.agent,
+            endpoint=self.endpoint,
+            trajectory=self.trajectory,
+            reward=self.reward,
+            processor_path=self.tokenizer_path or self.actor.path,
+            monitor_base_url=monitor_base_url if self.monitor.enabled else "",
+            monitor_token=self.monitor.token,
+            monitor_spool_path=self.monitor.spool_path,
+            training_ref=self.run_name if (self.monitor.enabled and monitor_base_url) else "",
+            phase=phase,
+            total_steps=total_steps,
+            sampling=Sampling.from_gconfig(gconfig),
+            gateway=self.gateway,
+            outcome_dir=outcome_dir if self.failfast.window else "",
+        )

@@ -1,0 +1,290 @@
+"""``make demo``: the main job on the embedded default, on one machine with no GPU and no services.
+
+Starts, as child processes in their own process groups: the monitor on a SQLite file, the local
+gym and the local agent; builds the tiny Qwen2-VL (cached, no download); then runs
+``python -m examples.cua_agent.train --config configs/local.yaml`` with the URLs and the model
+filled in. The trainer's output (AReaL's workers included) goes to ``logs/train.log``; the
+terminal shows the dashboard's URL, a live progress line and one summary line per step
+(``progress.py``, read from the monitor's database). Whatever happens (failure, Ctrl-C) it stops
+what it started, then prints where the database and the logs are, what the monitor recorded,
+and the command that serves the database again for browsing.
+"""
+
+from __future__ import annotations
+
+import argparse
+import io
+import os
+import signal
+import sqlite3
+import subprocess
+import sys
+import time
+from datetime import datetime
+from pathlib import Path
+
+from cua_rl.app.progress import DemoProgress
+from cua_rl.serving import bind_free_port
+
+ROOT = Path(__file__).resolve().parents[2]
+
+
+class Child:
+    """A service process whose output goes to a log file; stopped by process group."""
+
+    def __init__(self, name: str, argv: list[str], log_dir: Path, env: dict | None = None):
+        self.name = name
+        self.log_path = log_dir / f"{name}.log"
+        self._log = open(self.log_path, "wb")  # noqa: SIM115 - closed in stop()
+        self.proc = subprocess.Popen(
+            argv,
+            cwd=ROOT,
+            stdout=self._log,
+            stderr=subprocess.STDOUT,
+            start_new_session=True,
+            env={**os.environ, **(env or {})},
+        )
+
+    def wait_for_line(self, prefix: str, timeout: float) -> str:
+        deadline = time.monotonic() + timeout
+        while time.monotonic() < deadline:
+            if self.proc.poll() is not None:
+                break
+            for line in self.log_path.read_text(errors="replace").splitlines():
+                if line.startswith(prefix):
+                    return line[len(prefix) :].strip()
+            time.sleep(0.2)
+        tail = self.log_path.read_text(errors="replace")[-2000:]
+        raise RuntimeError(f"{self.name} did not become ready (log {self.log_path}):\n{tail}")
+
+    def stop(self, timeout: float = 10.0) -> None:
+        if self.proc.poll() is None:
+            try:
+                os.killpg(self.proc.pid, signal.SIGTERM)
+                self.proc.wait(timeout)
+            except subprocess.TimeoutExpired:
+                os.killpg(self.proc.pid, signal.SIGKILL)
+                self.proc.wait(5)
+            except ProcessLookupError:
+                pass
+        self._log.close()
+
+
+def free_port() -> int:
+    sock = bind_free_port()
+    port = sock.getsockname()[1]
+    sock.close()
+    return port
+
+
+def wait_http(url: str, timeout: float) -> None:
+    import httpx
+
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        try:
+            if httpx.get(url, timeout=2).status_code < 500:
+                return
+        except httpx.HTTPError:
+            pass
+        time.sleep(0.2)
+    raise RuntimeError(f"{url} did not answer within {timeout}s")
+
+
+def summary(db_path: Path) -> list[str]:
+    if not db_path.exists():
+        return ["monitor database was not created"]
+    db = sqlite3.connect(db_path)
+    try:
+        out = []
+        for name, status, err in db.execute(
+            "SELECT run_name, status, error_message FROM training ORDER BY id"
+        ):
+            out.append(f"training {name}: {status}" + (f" ({err[:200]})" if err else ""))
+        counts = []
+        for table in ("step", "baseline", "eval", "rollout", "turn", "action", "screenshot"):
+            try:
+                n = db.execute(f"SELECT COUNT(*) FROM {table}").fetchone()[0]  # noqa: S608
+            except sqlite3.Error:  # a database the run never migrated
+                continue
+            counts.append(f"{n} {table}{'s' if n != 1 else ''}")
+        out.append("  recorded: " + ", ".join(counts))
+        return out
+    finally:
+        db.close()
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(prog="python -m cua_rl.app.demo", description=__doc__)
+    parser.add_argument("--config", default="configs/local.yaml")
+    parser.add_argument("--run-dir", default="", help="default runs/demo-<time>")
+    parser.add_argument(
+        "--model",
+        default="qwen2-vl-bpe",
+        choices=("qwen2-vl-bpe", "qwen2-vl-byte"),
+        help="tiny model to build and train: byte-level BPE tokenizer (as production models "
+        "have) or byte-only",
+    )
+    parser.add_argument(
+        "--step-latency",
+        type=float,
+        default=0.5,
+        help="seconds the local agent waits after each action, like a device settling: episodes "
+        "then last long enough to meet weight updates, as in production",
+    )
+    parser.add_argument(
+        "--box-startup", type=float, default=0.0, help="seconds the local gym takes to create a box"
+    )
+    parser.add_argument(
+        "--quiet",
+        action="store_true",
+        help="no live progress lines (a caller prints its own); the end still says where "
+        "things are, and a failure shows the end of logs/train.log",
+    )
+    parser.add_argument("overrides", nargs="*", help="extra key=value overrides for train.py")
+    args = parser.parse_args(argv)
+
+    def interrupt(signum, frame):
+        raise KeyboardInterrupt(signal.Signals(signum).name)
+
+    # Ctrl-C and a SIGTERM to the launcher both stop everything it started, in order.
+    for sig in (signal.SIGINT, signal.SIGTERM):
+        signal.signal(sig, interrupt)
+
+    stamp = datetime.now().strftime("%Y%m%d-%H%M%S")
+    run_dir = (ROOT / (args.run_dir or f"runs/demo-{stamp}")).resolve()
+    log_dir = run_dir / "logs"
+    log_dir.mkdir(parents=True, exist_ok=True)
+    db_path = run_dir / "monitor.db"
+    py = sys.executable
+    children: list[Child] = []
+    rc = 1
+    t0 = time.monotonic()
+    try:
+        print(f"[demo] building the tiny {args.model} (cached after the first run)", flush=True)
+        from cua_rl.testing.models import ensure_model
+
+        model_dir = ensure_model(args.model)
+
+        mon_port = free_port()
+        children.append(
+            Child(
+                "monitor",
+                [
+                    py,
+                    "-m",
+                    "cua_rl.monitor",
+                    "serve",
+                    "--db",
+                    str(db_path),
+                    "--port",
+                    str(mon_port),
+                ],
+                log_dir,
+            )
+        )
+        monitor_url = f"http://127.0.0.1:{mon_port}"
+        wait_http(f"{monitor_url}/healthz", 60)
+        print(f"[demo] monitor  {monitor_url} -> {_shown(db_path)}", flush=True)
+        print(f"[demo] dashboard: open {monitor_url}/ to watch the training live", flush=True)
+
+        gym_cmd = [py, "-m", "cua_rl.sim", "gym", "--port", "0"]
+        gym = Child("gym", [*gym_cmd, "--create-latency", str(args.box_startup)], log_dir)
+        children.append(gym)
+        # The ready line names the genv base (.../api/v1/sim); the config wants the server URL.
+        gym_url = gym.wait_for_line("ready ", 60).split("/api/v1/")[0]
+        print(f"[demo] gym      {gym_url}", flush=True)
+
+        agent_cmd = [py, "-m", "cua_rl.sim", "agent", "--port", "0"]
+        agent = Child("agent", [*agent_cmd, "--step-latency", str(args.step_latency)], log_dir)
+        children.append(agent)
+        agent_url = agent.wait_for_line("ready ", 60)
+        print(f"[demo] agent    {agent_url}", flush=True)
+
+        cmd = [
+            py,
+            "-m",
+            "examples.cua_agent.train",
+            "--config",
+            args.config,
+            f"actor.path={model_dir}",
+            f"gym.base_url={gym_url}",
+            f"agent.base_url={agent_url}",
+            f"monitor.base_url={monitor_url}",
+            f"cluster.fileroot={run_dir / 'areal'}",
+            f"cluster.name_resolve.nfs_record_root={run_dir / 'name_resolve'}",
+            *args.overrides,
+        ]
+        train_log = log_dir / "train.log"
+        print(
+            f"[demo] training (output in {_shown(train_log)}): {' '.join(cmd[1:3])} ...", flush=True
+        )
+        # The trainer's and AReaL's workers' output stays in the log; the terminal shows
+        # progress read from the monitor's database.
+        progress = DemoProgress(db_path, io.StringIO() if args.quiet else None, prefix="[demo] ")
+        with open(train_log, "wb") as log_file:
+            proc = subprocess.Popen(
+                cmd, cwd=ROOT, stdout=log_file, stderr=subprocess.STDOUT, start_new_session=True
+            )
+            try:
+                while proc.poll() is None:
+                    progress.tick()
+                    time.sleep(1.0)
+                rc = proc.wait()
+                time.sleep(0.5)  # the monitor commits the last records just before the exit
+                progress.tick()
+            except KeyboardInterrupt:
+                # train.py stops on SIGTERM as on Ctrl-C (AReaL stops its workers and vLLM, the
+                # training is recorded cancelled); SIGINT could be ignored by inheritance.
+                proc.send_signal(signal.SIGTERM)
+                try:
+                    rc = proc.wait(120)
+                except subprocess.TimeoutExpired:
+                    pass
+                raise
+            finally:
+                progress.close()
+                if proc.poll() is None:
+                    os.killpg(proc.pid, signal.SIGKILL)
+                    proc.wait(10)
+        if rc != 0:
+            tail = train_log.read_text(errors="replace").splitlines()[-40:]
+            print(f"[demo] the trainer exited {rc}; the end of {_shown(train_log)}:", flush=True)
+            print("\n".join(tail), flush=True)
+    except KeyboardInterrupt:
+        print("\n[demo] interrupted", flush=True)
+        rc = 130
+    except Exception as exc:
+        print(f"[demo] failed: {exc}", flush=True)
+        rc = 1
+    finally:
+        for child in reversed(children):
+            child.stop()
+        print(f"[demo] finished with exit code {rc} in {time.monotonic() - t0:.0f}s", flush=True)
+        print(f"[demo] monitor database: {_shown(db_path)}", flush=True)
+        print(
+            f"[demo] logs: {_shown(log_dir)} (train.log, monitor.log, gym.log, agent.log; "
+            f"AReaL's workers: {_shown(run_dir / 'areal' / 'logs')})",
+            flush=True,
+        )
+        for line in summary(db_path):
+            print(f"[demo] {line}", flush=True)
+        if db_path.exists():
+            print(
+                "[demo] browse this run again: python -m cua_rl.monitor serve --db "
+                f"{_shown(db_path)} --port 8765   (then open http://127.0.0.1:8765/)",
+                flush=True,
+            )
+    return rc
+
+
+def _shown(path: Path) -> str:
+    """A path as the user would type it: relative to the repository when it is inside it."""
+    try:
+        return str(path.relative_to(ROOT))
+    except ValueError:
+        return str(path)
+
+
+if __name__ == "__main__":
+    sys.exit(main())

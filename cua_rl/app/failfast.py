@@ -1,0 +1,147 @@
+"""Stop a training whose episodes are all rejected for one reason, instead of spinning forever.
+
+A step only ends when it has enough accepted rows, so a configuration that rejects every
+episode (the agent returns no token data, the gym refuses every create, the gateway is out of
+the agent's reach) keeps the trainer rolling out until someone stops it. Rollout workers append
+each episode's outcome to a file of their own under the run's log folder (``OutcomeLog``; the
+folder is on the file system AReaL already shares between nodes); the controller watches those
+files (``RejectionWatch``) and, when the last ``window`` episodes were all rejected for the same
+reason, calls back with that reason, which ``train.py`` turns into a failed training with advice.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import threading
+from collections import deque
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from pathlib import Path
+
+from cua_rl.errors import ConfigError
+from cua_rl.logs import get_logger
+
+log = get_logger("cua_rl.app.failfast")
+
+# What to do about the rejection reasons a misconfiguration causes; others get the generic line.
+ADVICE = {
+    "missing_tokens": "the agent's model outputs carry no token ids or logprobs: use "
+    "endpoint.mode=gateway (the default), or patch the agent and set agent.model_options.logprobs=true",
+    "gateway_unreachable": "the agent cannot reach the rollout gateway: set gateway.bind_host "
+    "(0.0.0.0 when the agent runs on another machine) and gateway.public_host to an address "
+    "the agent's machine can reach",
+    "gym_error": "the gym server fails every execution: check gym.base_url, gym.gym_id and the "
+    "gym's own logs (python -m examples.cua_agent.train --check tests the services)",
+    "image_url_refused": "the screenshots come from a host that is not allowed: add it to "
+    "trajectory.allowed_image_hosts (and agent.screenshot_hosts)",
+    "gateway_image_url_refused": "the screenshots come from a host that is not allowed: add it to "
+    "trajectory.allowed_image_hosts (and agent.screenshot_hosts)",
+    "gateway_sampling_mismatch": "the agent asks for sampling settings other than the trainer's "
+    "and gateway.sampling_mismatch=error: align the agent or set it to override",
+    "prefix_break": "every episode breaks the multi-turn prefix: use endpoint.mode=gateway, or "
+    "trajectory.prefix_break_policy=last_segment",
+}
+
+
+def advice_for(reason: str) -> str:
+    if reason in ADVICE:
+        return ADVICE[reason]
+    if reason.startswith("agent_"):
+        return (
+            f"every agent run ends {reason[len('agent_') :]!r}: read the agent's log and the "
+            "rollout log (logs/rollout*.log) for its error events"
+        )
+    return "read the rollout log (logs/rollout*.log) for the episodes' errors"
+
+
+@dataclass
+class FailFastConfig:
+    window: int = field(
+        default=32,
+        metadata={
+            "help": "Stop the training as failed when this many consecutive episodes were all "
+            "rejected for the same reason; 0 turns the check off."
+        },
+    )
+    poll_s: float = field(
+        default=2.0, metadata={"help": "How often the controller reads the outcome files (s)."}
+    )
+
+    def __post_init__(self) -> None:
+        if self.window < 0:
+            raise ConfigError("failfast.window must be >= 0 (0 turns the check off)")
+        if self.poll_s <= 0:
+            raise ConfigError("failfast.poll_s must be positive (seconds)")
+
+
+def systematic_reason(outcomes: list[tuple[bool, str | None]], window: int) -> str | None:
+    """The shared rejection reason when the last ``window`` outcomes are all that rejection."""
+    if window <= 0 or len(outcomes) < window:
+        return None
+    last = outcomes[-window:]
+    reasons = {reason for ok, reason in last}
+    if any(ok for ok, _ in last) or len(reasons) != 1:
+        return None
+    return next(iter(reasons)) or "rejected"
+
+
+class RejectionWatch:
+    """Controller side: a thread that tails every worker's outcome file."""
+
+    def __init__(
+        self,
+        directory: str | os.PathLike,
+        config: FailFastConfig,
+        on_trip: Callable[[str, int], None],
+    ):
+        self.directory = Path(directory)
+        self.config = config
+        self.on_trip = on_trip
+        self.recent: deque[tuple[float, bool, str | None]] = deque(maxlen=max(config.window, 1))
+        self._offsets: dict[Path, int] = {}
+        self._stop = threading.Event()
+        self._thread: threading.Thread | None = None
+        self.tripped: str | None = None
+
+    def start(self) -> RejectionWatch:
+        if self.config.window > 0:
+            self._thread = threading.Thread(target=self._loop, name="rejection-watch", daemon=True)
+            self._thread.start()
+        return self
+
+    def stop(self) -> None:
+        self._stop.set()
+        if self._thread is not None:
+            self._thread.join(5.0)
+
+    def _loop(self) -> None:
+        while not self._stop.wait(self.config.poll_s):
+            reason = self.poll()
+            if reason is not None:
+                self.tripped = reason
+                self.on_trip(reason, self.config.window)
+                return
+
+    def poll(self) -> str | None:
+        """Read what was appended since the last poll; the tripping reason, if any."""
+        fresh: list[tuple[float, bool, str | None]] = []
+        for path in sorted(self.directory.glob("outcomes-*.jsonl")):
+            try:
+                with open(path, "rb") as f:
+                    f.seek(self._offsets.get(path, 0))
+                    chunk = f.read()
+            except OSError:
+                continue
+            # Only whole lines: a writer may be half way through the last one.
+            whole = chunk[: chunk.rfind(b"\n") + 1]
+            self._offsets[path] = self._offsets.get(path, 0) + len(whole)
+            for line in whole.decode("utf-8", errors="replace").splitlines():
+                try:
+                    rec = json.loads(line)
+                    fresh.append((float(rec["t"]), bool(rec["ok"]), rec.get("reason")))
+                except (ValueError, KeyError, TypeError):
+                    continue
+        for item in sorted(fresh):
+            self.recent.append(item)
+        return systematic_reason([(ok, r) for _, ok, r in self.recent], self.config.window)

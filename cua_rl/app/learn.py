@@ -1,0 +1,246 @@
+"""``make learn``: train the tiny model on the learn task family and plot its success per step.
+
+Each run is ``make demo``'s launcher (monitor, local gym, local agent, then train.py) on
+``configs/learn.yaml``, quiet, while a thread reads the monitor's database and prints one line
+per committed step. After a run it prints the success rate per step, writes ``success.png`` and
+``curve.json`` into the run's folder, and says at which step the trailing mean first reached the
+target. Several values of ``--offpolicyness`` or ``--seeds`` run one after another (folders
+``<run-dir>/<label>``) and end with a table and one plot of every curve. ``--control`` trains the
+negative control (cua_rl/app/controls.py) instead, which must not learn.
+
+    python -m cua_rl.app.learn [--offpolicyness 0 1 2] [--seeds 1 2 3] [--steps N]
+        [--control] [--run-dir DIR] [key=value overrides for train.py]
+"""
+
+from __future__ import annotations
+
+import argparse
+import itertools
+import json
+import sys
+import threading
+import time
+from dataclasses import asdict, dataclass
+from datetime import datetime
+from pathlib import Path
+
+from cua_rl.app import demo
+from cua_rl.app.learning import (
+    CurveError,
+    StepPoint,
+    first_last,
+    format_curve,
+    plot_curves,
+    read_curve,
+    steps_to_reach,
+)
+
+ROOT = Path(__file__).resolve().parents[2]
+CONTROL_WORKFLOW = "cua_rl.app.controls.ShiftedMaskWorkflow"
+
+
+@dataclass
+class RunResult:
+    label: str
+    run_dir: Path
+    rc: int
+    wall_s: float
+    points: list[StepPoint]
+
+
+class Progress(threading.Thread):
+    """Prints each newly committed step of the run whose monitor database is ``db_path``."""
+
+    def __init__(self, db_path: Path, label: str, total: int | None, interval_s: float = 2.0):
+        super().__init__(name="learn-progress", daemon=True)
+        self.db_path, self.label, self.total = db_path, label, total
+        self.interval_s = interval_s
+        self.shown = 0
+        self._halt = threading.Event()
+
+    def run(self) -> None:
+        while not self._halt.wait(self.interval_s):
+            self.poll()
+
+    def poll(self) -> None:
+        try:
+            points = read_curve(self.db_path)
+        except CurveError:
+            return  # not created yet, or busy: the next poll sees it
+        for p in points[self.shown :]:
+            of = f"/{self.total}" if self.total else ""
+            solved = round(p.success * p.episodes) if p.success is not None and p.episodes else 0
+            when = f"{p.elapsed_s:.0f}s" if p.elapsed_s is not None else "-"
+            success = f"{p.success:.3f}" if p.success is not None else "-"
+            print(
+                f"[learn] {self.label} step {p.step}{of}: success {success} "
+                f"({solved}/{p.episodes}) at {when}",
+                flush=True,
+            )
+        self.shown = max(self.shown, len(points))
+
+    def stop(self) -> None:
+        self._halt.set()
+        self.join(timeout=10)
+        self.poll()
+
+
+def run_one(label: str, run_dir: Path, demo_args: list[str], total: int | None) -> RunResult:
+    print(f"[learn] {label}: {run_dir}", flush=True)
+    progress = Progress(run_dir / "monitor.db", label, total)
+    progress.start()
+    t0 = time.monotonic()
+    try:
+        rc = demo.main(["--quiet", "--run-dir", str(run_dir), *demo_args])
+    finally:
+        progress.stop()
+    wall = time.monotonic() - t0
+    try:
+        points = read_curve(run_dir / "monitor.db")
+    except CurveError as exc:
+        print(f"[learn] {label}: no curve ({exc})", flush=True)
+        points = []
+    return RunResult(label, run_dir, rc, wall, points)
+
+
+def report(result: RunResult, target: float, window: int) -> dict:
+    """Prints one run's curve and writes its plot and numbers into its folder."""
+    points = result.points
+    summary: dict = {
+        "label": result.label,
+        "exit_code": result.rc,
+        "wall_s": round(result.wall_s, 1),
+        "steps": len(points),
+        "success": [p.success for p in points],
+        "target": target,
+        "window": window,
+        "reached_at_step": steps_to_reach(points, target, window),
+    }
+    for line in format_curve(points):
+        print(f"[learn]   {line}", flush=True)
+    if len(points) >= 2 * window:
+        first, last = first_last(points, window)
+        summary.update(first_mean=round(first, 4), last_mean=round(last, 4))
+    stale = [p.staleness for p in points if p.staleness is not None]
+    if stale:
+        summary["mean_staleness"] = round(sum(stale) / len(stale), 3)
+    if points:
+        png = plot_curves(
+            {result.label: points},
+            result.run_dir / "success.png",
+            title=f"{result.label}: success rate per step",
+            target=target,
+        )
+        summary["plot"] = str(png)
+    (result.run_dir / "curve.json").write_text(
+        json.dumps({**summary, "points": [asdict(p) for p in points]}, indent=2)
+    )
+    reached = summary["reached_at_step"]
+    print(
+        f"[learn] {result.label}: exit {result.rc}, {result.wall_s:.0f}s, "
+        + (
+            f"success {summary['first_mean']:.2f} in the first {window} steps -> "
+            f"{summary['last_mean']:.2f} in the last {window}, "
+            if "first_mean" in summary
+            else ""
+        )
+        + (
+            f"target {target} (mean of {window} steps) reached at step {reached}"
+            if reached is not None
+            else f"target {target} not reached"
+        )
+        + (f"; plot {summary['plot']}" if "plot" in summary else ""),
+        flush=True,
+    )
+    return summary
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(prog="python -m cua_rl.app.learn", description=__doc__)
+    parser.add_argument("--config", default="configs/learn.yaml")
+    parser.add_argument("--run-dir", default="", help="default runs/learn-<time>")
+    parser.add_argument(
+        "--offpolicyness",
+        type=int,
+        nargs="+",
+        default=None,
+        help="rollout.max_head_offpolicyness values to run (default: the config's)",
+    )
+    parser.add_argument(
+        "--seeds", type=int, nargs="+", default=None, help="seeds to run (default: the config's)"
+    )
+    parser.add_argument("--steps", type=int, default=None, help="training steps per run")
+    parser.add_argument(
+        "--control",
+        action="store_true",
+        help=f"train the negative control {CONTROL_WORKFLOW} (loss mask one token late)",
+    )
+    parser.add_argument("--target", type=float, default=0.8, help="success rate a run should reach")
+    parser.add_argument(
+        "--window", type=int, default=3, help="steps averaged for the target and the summaries"
+    )
+    parser.add_argument(
+        "--step-latency",
+        type=float,
+        default=0.0,
+        help="seconds the local agent waits after each action (the demo's option)",
+    )
+    parser.add_argument("overrides", nargs="*", help="extra key=value overrides for train.py")
+    args = parser.parse_args(argv)
+    if args.steps is not None and args.steps < 1:
+        parser.error("--steps must be at least 1")
+    if not 0.0 < args.target <= 1.0:
+        parser.error("--target must be a success rate in (0, 1]")
+    if args.window < 1:
+        parser.error("--window must be at least 1")
+
+    stamp = datetime.now().strftime("%Y%m%d-%H%M%S")
+    base = (ROOT / (args.run_dir or f"runs/learn-{stamp}")).resolve()
+    offs = args.offpolicyness or [None]
+    seeds = args.seeds or [None]
+    combos = list(itertools.product(offs, seeds))
+    common = ["--config", args.config, "--step-latency", str(args.step_latency)]
+    extra = list(args.overrides)
+    if args.steps is not None:
+        extra.append(f"total_train_steps={args.steps}")
+    if args.control:
+        extra.append(f"workflow={CONTROL_WORKFLOW}")
+
+    results = []
+    for off, seed in combos:
+        parts = ["control"] if args.control else []
+        parts += [f"offpolicy{off}"] if off is not None else []
+        parts += [f"seed{seed}"] if seed is not None else []
+        label = "-".join(parts) or ("control" if args.control else "learn")
+        run_dir = base / label if len(combos) > 1 else base
+        overrides = list(extra)
+        if off is not None:
+            overrides.append(f"rollout.max_head_offpolicyness={off}")
+        if seed is not None:
+            overrides.append(f"seed={seed}")
+        result = run_one(label, run_dir, [*common, *overrides], args.steps)
+        results.append(result)
+        if result.rc == 130:  # interrupted: do not start the next run
+            break
+
+    summaries = [report(r, args.target, args.window) for r in results]
+    if len(results) > 1:
+        print("[learn] label                      exit   wall  first  last  target reached at")
+        for s in summaries:
+            first = f"{s['first_mean']:.2f}" if "first_mean" in s else "  - "
+            last = f"{s['last_mean']:.2f}" if "last_mean" in s else "  - "
+            reached = s["reached_at_step"] if s["reached_at_step"] is not None else "never"
+            print(
+                f"[learn] {s['label']:<26} {s['exit_code']:>4} {s['wall_s']:>5.0f}s  "
+                f"{first}  {last}  step {reached}"
+            )
+        curves = {r.label: r.points for r in results if r.points}
+        if curves:
+            png = plot_curves(curves, base / "success.png", target=args.target)
+            print(f"[learn] all curves: {png}", flush=True)
+        (base / "summary.json").write_text(json.dumps(summaries, indent=2))
+    return max((r.rc for r in results), default=1)
+
+
+if __name__ == "__main__":
+    sys.exit(main())

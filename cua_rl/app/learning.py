@@ -1,0 +1,197 @@
+"""Learning curves: the success rate per training step, read back from the monitor's database.
+
+A run's proof of learning is its training rollouts' success rate per step (the
+``rollout/cua/success`` statistic each committed step stores in ``step.metrics_json``, the
+number the dashboard plots). This module reads that curve from a monitor SQLite file, condenses
+it (the mean of the first and last steps, the first step whose trailing window reaches a target)
+and draws one or more curves into a PNG. It only reads: the monitor process may still be writing,
+so a locked or half-written database yields the steps committed so far.
+
+``python -m cua_rl.app.learn`` (``make learn``) drives runs and prints these summaries;
+docs/learning.md has the task family and the measured curves.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import sqlite3
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass
+from datetime import datetime
+from pathlib import Path
+
+from cua_rl.errors import CuaRlError
+
+SUCCESS_KEY = "rollout/cua/success"
+REWARD_KEY = "rollout/cua/reward"
+STALENESS_KEY = "ppo_actor/update/version_stats/sample_staleness_theta_avg"
+
+
+class CurveError(CuaRlError):
+    """A database without the run or the steps asked for."""
+
+
+@dataclass(frozen=True)
+class StepPoint:
+    """One committed training step of a run."""
+
+    step: int
+    success: float | None  # share of the step's accepted episodes the gym judged solved
+    reward: float | None
+    episodes: int | None  # rows the step trained on
+    elapsed_s: float | None  # from the training's start to the step's commit
+    staleness: float | None  # mean policy versions between sampling and the update
+
+
+def _time(value: str | None) -> datetime | None:
+    if not value:
+        return None
+    try:
+        return datetime.fromisoformat(value)
+    except ValueError:
+        return None
+
+
+def _number(value: object) -> float | None:
+    if isinstance(value, bool) or not isinstance(value, int | float):
+        return None
+    return float(value) if math.isfinite(value) else None
+
+
+def read_curve(db_path: str | Path, run_name: str | None = None) -> list[StepPoint]:
+    """The committed steps of ``run_name`` (default: the database's latest training), in order.
+
+    Raises CurveError when the file or the training is missing; a training with no committed
+    step yet gives an empty list.
+    """
+    path = Path(db_path)
+    if not path.is_file():
+        raise CurveError(f"no monitor database at {path}; did the run start?")
+    db = sqlite3.connect(f"file:{path}?mode=ro", uri=True, timeout=5.0)
+    try:
+        query = "SELECT id, start_time FROM training"
+        args: tuple = ()
+        if run_name is not None:
+            query += " WHERE run_name = ?"
+            args = (run_name,)
+        try:
+            training = db.execute(query + " ORDER BY id DESC LIMIT 1", args).fetchone()
+        except sqlite3.OperationalError as exc:  # schema not created yet, or locked
+            raise CurveError(f"{path} cannot be read yet: {exc}") from exc
+        if training is None:
+            which = f"training {run_name!r}" if run_name else "any training"
+            raise CurveError(f"{path} has no record of {which}")
+        started = _time(training[1])
+        rows = db.execute(
+            "SELECT step, num_trajectories, end_time, metrics_json FROM step "
+            "WHERE training_id = ? AND status = 'completed' ORDER BY step",
+            (training[0],),
+        ).fetchall()
+    finally:
+        db.close()
+    points = []
+    for step, n, end, metrics in rows:
+        try:
+            stats = json.loads(metrics or "{}")
+        except ValueError:
+            stats = {}
+        ended = _time(end)
+        elapsed = (ended - started).total_seconds() if ended and started else None
+        points.append(
+            StepPoint(
+                step=int(step),
+                success=_number(stats.get(SUCCESS_KEY)),
+                reward=_number(stats.get(REWARD_KEY)),
+                episodes=int(n) if n is not None else None,
+                elapsed_s=elapsed,
+                staleness=_number(stats.get(STALENESS_KEY)),
+            )
+        )
+    return points
+
+
+def successes(points: Sequence[StepPoint]) -> list[float]:
+    """The success rates in step order; a step without one counts as 0 (nothing solved)."""
+    return [p.success if p.success is not None else 0.0 for p in points]
+
+
+def mean_of(values: Sequence[float]) -> float:
+    if not values:
+        raise CurveError("no steps to average; run more steps")
+    return sum(values) / len(values)
+
+
+def first_last(points: Sequence[StepPoint], k: int) -> tuple[float, float]:
+    """Mean success of the first ``k`` and of the last ``k`` steps (they must not overlap)."""
+    if k < 1:
+        raise CurveError(f"window k={k} must be at least 1")
+    if len(points) < 2 * k:
+        raise CurveError(f"{len(points)} steps cannot give two disjoint windows of {k}")
+    s = successes(points)
+    return mean_of(s[:k]), mean_of(s[-k:])
+
+
+def steps_to_reach(points: Sequence[StepPoint], target: float, window: int = 3) -> int | None:
+    """The first step whose trailing ``window`` steps average at least ``target`` success."""
+    if window < 1:
+        raise CurveError(f"window={window} must be at least 1")
+    s = successes(points)
+    for i in range(window - 1, len(s)):
+        if mean_of(s[i - window + 1 : i + 1]) >= target:
+            return points[i].step
+    return None
+
+
+def format_curve(points: Sequence[StepPoint]) -> list[str]:
+    """One line per step: success, reward, episodes, time since the start."""
+    lines = []
+    for p in points:
+        success = f"{p.success:.3f}" if p.success is not None else "  -  "
+        reward = f"{p.reward:.3f}" if p.reward is not None else "-"
+        when = f"{p.elapsed_s:6.0f}s" if p.elapsed_s is not None else "     -"
+        bar = "#" * round(20 * (p.success or 0.0))
+        lines.append(
+            f"step {p.step:3d}  success {success}  reward {reward}  episodes {p.episodes}  "
+            f"{when}  {bar}"
+        )
+    return lines
+
+
+def plot_curves(
+    curves: Mapping[str, Sequence[StepPoint]],
+    path: str | Path,
+    *,
+    title: str = "success rate per step",
+    target: float | None = None,
+) -> Path:
+    """Draw each labelled curve (success per step) into a PNG at ``path``."""
+    if not curves or not any(curves.values()):
+        raise CurveError("no committed steps to plot")
+    import matplotlib
+
+    matplotlib.use("Agg")  # no display on training machines
+    import matplotlib.pyplot as plt
+    from matplotlib.ticker import MaxNLocator
+
+    fig, ax = plt.subplots(figsize=(7, 4), dpi=110)
+    try:
+        for label, points in curves.items():
+            if points:
+                ax.plot([p.step for p in points], successes(points), marker="o", ms=3, label=label)
+        if target is not None:
+            ax.axhline(target, color="grey", linestyle="--", linewidth=1, label=f"target {target}")
+        ax.xaxis.set_major_locator(MaxNLocator(integer=True))
+        ax.set_xlabel("training step")
+        ax.set_ylabel("success rate of the step's episodes")
+        ax.set_ylim(-0.03, 1.03)
+        ax.set_title(title)
+        ax.grid(alpha=0.3)
+        ax.legend(loc="lower right", fontsize=8)
+        out = Path(path)
+        out.parent.mkdir(parents=True, exist_ok=True)
+        fig.tight_layout()
+        fig.savefig(out)
+    finally:
+        plt.close(fig)
+    return out

@@ -1,0 +1,265 @@
+"""What ``make demo`` shows in the terminal while it trains: progress read from the monitor.
+
+The trainer's and AReaL's workers' output goes to log files; the terminal gets one live line
+(the step of N, the step's episodes finished / running / rejected, the last reward and success)
+and, once a step is recorded completed, one summary line with rounded numbers: the batch it
+trained on (its size, mean reward and trained tokens), and the training episodes that finished
+since the step before (counts, reward and success; an asynchronous step trains on a batch that
+finished earlier, so the two differ). Everything is
+read from the monitor's SQLite file (read-only, so it never contends with the writer), which
+already holds all of it: no change to the trainer's output is needed.
+
+On a terminal the live line is redrawn in place; elsewhere (a pipe, CI) it is printed as a line
+when it changes, at most every ``quiet_s`` seconds.
+"""
+
+from __future__ import annotations
+
+import json
+import sqlite3
+import sys
+import time
+from pathlib import Path
+from typing import TextIO
+
+from cua_rl.monitor.server.views import parse_time, seconds_between
+
+_DONE = ("completed",)
+_REJECTED = ("failed",)
+# Episodes in flight when the training ends are stopped, not rejected (asynchronous runs always
+# have some: the next steps' rollouts).
+_STOPPED = ("cancelled",)
+
+
+def _fmt(value: float | None, digits: int = 2) -> str:
+    if value is None:
+        return "–"
+    text = f"{value:.{digits}f}"
+    return "0" if text in ("-0", "-0.0", "-0.00") else text
+
+
+def _pct(value: float | None) -> str:
+    return "–" if value is None else f"{100 * value:.0f}%"
+
+
+class DemoProgress:
+    """Poll the monitor database and write the live line and the per-step summaries."""
+
+    def __init__(
+        self,
+        db_path: str | Path,
+        out: TextIO | None = None,
+        *,
+        prefix: str = "",
+        quiet_s: float = 15.0,
+    ):
+        self.db_path = Path(db_path)
+        self.prefix = prefix
+        self.out = out or sys.stdout
+        self.tty = bool(getattr(self.out, "isatty", lambda: False)())
+        self.quiet_s = quiet_s
+        self.summarised: set[int] = set()
+        self._last_line = ""
+        self._last_print = 0.0
+        self._drawn = False
+        self._conn: sqlite3.Connection | None = None
+
+    def _db(self) -> sqlite3.Connection | None:
+        if self._conn is None:
+            if not self.db_path.exists():
+                return None
+            self._conn = sqlite3.connect(f"file:{self.db_path}?mode=ro", uri=True, timeout=2)
+            self._conn.row_factory = sqlite3.Row
+        return self._conn
+
+    def close(self) -> None:
+        self._clear()
+        if self._conn is not None:
+            self._conn.close()
+            self._conn = None
+
+    # ------------------------------------------------------------------ output
+
+    def _clear(self) -> None:
+        if self.tty and self._drawn:
+            self.out.write("\r\x1b[2K")
+            self.out.flush()
+            self._drawn = False
+
+    def say(self, line: str) -> None:
+        """A permanent line (the live line is redrawn below it)."""
+        self._clear()
+        self.out.write(self.prefix + line + "\n")
+        self.out.flush()
+
+    def _live(self, line: str) -> None:
+        line = self.prefix + line
+        if self.tty:
+            self.out.write("\r\x1b[2K" + line[:200])
+            self.out.flush()
+            self._drawn = True
+            return
+        now = time.monotonic()
+        if line != self._last_line and now - self._last_print >= self.quiet_s:
+            self.out.write(line + "\n")
+            self.out.flush()
+            self._last_line, self._last_print = line, now
+
+    # ------------------------------------------------------------------ reading
+
+    def tick(self) -> None:
+        """Read the database once; print new step summaries and redraw the live line."""
+        try:
+            db = self._db()
+            if db is None:
+                return
+            training = db.execute(
+                "SELECT id, status, current_step, total_steps, current_phase FROM training "
+                "ORDER BY id DESC LIMIT 1"
+            ).fetchone()
+            if training is None:
+                return
+            for line in self.step_summaries(db, training):
+                self.say(line)
+            if training["status"] in ("completed", "failed", "cancelled"):
+                self._clear()
+                return
+            live = self.live_line(db, training)
+            if live:
+                self._live(live)
+        except sqlite3.Error:
+            return  # the file is being created or migrated: next tick
+
+    def step_summaries(self, db: sqlite3.Connection, training: sqlite3.Row) -> list[str]:
+        lines = []
+        total = training["total_steps"]
+        prev_end = None
+        for s in db.execute(
+            "SELECT s.*, e.success_rate AS eval_success FROM step s LEFT JOIN eval e "
+            "ON e.training_id = s.training_id AND e.step = s.step "
+            "WHERE s.training_id = ? AND s.status IN ('completed', 'failed') ORDER BY s.step",
+            (training["id"],),
+        ):
+            if s["step"] in self.summarised:
+                prev_end = s["end_time"]
+                continue
+            self.summarised.add(s["step"])
+            metrics = _metrics(s["metrics_json"])
+            if s["status"] == "failed":
+                lines.append(f"step {s['step']}/{total or '?'} failed: {s['error_message'] or ''}")
+                continue
+            # What the step trained on, then the episodes that finished since the step before
+            # (asynchronous steps train on batches finished earlier, so the two differ). The
+            # step record's reward columns describe the latter when it holds any episode.
+            trained = metrics.get("ppo_actor/task_reward/avg")
+            done, rejected = self._finished(db, training["id"], prev_end, s["end_time"])
+            prev_end = s["end_time"]
+            finished = f"finished since the step before: {done} accepted, {rejected} rejected"
+            if "rollout/cua/reward" in metrics:
+                finished += f", reward {_fmt(metrics['rollout/cua/reward'])}"
+                if s["reward_std"] is not None:
+                    finished += f" ± {_fmt(s['reward_std'])}"
+            elif trained is None and s["reward_mean"] is not None:
+                trained = s["reward_mean"]
+            success = metrics.get("rollout/cua/success")
+            if success is not None:
+                finished += f", success {_pct(success)}"
+            parts = [
+                f"trained on {int(s['num_trajectories'] or 0)} episodes"
+                + (f" (reward {_fmt(trained)})" if trained is not None else "")
+                + f", {int(s['num_tokens'] or 0)} tokens",
+                finished,
+            ]
+            if s["eval_success"] is not None:
+                parts.append(f"eval success {_pct(s['eval_success'])}")
+            took = seconds_between(s["start_time"], s["end_time"])
+            if took is not None:
+                parts.append(f"{took:.0f}s")
+            lines.append(f"step {s['step']}/{total or '?'}: " + ", ".join(parts))
+        return lines
+
+    def _finished(self, db: sqlite3.Connection, training_id: int, after, until) -> tuple[int, int]:
+        """(accepted, rejected) training episodes that ended in ``(after, until]``."""
+        lo, hi = parse_time(after), parse_time(until)
+        done = rejected = 0
+        for status, end in db.execute(
+            "SELECT r.status, r.end_time FROM rollout r JOIN step s ON s.id = r.step_id "
+            "WHERE s.training_id = ? AND r.source_type = 'step'",
+            (training_id,),
+        ):
+            t = parse_time(end)
+            if t is None or hi is None or t > hi or (lo is not None and t <= lo):
+                continue
+            done += status in _DONE
+            rejected += status in _REJECTED
+        return done, rejected
+
+    def _counts(self, db: sqlite3.Connection, column: str, source_id: int) -> dict[str, int]:
+        counts = {"done": 0, "running": 0, "rejected": 0, "stopped": 0}
+        for status, n in db.execute(
+            f"SELECT status, COUNT(*) FROM rollout WHERE {column} = ? GROUP BY status",  # noqa: S608
+            (source_id,),
+        ):
+            key = (
+                "done"
+                if status in _DONE
+                else "rejected"
+                if status in _REJECTED
+                else "stopped"
+                if status in _STOPPED
+                else "running"
+            )
+            counts[key] += n
+        return counts
+
+    def live_line(self, db: sqlite3.Connection, training: sqlite3.Row) -> str:
+        total = training["total_steps"] or "?"
+        phase = training["current_phase"] or training["status"]
+        # The newest open pass: a baseline or eval runs between steps.
+        source = label = None
+        for kind, column in (("baseline", "baseline_id"), ("eval", "eval_id")):
+            row = db.execute(
+                f"SELECT id, {'step' if kind == 'eval' else 'NULL AS step'} FROM {kind} "  # noqa: S608
+                "WHERE training_id = ? AND status = 'running' ORDER BY id DESC LIMIT 1",
+                (training["id"],),
+            ).fetchone()
+            if row:
+                source = (kind, column, row["id"])
+                label = (
+                    "baseline (before step 1)"
+                    if kind == "baseline"
+                    else f"eval after step {row['step']}/{total}"
+                )
+        if source is None:
+            step = db.execute(
+                "SELECT id, step FROM step WHERE training_id = ? ORDER BY step DESC LIMIT 1",
+                (training["id"],),
+            ).fetchone()
+            if step is None:
+                return f"starting: AReaL workers and the vLLM server ({phase})"
+            label = f"step {step['step']}/{total}"
+            source = ("step", "step_id", step["id"])
+        counts = self._counts(db, source[1], source[2])
+        last = db.execute(
+            f"SELECT reward, task_success FROM rollout WHERE {source[1]} = ? "  # noqa: S608
+            "AND status = 'completed' ORDER BY end_time DESC, id DESC LIMIT 1",
+            (source[2],),
+        ).fetchone()
+        text = (
+            f"{label} · {phase} · episodes {counts['done']} finished, {counts['running']} running, "
+            f"{counts['rejected']} rejected"
+        )
+        if last is not None:
+            success = (
+                "–" if last["task_success"] is None else ("yes" if last["task_success"] else "no")
+            )
+            text += f" · last reward {_fmt(last['reward'])}, success {success}"
+        return text
+
+
+def _metrics(text: str | None) -> dict[str, float]:
+    try:
+        value = json.loads(text or "{}")
+    except ValueError:
+        return {}
+    return value if isinstance(value, dict) else {}

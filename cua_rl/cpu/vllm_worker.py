@@ -1,0 +1,62 @@
+"""vLLM worker extension that reloads weights from a checkpoint folder (AReaL's disk mode).
+
+AReaL's own extension (``areal.engine.vllm_ext.vllm_worker_extension``) imports AReaL's
+distributed and platform modules, which pull AReaL's whole import graph (hydra, omegaconf,
+ray, flask, ...) into the vLLM interpreter. Disk weight update needs none of that: the
+trainer saves a HuggingFace checkpoint and the server asks each worker to load it in place.
+Only ``areal_update_weights`` is provided; the NCCL (xccl) and LoRA methods are not, so
+``actor.weight_update_mode`` must be ``disk``.
+
+Loaded by vLLM inside its engine-core process via ``--worker-extension-cls``.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+from cua_rl.logs import get_logger
+
+log = get_logger("cua_rl.cpu.vllm_worker")
+
+
+def checkpoint_problem(path: str) -> str | None:
+    """Why ``path`` cannot be loaded as a local HF checkpoint, or ``None`` if it looks loadable.
+
+    Checked before touching the model: vLLM's reload first turns the layers back into
+    placeholder (meta) tensors, so a load that fails half way leaves a model whose next forward
+    kills the engine core (measured: ``_C::onednn_mm ... Meta tensors`` -> EngineDeadError). A
+    missing folder would also be taken for a hub repo id and looked up on the network.
+    """
+    folder = Path(path)
+    if not folder.is_absolute():
+        return f"checkpoint path {path!r} is not absolute"
+    if not folder.is_dir():
+        return f"checkpoint folder {path} does not exist"
+    if not any(folder.glob("*.safetensors")) and not any(folder.glob("*.bin")):
+        return f"checkpoint folder {path} holds no *.safetensors or *.bin weights"
+    return None
+
+
+class DiskWeightReloadExtension:
+    """Mixed into vLLM's worker class; ``self`` is the worker (``self.model_runner`` its runner)."""
+
+    def areal_update_weights(self, model_path: str) -> tuple[bool, str]:
+        problem = checkpoint_problem(model_path)
+        if problem:
+            return False, problem
+        try:
+            # vLLM 0.32's own in-place reload (Worker.reload_weights ->
+            # model_loader/reload/inplace.py). AReaL's extension instead calls
+            # model_loader.load_weights on the live model, which fails on the CPU build:
+            # process_weights_after_loading has repacked the linear layers into kernel format
+            # and left the original parameters empty ("Attempted to load weight
+            # (torch.Size([128, 256])) into parameter (torch.Size([0]))"). reload_weights
+            # restores checkpoint-format parameters, loads, then repacks.
+            self.reload_weights(weights_path=model_path, is_checkpoint_format=True)
+        except Exception as exc:  # the message travels back to the trainer as a 400
+            log.exception("weight reload from %s failed", model_path)
+            return False, (
+                f"weight reload from {model_path} failed: {exc!r}; the model may be half-loaded, "
+                "restart the inference server"
+            )
+        return True, f"loaded {model_path}"

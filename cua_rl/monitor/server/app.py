@@ -1,0 +1,296 @@
+"""The monitor's HTTP API: ``POST /api/ingest/batch`` (FACTS §3), the dashboard's reads, the
+screenshot store (``PUT``/``GET /api/screenshots/<sha256>``) and the dashboard pages.
+
+Every error, from any layer (auth, body limit, JSON, validation, routing), has one shape:
+``{"error": {"code": ..., "message": ..., "details": ...}}``. The body limit is enforced while
+reading the stream, so an oversized body is never held in memory. Store calls run in worker
+threads; the store serialises writes itself and gives each thread its own read connection.
+"""
+
+from __future__ import annotations
+
+import json
+from typing import Any
+
+import anyio
+from fastapi import FastAPI, Request
+from fastapi.exceptions import RequestValidationError
+from fastapi.responses import FileResponse, Response
+from starlette.exceptions import HTTPException as StarletteHTTPException
+
+from cua_rl.logs import get_logger
+from cua_rl.monitor.server.dashboard import DEFAULT_STALE_AFTER_S, DashboardAuth, install_dashboard
+from cua_rl.monitor.server.screenshots import ScreenshotError, ScreenshotStore
+from cua_rl.monitor.server.store import IngestValidationError, MonitorStore
+
+try:  # orjson is several times faster on large batches; the stdlib is the fallback.
+    import orjson
+
+    def _loads(data: bytes) -> Any:
+        return orjson.loads(data)
+
+    def _dumps(obj: Any) -> bytes:
+        return orjson.dumps(obj, default=str)
+
+    _JSON_ERRORS: tuple[type[Exception], ...] = (orjson.JSONDecodeError, UnicodeDecodeError)
+except ImportError:  # pragma: no cover - depends on the environment
+
+    def _loads(data: bytes) -> Any:
+        return json.loads(data)
+
+    def _dumps(obj: Any) -> bytes:
+        return json.dumps(obj, default=str, separators=(",", ":")).encode()
+
+    _JSON_ERRORS = (json.JSONDecodeError, UnicodeDecodeError)
+
+log = get_logger(__name__)
+
+DEFAULT_MAX_BODY_BYTES = 16 * 1024 * 1024
+
+
+class ApiError(Exception):
+    def __init__(self, status: int, code: str, message: str, details: Any = None):
+        super().__init__(message)
+        self.status = status
+        self.code = code
+        self.message = message
+        self.details = details
+
+
+def _json(obj: Any, status: int = 200, headers: dict[str, str] | None = None) -> Response:
+    return Response(_dumps(obj), status_code=status, media_type="application/json", headers=headers)
+
+
+def _error(status: int, code: str, message: str, details: Any = None, headers=None) -> Response:
+    body = {"error": {"code": code, "message": message, "details": details}}
+    return _json(body, status, headers)
+
+
+_STATUS_CODES = {
+    400: "bad_request",
+    415: "unsupported_media_type",
+    401: "unauthorized",
+    404: "not_found",
+    405: "method_not_allowed",
+    413: "body_too_large",
+    422: "validation_error",
+}
+
+
+def create_app(
+    store: MonitorStore,
+    *,
+    token: str | None = None,
+    max_body_bytes: int = DEFAULT_MAX_BODY_BYTES,
+    screenshots: ScreenshotStore | None = None,
+    dashboard: bool = True,
+    stale_after_s: float = DEFAULT_STALE_AFTER_S,
+) -> FastAPI:
+    """The ASGI app over ``store``: the API, the screenshot store (``screenshots``; default: a
+    store beside the database) and the dashboard pages. With ``token`` set, every route but
+    ``/healthz`` and ``/login`` needs it (Bearer, or the dashboard's session cookie for reads)."""
+    app = FastAPI(title="cua-rl Training Monitor", docs_url=None, redoc_url=None, openapi_url=None)
+    app.state.store = store
+    if screenshots is None:
+        screenshots = ScreenshotStore(store.path)
+        app.router.on_shutdown.append(screenshots.close)
+    app.state.screenshots = screenshots
+    auth = DashboardAuth(token)
+
+    @app.exception_handler(ApiError)
+    async def _api_error(request: Request, exc: ApiError):
+        headers = {"WWW-Authenticate": "Bearer"} if exc.status == 401 else None
+        return _error(exc.status, exc.code, exc.message, exc.details, headers)
+
+    @app.exception_handler(StarletteHTTPException)
+    async def _http_error(request: Request, exc: StarletteHTTPException):
+        code = _STATUS_CODES.get(exc.status_code, "http_error")
+        message = exc.detail if isinstance(exc.detail, str) else code
+        if exc.status_code == 404:
+            message = f"no route {request.method} {request.url.path}"
+        return _error(exc.status_code, code, message)
+
+    @app.exception_handler(RequestValidationError)
+    async def _validation_error(request: Request, exc: RequestValidationError):
+        details = [
+            {"field": ".".join(str(p) for p in e.get("loc", ())), "message": e.get("msg")}
+            for e in exc.errors()
+        ]
+        return _error(422, "validation_error", "invalid request parameters", details)
+
+    @app.exception_handler(Exception)
+    async def _internal(request: Request, exc: Exception):
+        log.exception("monitor: unhandled error on %s %s", request.method, request.url.path)
+        return _error(500, "internal_error", f"{type(exc).__name__}: {exc}")
+
+    def check_auth(request: Request, *, read: bool = True) -> None:
+        # Reads also take the dashboard's session cookie; writes only the Bearer token.
+        why = auth.reader(request) if read else auth.bearer(request)
+        if why == "missing":
+            raise ApiError(401, "unauthorized", "missing Authorization: Bearer <project token>")
+        if why is not None:
+            raise ApiError(401, "unauthorized", "wrong project token")
+
+    async def read_body(request: Request, limit: int = max_body_bytes, hint: str = "") -> bytes:
+        hint = hint or "send smaller batches"
+        length = request.headers.get("content-length")
+        if length is not None and length.isdigit() and int(length) > limit:
+            raise ApiError(
+                413,
+                "body_too_large",
+                f"body of {length} bytes exceeds the limit of {limit} bytes; {hint}",
+                {"limit": limit},
+            )
+        chunks, size = [], 0
+        async for chunk in request.stream():
+            size += len(chunk)
+            if size > limit:
+                raise ApiError(
+                    413,
+                    "body_too_large",
+                    f"body exceeds the limit of {limit} bytes; {hint}",
+                    {"limit": limit},
+                )
+            chunks.append(chunk)
+        return b"".join(chunks)
+
+    @app.get("/healthz")
+    async def healthz():
+        return _json({"ok": True})
+
+    @app.post("/api/ingest/batch")
+    async def ingest(request: Request):
+        check_auth(request, read=False)
+        body = await read_body(request)
+        try:
+            batch = _loads(body)
+        except _JSON_ERRORS as exc:
+            raise ApiError(400, "bad_json", f"the body is not valid JSON: {exc}") from None
+        try:
+            result = await anyio.to_thread.run_sync(store.ingest, batch)
+        except IngestValidationError as exc:
+            raise ApiError(422, "validation_error", str(exc), exc.details()) from None
+        return _json(result)
+
+    def _int_param(request: Request, name: str, default: int, lo: int, hi: int) -> int:
+        raw = request.query_params.get(name)
+        if raw is None:
+            return default
+        try:
+            value = int(raw)
+        except ValueError:
+            raise ApiError(
+                422, "validation_error", f"{name} must be an integer", {"field": name}
+            ) from None
+        if not lo <= value <= hi:
+            raise ApiError(
+                422, "validation_error", f"{name} must be in [{lo}, {hi}]", {"field": name}
+            )
+        return value
+
+    async def _read(fn, *args, **kwargs):
+        return await anyio.to_thread.run_sync(lambda: fn(*args, **kwargs))
+
+    @app.get("/api/trainings")
+    async def trainings(request: Request):
+        check_auth(request)
+        limit = _int_param(request, "limit", 50, 1, 1000)
+        before = request.query_params.get("before_id")
+        before_id = _int_param(request, "before_id", 0, 0, 2**62) if before else None
+        rows = await _read(store.list_trainings, limit=limit, before_id=before_id)
+        return _json({"trainings": rows})
+
+    @app.get("/api/trainings/{training_id}")
+    async def training(request: Request, training_id: int):
+        check_auth(request)
+        row = await _read(store.get_training, training_id)
+        if row is None:
+            raise ApiError(404, "not_found", f"no training with id {training_id}")
+        return _json({"training": row})
+
+    async def _rollouts_of(request: Request, source: str, source_id: int):
+        check_auth(request)
+        limit = _int_param(request, "limit", 500, 1, 5000)
+        after_id = _int_param(request, "after_id", 0, 0, 2**62)
+        rows = await _read(store.list_rollouts, source, source_id, limit=limit, after_id=after_id)
+        if rows is None:
+            raise ApiError(404, "not_found", f"no {source} with id {source_id}")
+        return _json({"rollouts": rows})
+
+    @app.get("/api/steps/{step_id}/rollouts")
+    async def step_rollouts(request: Request, step_id: int):
+        return await _rollouts_of(request, "step", step_id)
+
+    @app.get("/api/evals/{eval_id}/rollouts")
+    async def eval_rollouts(request: Request, eval_id: int):
+        return await _rollouts_of(request, "eval", eval_id)
+
+    @app.get("/api/baselines/{baseline_id}/rollouts")
+    async def baseline_rollouts(request: Request, baseline_id: int):
+        return await _rollouts_of(request, "baseline", baseline_id)
+
+    @app.get("/api/rollouts/{rollout_id}")
+    async def rollout(request: Request, rollout_id: int):
+        check_auth(request)
+        row = await _read(store.get_rollout, rollout_id)
+        if row is None:
+            raise ApiError(404, "not_found", f"no rollout with id {rollout_id}")
+        return _json({"rollout": row})
+
+    @app.get("/api/status-history/{entity_type}/{entity_id}")
+    async def status_history(request: Request, entity_type: str, entity_id: int):
+        check_auth(request)
+        try:
+            rows = await _read(store.status_history, entity_type, entity_id)
+        except ValueError as exc:
+            raise ApiError(404, "not_found", str(exc)) from None
+        return _json({"entity_type": entity_type, "entity_id": entity_id, "history": rows})
+
+    @app.get("/api/task-outcomes")
+    async def task_outcomes(request: Request):
+        check_auth(request)
+        run_name = request.query_params.get("run_name", "")
+        if not run_name:
+            raise ApiError(422, "validation_error", "run_name is required", {"field": "run_name"})
+        # A run not recorded yet has no outcomes (not a 404: that means a wrong URL).
+        training_id, rows = await _read(store.task_outcomes, run_name)
+        return _json({"run_name": run_name, "training_id": training_id, "outcomes": rows})
+
+    @app.put("/api/screenshots/{sha256}")
+    async def put_screenshot(request: Request, sha256: str):
+        check_auth(request, read=False)
+        body = await read_body(
+            request,
+            min(max_body_bytes, screenshots.max_image_bytes),
+            "downscale the image (the recorder keeps the long edge at most 1024 px)",
+        )
+        try:
+            created = await anyio.to_thread.run_sync(screenshots.put, sha256, body)
+        except ScreenshotError as exc:
+            status = {"not_an_image": 415, "too_large": 413}.get(exc.code, 422)
+            code = {415: "unsupported_media_type", 413: "body_too_large"}.get(status, exc.code)
+            raise ApiError(status, code, str(exc)) from None
+        return _json(
+            {"sha256": sha256, "created": created, "bytes": len(body)}, 201 if created else 200
+        )
+
+    @app.get("/api/screenshots/{sha256}")
+    async def get_screenshot(request: Request, sha256: str):
+        check_auth(request)
+        found = await anyio.to_thread.run_sync(screenshots.get, sha256)
+        if found is None:
+            raise ApiError(404, "not_found", f"no screenshot {sha256[:64]}")
+        path, mime = found
+        # Content-addressed: the bytes under a name never change.
+        return FileResponse(
+            path,
+            media_type=mime,
+            headers={
+                "Cache-Control": "private, max-age=31536000, immutable",
+                "X-Content-Type-Options": "nosniff",
+            },
+        )
+
+    if dashboard:
+        install_dashboard(app, store.path, auth, stale_after_s=stale_after_s)
+    return app

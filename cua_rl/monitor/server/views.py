@@ -1,0 +1,530 @@
+"""What each dashboard page shows, read from the monitor database (no HTTP, no HTML).
+
+One function per page returns a plain dict for its template. Each reads with a handful of
+indexed queries whose cost is bounded by the page's own size (a training's steps, a step's
+rollouts, a rollout's turns), never by the size of the database, so pages stay fast on a
+database of millions of turns (``bench/monitor_ingest.py`` measures them).
+
+Numbers the trainer logs as AReaL stats (success, entropy, staleness, accepted and rejected
+episodes) are read from the step's ``metrics_json``; the keys are listed in ``STEP_METRICS``.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import sqlite3
+from datetime import UTC, datetime
+from typing import Any
+
+from cua_rl.monitor.server.screenshots import parse_screenshot_uri
+from cua_rl.monitor.server.store import read_extras
+
+# Curve -> candidate keys in a step's metrics_json (first present wins); AReaL's names moved
+# between releases and depend on the loss in use.
+STEP_METRICS: dict[str, tuple[str, ...]] = {
+    "success": ("rollout/cua/success",),
+    "entropy": ("ppo_actor/update/entropy/avg", "ppo_actor/entropy/avg", "ppo_actor/entropy"),
+    "staleness": (
+        "ppo_actor/update/version_stats/sample_staleness_theta_avg",
+        "rollout/cua/staleness",
+        "ppo_actor/staleness/avg",
+        "ppo_actor/version_staleness/avg",
+        "rollout/staleness",
+    ),
+    "accepted_rate": ("rollout/cua/accepted",),
+    "trained_tokens": ("rollout/cua/trained_tokens",),
+}
+# Time per phase: AReaL's own timers (seconds) when the step logged them.
+PHASE_TIMERS = {
+    "rollout_s": "timeperf/rollout",
+    "logp_s": "timeperf/recompute_logp",
+    "train_s": "timeperf/train_step",
+    "weights_s": "timeperf/update_weights",
+    "eval_s": "timeperf/eval",
+}
+ACTIVE_TRAINING = ("pending", "initializing", "running", "paused")
+FINISHED = frozenset({"completed", "failed", "cancelled"})
+_NO_OUTCOMES = {"accepted": 0, "rejected": 0, "stopped": 0, "running": 0}
+LOW_TOKENS = 3  # how many least likely tokens a turn marks
+
+
+def _rows(conn: sqlite3.Connection, sql: str, params: tuple = ()) -> list[dict[str, Any]]:
+    return [dict(r) for r in conn.execute(sql, params)]
+
+
+def _one(conn: sqlite3.Connection, sql: str, params: tuple = ()) -> dict[str, Any] | None:
+    row = conn.execute(sql, params).fetchone()
+    return dict(row) if row else None
+
+
+def _json(text: Any) -> Any:
+    if not isinstance(text, str) or not text:
+        return None
+    try:
+        return json.loads(text)
+    except ValueError:
+        return None
+
+
+def parse_time(value: Any) -> datetime | None:
+    if not isinstance(value, str) or not value:
+        return None
+    text = value.strip().replace("T", " ").removesuffix("Z")
+    for fmt in ("%Y-%m-%d %H:%M:%S.%f", "%Y-%m-%d %H:%M:%S"):
+        try:
+            return datetime.strptime(text[:26], fmt).replace(tzinfo=UTC)
+        except ValueError:
+            continue
+    try:
+        parsed = datetime.fromisoformat(value)
+    except ValueError:
+        return None
+    return parsed if parsed.tzinfo else parsed.replace(tzinfo=UTC)
+
+
+def seconds_between(start: Any, end: Any) -> float | None:
+    a, b = parse_time(start), parse_time(end)
+    if a is None or b is None:
+        return None
+    return max((b - a).total_seconds(), 0.0)
+
+
+def _metric(metrics: dict | None, name: str) -> float | None:
+    if not metrics:
+        return None
+    for key in STEP_METRICS[name]:
+        v = metrics.get(key)
+        if isinstance(v, int | float) and math.isfinite(v):
+            return float(v)
+    return None
+
+
+def _finite(v: Any) -> float | None:
+    return float(v) if isinstance(v, int | float) and math.isfinite(v) else None
+
+
+# ---------------------------------------------------------------------------- trainings
+
+
+def trainings_page(conn: sqlite3.Connection, *, now: datetime, stale_after_s: float) -> dict:
+    trainings = _rows(
+        conn,
+        "SELECT t.*, "
+        "(SELECT metrics_json FROM step s WHERE s.training_id = t.id AND s.status = 'completed' "
+        " ORDER BY s.step DESC LIMIT 1) AS last_step_metrics, "
+        "(SELECT success_rate FROM eval e WHERE e.training_id = t.id "
+        " AND e.success_rate IS NOT NULL ORDER BY e.step DESC LIMIT 1) AS last_eval_success "
+        "FROM training t ORDER BY t.id DESC LIMIT 200",
+    )
+    for t in trainings:
+        beat = parse_time(t.get("last_heartbeat"))
+        t["heartbeat_age_s"] = (now - beat).total_seconds() if beat else None
+        t["stale"] = bool(
+            t["status"] in ACTIVE_TRAINING
+            and (t["heartbeat_age_s"] is None or t["heartbeat_age_s"] > stale_after_s)
+        )
+        t["last_success"] = _metric(_json(t.pop("last_step_metrics")), "success")
+    live = any(t["status"] not in FINISHED for t in trainings)
+    return {"trainings": trainings, "live": live or not trainings, "stale_after_s": stale_after_s}
+
+
+# ---------------------------------------------------------------------------- one training
+
+
+def training_page(conn: sqlite3.Connection, training_id: int, *, now: datetime, stale_after_s):
+    training = _one(conn, "SELECT * FROM training WHERE id = ?", (training_id,))
+    if training is None:
+        return None
+    beat = parse_time(training.get("last_heartbeat"))
+    training["heartbeat_age_s"] = (now - beat).total_seconds() if beat else None
+    training["stale"] = bool(
+        training["status"] in ACTIVE_TRAINING
+        and (training["heartbeat_age_s"] is None or training["heartbeat_age_s"] > stale_after_s)
+    )
+    config = _json(training.pop("config_json"))
+    steps = _rows(
+        conn,
+        "SELECT id, step, status, current_phase, reward_mean, reward_std, kl_divergence, "
+        "policy_gradient_norm, num_tokens, num_trajectories, loss, learning_rate, start_time, "
+        "end_time, rollout_start_time, rollout_end_time, training_start_time, "
+        "training_end_time, metrics_json, error_message "
+        "FROM step WHERE training_id = ? ORDER BY step, id",
+        (training_id,),
+    )
+    evals = _rows(
+        conn,
+        "SELECT id, step, status, success_rate, avg_reward, avg_turns, start_time, end_time "
+        "FROM eval WHERE training_id = ? ORDER BY step, id",
+        (training_id,),
+    )
+    baselines = _rows(
+        conn,
+        "SELECT id, status, success_rate, avg_reward, avg_turns, start_time, end_time, "
+        "model_path FROM baseline WHERE training_id = ? ORDER BY id",
+        (training_id,),
+    )
+    # Episodes per step by outcome: one grouped query over the training's step rollouts.
+    outcomes: dict[int, dict[str, int]] = {}
+    reasons: dict[str, int] = {}
+    for r in conn.execute(
+        "SELECT r.step_id, r.status, COALESCE(r.status_message, r.error_message) AS reason, "
+        "COUNT(*) AS n FROM rollout r WHERE r.source_type = 'step' AND r.step_id IN "
+        "(SELECT id FROM step WHERE training_id = ?) GROUP BY r.step_id, r.status, reason",
+        (training_id,),
+    ):
+        per = outcomes.setdefault(r["step_id"], dict(_NO_OUTCOMES))
+        if r["status"] == "completed":
+            per["accepted"] += r["n"]
+        elif r["status"] == "failed":
+            per["rejected"] += r["n"]
+            reason = r["reason"] or r["status"]
+            reasons[reason] = reasons.get(reason, 0) + r["n"]
+        elif r["status"] == "cancelled":
+            # Stopped by the end of the run (a prefetched batch no step trains) or by a
+            # cancellation: not a rejection of the episode, so no reason is counted.
+            per["stopped"] += r["n"]
+        else:
+            per["running"] += r["n"]
+
+    eval_by_step = {e["step"]: e for e in evals}
+    for s in steps:
+        metrics = _json(s.pop("metrics_json")) or {}
+        s["success"] = _metric(metrics, "success")
+        s["entropy"] = _metric(metrics, "entropy")
+        s["staleness"] = _metric(metrics, "staleness")
+        s["rollout_s"] = seconds_between(
+            s["rollout_start_time"], s["rollout_end_time"] or s["training_start_time"]
+        )
+        s["train_s"] = seconds_between(s["training_start_time"], s["training_end_time"])
+        ev = eval_by_step.get(s["step"])
+        s["eval_s"] = seconds_between(ev["start_time"], ev["end_time"]) if ev else None
+        s["logp_s"] = s["weights_s"] = None
+        for key, timer in PHASE_TIMERS.items():
+            if _finite(metrics.get(timer)) is not None:
+                s[key] = float(metrics[timer])
+        s["eval_success"] = ev["success_rate"] if ev else None
+        s["eval_id"] = ev["id"] if ev else None
+        s.update(outcomes.get(s["id"], _NO_OUTCOMES))
+        if s["num_tokens"] is None:
+            tokens = _metric(metrics, "trained_tokens")
+            s["num_tokens"] = tokens
+    baseline_success = next(
+        (b["success_rate"] for b in baselines if b["success_rate"] is not None), None
+    )
+    return {
+        "training": training,
+        "config": config,
+        "steps": steps,
+        "evals": evals,
+        "baselines": baselines,
+        "reasons": sorted(reasons.items(), key=lambda kv: -kv[1]),
+        "charts": training_charts(steps, baseline_success),
+        "live": training["status"] not in FINISHED
+        or any(s["status"] not in ("completed", "failed") for s in steps),
+    }
+
+
+def training_charts(steps: list[dict], baseline_success: float | None) -> list[dict]:
+    """uPlot-ready series: x = step numbers, one point per step in every curve."""
+    x = [s["step"] for s in steps]
+
+    def col(key: str) -> list[float | None]:
+        return [_finite(s.get(key)) for s in steps]
+
+    mean, std = col("reward_mean"), col("reward_std")
+    lo = [
+        m - d if m is not None and d is not None else None for m, d in zip(mean, std, strict=True)
+    ]
+    hi = [
+        m + d if m is not None and d is not None else None for m, d in zip(mean, std, strict=True)
+    ]
+    charts = [
+        {"id": "reward", "title": "Reward (mean and ±1 std)", "x": x,
+         "series": [["mean", mean], ["mean - std", lo], ["mean + std", hi]]},
+        {"id": "success", "title": "Success rate", "x": x, "range": [0, 1],
+         "series": [["train", col("success")], ["eval", col("eval_success")],
+                    ["baseline", [baseline_success] * len(x)]]},
+        {"id": "kl", "title": "KL divergence", "x": x, "series": [["KL", col("kl_divergence")]]},
+        {"id": "entropy", "title": "Entropy", "x": x, "series": [["entropy", col("entropy")]]},
+        {"id": "grad_norm", "title": "Gradient norm", "x": x,
+         "series": [["grad norm", col("policy_gradient_norm")]]},
+        {"id": "tokens", "title": "Trained tokens", "x": x,
+         "series": [["tokens", col("num_tokens")]]},
+        {"id": "staleness", "title": "Policy staleness", "x": x,
+         "series": [["staleness", col("staleness")]]},
+        {"id": "phases", "title": "Time per phase (s)", "x": x,
+         "series": [["rollout", col("rollout_s")], ["logprobs", col("logp_s")],
+                    ["train", col("train_s")], ["weight sync", col("weights_s")],
+                    ["eval", col("eval_s")]]},
+        {"id": "episodes", "title": "Episodes", "x": x,
+         "series": [["accepted", col("accepted")], ["rejected", col("rejected")],
+                    ["stopped", col("stopped")]]},
+    ]  # fmt: skip
+    return charts
+
+
+# ---------------------------------------------------------------------------- one step / eval / baseline
+
+_SOURCE_COLUMNS = {"step": "step_id", "eval": "eval_id", "baseline": "baseline_id"}
+
+
+def source_page(conn: sqlite3.Connection, kind: str, source_id: int, *, limit: int = 5000):
+    """A step, eval or baseline with its rollouts as a task x sample grid."""
+    source = _one(conn, f"SELECT * FROM {kind} WHERE id = ?", (source_id,))  # noqa: S608
+    if source is None:
+        return None
+    training = _one(
+        conn, "SELECT id, run_name, status FROM training WHERE id = ?", (source["training_id"],)
+    )
+    col = _SOURCE_COLUMNS[kind]
+    rollouts = _rows(
+        conn,
+        "SELECT r.id, r.rollout_id, r.status, r.reward, r.num_turns, r.rollout_time, "
+        "r.status_message, r.error_message, r.task_success, r.validation_passed, r.start_time, "
+        "r.end_time, r.task_id AS task_row, k.task_id AS task_key, k.name AS task_name "
+        f"FROM rollout r JOIN task k ON k.id = r.task_id WHERE r.source_type = ? AND r.{col} = ? "
+        "ORDER BY r.id LIMIT ?",
+        (kind, source_id, limit),
+    )
+    tasks: dict[int, dict] = {}
+    rewards = [r["reward"] for r in rollouts if _finite(r["reward"]) is not None]
+    lo, hi = (min(rewards), max(rewards)) if rewards else (0.0, 1.0)
+    for r in rollouts:
+        if r["rollout_time"] is None:
+            r["rollout_time"] = seconds_between(r["start_time"], r["end_time"])
+        r["reason"] = (
+            (r["status_message"] or r["error_message"])
+            if r["status"] in ("failed", "cancelled")
+            else None
+        )
+        r["colour"] = reward_colour(r["reward"], lo, hi) if r["status"] == "completed" else None
+        task = tasks.setdefault(
+            r["task_row"], {"task_id": r["task_key"], "name": r["task_name"], "samples": []}
+        )
+        task["samples"].append(r)
+    width = max((len(t["samples"]) for t in tasks.values()), default=0)
+    counts: dict[str, int] = {}
+    for r in rollouts:
+        counts[r["status"]] = counts.get(r["status"], 0) + 1
+    metrics = _json(source.get("metrics_json"))
+    return {
+        "kind": kind,
+        "source": source,
+        "metrics": metrics if isinstance(metrics, dict) else None,
+        "training": training,
+        "tasks": list(tasks.values()),
+        "width": width,
+        "counts": sorted(counts.items()),
+        "reward_range": (lo, hi),
+        "truncated": len(rollouts) >= limit,
+        "live": source.get("status") not in FINISHED
+        or any(r["status"] not in FINISHED for r in rollouts),
+    }
+
+
+def reward_colour(reward: Any, lo: float, hi: float) -> str:
+    """Red (lowest reward of the grid) through yellow to green (highest) as an HSL colour."""
+    v = _finite(reward)
+    if v is None:
+        return "hsl(0, 0%, 80%)"
+    frac = 0.5 if hi <= lo else (v - lo) / (hi - lo)
+    return f"hsl({round(120 * frac)}, 65%, 72%)"
+
+
+# ---------------------------------------------------------------------------- one rollout
+
+
+def rollout_page(conn: sqlite3.Connection, rollout_id: int) -> dict | None:
+    rollout = _one(conn, "SELECT * FROM rollout WHERE id = ?", (rollout_id,))
+    if rollout is None:
+        return None
+    rollout["extra"] = read_extras(conn, "rollout", [rollout_id]).get(rollout_id, {})
+    task = _one(
+        conn, "SELECT id, task_id, name, description FROM task WHERE id = ?", (rollout["task_id"],)
+    )
+    kind = rollout["source_type"]
+    source_id = rollout[_SOURCE_COLUMNS[kind]]
+    source = _one(
+        conn,
+        f"SELECT id, training_id, {'step' if kind != 'baseline' else 'NULL AS step'} "  # noqa: S608
+        f"FROM {kind} WHERE id = ?",
+        (source_id,),
+    )
+    training = None
+    if source:
+        training = _one(
+            conn, "SELECT id, run_name FROM training WHERE id = ?", (source["training_id"],)
+        )
+    turns = _rows(conn, "SELECT * FROM turn WHERE rollout_id = ? ORDER BY turn, id", (rollout_id,))
+    by_id = {t["id"]: t for t in turns}
+    turn_extras = read_extras(conn, "turn", list(by_id))
+    for t in turns:
+        t["extra"] = turn_extras.get(t["id"], {})
+        t["actions"], t["observations"] = [], []
+        t["metrics"] = _json(t.get("metrics_json"))
+    for key, table in (("actions", "action"), ("observations", "obs")):
+        items = _rows(
+            conn,
+            f"SELECT x.* FROM {table} x JOIN turn t ON x.turn_id = t.id "  # noqa: S608
+            "WHERE t.rollout_id = ? ORDER BY x.id",
+            (rollout_id,),
+        )
+        extras = read_extras(conn, table, [i["id"] for i in items])
+        for item in items:
+            item["extra"] = extras.get(item["id"], {})
+            by_id[item["turn_id"]][key].append(item)
+    for t in turns:
+        shot = next((o for o in t["observations"] if o.get("screenshot_uri")), None)
+        t["screenshot"] = screenshot_view(shot)
+    # Only images the store holds get an <img> (no broken image for one dropped by retention).
+    digests = [
+        t["screenshot"]["sha256"] for t in turns if t["screenshot"] and t["screenshot"]["sha256"]
+    ]
+    stored = set()
+    for start in range(0, len(digests), 500):
+        chunk = digests[start : start + 500]
+        stored.update(
+            r[0]
+            for r in conn.execute(
+                f"SELECT sha256 FROM screenshot WHERE sha256 IN ({', '.join('?' * len(chunk))})",
+                chunk,
+            )
+        )
+    for t in turns:
+        if t["screenshot"]:
+            t["screenshot"]["stored"] = t["screenshot"]["sha256"] in stored
+        t["drawn"] = [
+            action_overlay(a.get("tool_name") or a.get("action_type"), _json(a.get("tool_args")))
+            for a in t["actions"]
+        ]
+        t["tokens"] = token_view(t["actions"])
+    validations = _rows(
+        conn, "SELECT * FROM validation WHERE rollout_id = ? ORDER BY id", (rollout_id,)
+    )
+    for v in validations:
+        v["details"] = _json(v.get("details_json"))
+    environments = _rows(
+        conn, "SELECT * FROM environment WHERE rollout_id = ? ORDER BY id", (rollout_id,)
+    )
+    history = status_history(conn, "rollout", rollout_id)
+    for env in environments:
+        history += status_history(conn, "environment", env["id"])
+    history.sort(key=lambda h: (h["changed_at"] or "", h["id"]))
+    return {
+        "rollout": rollout,
+        "task": task,
+        "kind": kind,
+        "source": source,
+        "training": training,
+        "turns": turns,
+        "validations": validations,
+        "environments": environments,
+        "history": history,
+        "live": rollout["status"] not in FINISHED,
+    }
+
+
+def screenshot_view(obs: dict | None) -> dict | None:
+    if obs is None:
+        return None
+    extra = obs.get("extra") or {}
+    digest = parse_screenshot_uri(obs.get("screenshot_uri"))
+    width = extra.get("source_width") or extra.get("image_width")
+    height = extra.get("source_height") or extra.get("image_height")
+    return {
+        "sha256": digest,
+        "uri": obs.get("screenshot_uri"),
+        "width": width if isinstance(width, int) and width > 0 else None,
+        "height": height if isinstance(height, int) and height > 0 else None,
+        "error": extra.get("screenshot_error"),
+    }
+
+
+def _point(args: dict, *names: str) -> tuple[float, float] | None:
+    for name in names:
+        p = args.get(name)
+        if (
+            isinstance(p, dict)
+            and _finite(p.get("x")) is not None
+            and _finite(p.get("y")) is not None
+        ):
+            return float(p["x"]), float(p["y"])
+        if isinstance(p, list | tuple) and len(p) == 2 and all(_finite(v) is not None for v in p):
+            return float(p[0]), float(p[1])
+    return None
+
+
+def action_overlay(name: Any, args: Any) -> dict:
+    """How to draw one action on its screenshot: a tap point, a swipe arrow or a text label.
+
+    Coordinates are the screenshot pixels the agent saw (``point{x,y}``, ``startPoint`` /
+    ``endPoint``, or flat ``x, y`` / ``x1, y1, x2, y2`` as the sim gym takes them).
+    """
+    name = str(name or "action")
+    args = args if isinstance(args, dict) else {}
+    start = _point(args, "startPoint", "start", "from")
+    end = _point(args, "endPoint", "end", "to")
+    if start is None and all(_finite(args.get(k)) is not None for k in ("x1", "y1", "x2", "y2")):
+        start = (float(args["x1"]), float(args["y1"]))
+        end = (float(args["x2"]), float(args["y2"]))
+    if start and end:
+        return {
+            "kind": "swipe",
+            "name": name,
+            "x": start[0],
+            "y": start[1],
+            "x2": end[0],
+            "y2": end[1],
+        }
+    point = _point(args, "point", "position", "coordinate")
+    if point is None and _finite(args.get("x")) is not None and _finite(args.get("y")) is not None:
+        point = (float(args["x"]), float(args["y"]))
+    if point:
+        return {"kind": "tap", "name": name, "x": point[0], "y": point[1]}
+    text = args.get("content", args.get("text", args.get("key", args.get("direction"))))
+    label = name if text in (None, "") else f"{name}: {text}"
+    return {"kind": "label", "name": name, "text": label}
+
+
+def token_view(actions: list[dict]) -> dict | None:
+    """The reply's tokens (on the turn's first action) with the least likely ones marked."""
+    for a in actions:
+        tokens, logprobs = _json(a.get("tokens")), _json(a.get("logprobs"))
+        if not isinstance(tokens, list) or not tokens:
+            continue
+        if not isinstance(logprobs, list) or len(logprobs) != len(tokens):
+            logprobs = [None] * len(tokens)
+        texts = (a.get("extra") or {}).get("token_texts")
+        if not isinstance(texts, list) or len(texts) != len(tokens):
+            texts = None
+        finite = [(lp, i) for i, lp in enumerate(logprobs) if _finite(lp) is not None]
+        low = {i for _, i in sorted(finite)[:LOW_TOKENS]}
+        items = [
+            {
+                "id": tok,
+                "text": texts[i] if texts else None,
+                "logprob": logprobs[i],
+                "low": i in low,
+            }
+            for i, tok in enumerate(tokens)
+        ]
+        mean = sum(lp for lp, _ in finite) / len(finite) if finite else None
+        return {"count": len(tokens), "mean_logprob": mean, "items": items}
+    return None
+
+
+# ---------------------------------------------------------------------------- history
+
+
+def status_history(conn: sqlite3.Connection, entity_type: str, entity_id: int) -> list[dict]:
+    rows = _rows(
+        conn,
+        "SELECT id, old_status, new_status, progress_percent, status_message, changed_at "
+        "FROM status_history WHERE entity_type = ? AND entity_id = ? ORDER BY changed_at, id",
+        (entity_type, entity_id),
+    )
+    for r in rows:
+        r["entity_type"] = entity_type
+        r["entity_id"] = entity_id
+    return rows

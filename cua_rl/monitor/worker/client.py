@@ -1,0 +1,615 @@
+"""The Training Monitor client used during training: batching, retrying, spooling, never raising.
+
+``enqueue(kind, record)`` only appends to an in-memory queue and returns; a background task on
+the event loop turns the queue into batches (``batch_max_records`` or ``flush_interval_s``) and
+posts them one at a time, so batches reach the server in the order they were made. A batch that
+fails with a transport error, a 5xx, 408 or 429 is retried with exponential backoff; when retries
+run out it is appended to a local JSONL spool, and while the spool is not empty every new batch
+goes there too (order is kept), until a replay succeeds. Because the server upserts by client id,
+a batch that was committed but whose answer was lost can be sent again safely.
+
+A 422 names the record it refused; that record is dropped (counted) and the rest re-sent, so one
+bad record does not lose its batch. Counters: ``sent``, ``retried``, ``spooled``, ``replayed``,
+``dropped`` (records, except ``retried`` which counts attempts). Nothing here raises into the
+caller; failures are logged and counted.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import collections
+import json
+import os
+import tempfile
+import threading
+from dataclasses import dataclass, field
+from datetime import UTC, datetime
+from pathlib import Path
+from typing import Any
+
+import httpx
+
+from cua_rl.aio import within
+from cua_rl.errors import ConfigError
+from cua_rl.logs import get_logger
+from cua_rl.monitor.server.screenshots import PreparedScreenshot, ScreenshotUploader
+
+log = get_logger(__name__)
+
+BATCH_KEYS = (
+    "training",
+    "tasks",
+    "validators",
+    "steps",
+    "baselines",
+    "evals",
+    "rollouts",
+    "environments",
+    "turns",
+    "actions",
+    "observations",
+    "validations",
+)
+_MERGEABLE = frozenset({"tasks", "turns", "actions", "observations", "validations"})
+_RETRYABLE = {408, 425, 429, 500, 502, 503, 504}
+# The monitor is there but will not take this batch now (bad token, wrong URL): keep it.
+_SPOOL_STATUSES = {401, 403, 404}
+
+
+def utc_now() -> str:
+    """UTC time in SQLite's CURRENT_TIMESTAMP layout with microseconds (sorts as text)."""
+    return datetime.now(UTC).strftime("%Y-%m-%d %H:%M:%S.%f")
+
+
+try:  # orjson encodes token/logprob arrays several times faster than the stdlib
+    import orjson
+
+    def _dumps(obj: Any) -> bytes:
+        try:
+            return orjson.dumps(obj, default=str, option=orjson.OPT_NON_STR_KEYS)
+        except TypeError:  # e.g. integers beyond 64 bits
+            return json.dumps(obj, separators=(",", ":"), default=str).encode()
+
+except ImportError:  # pragma: no cover - depends on the environment
+
+    def _dumps(obj: Any) -> bytes:
+        return json.dumps(obj, separators=(",", ":"), default=str).encode()
+
+
+@dataclass
+class MonitorClientConfig:
+    base_url: str = field(
+        default="",
+        metadata={
+            "help": "Monitor base URL, e.g. http://127.0.0.1:8765 (default: $MONITOR_BASE_URL)"
+        },
+    )
+    token: str | None = field(
+        default=None,
+        metadata={"help": "Project token sent as Bearer (default: $MONITOR_PROJECT_TOKEN)"},
+    )
+    batch_max_records: int = field(
+        default=500, metadata={"help": "Most records in one POST; larger queues are split"}
+    )
+    flush_interval_s: float = field(
+        default=0.25,
+        metadata={"help": "Longest a record waits in the queue before a (partial) batch is sent"},
+    )
+    max_queue_records: int = field(
+        default=200_000,
+        metadata={
+            "help": "Records held in memory; beyond this new records are dropped and counted"
+        },
+    )
+    request_timeout_s: float = field(default=10.0, metadata={"help": "Timeout of one POST"})
+    max_retries: int = field(
+        default=3, metadata={"help": "Retries of one batch before it is spooled"}
+    )
+    backoff_initial_s: float = field(default=0.2, metadata={"help": "First retry delay"})
+    backoff_max_s: float = field(default=5.0, metadata={"help": "Largest retry delay"})
+    replay_interval_s: float = field(
+        default=2.0,
+        metadata={
+            "help": "How often a non-empty spool is retried while the monitor is unreachable"
+        },
+    )
+    spool_path: str | None = field(
+        default=None,
+        metadata={
+            "help": "JSONL spool for batches the monitor could not take; replayed later, also by a "
+            "new client on the same path (default: a per-process file in the temp dir)"
+        },
+    )
+
+    max_screenshot_queue_bytes: int = field(
+        default=64 * 1024 * 1024,
+        metadata={
+            "help": "Bytes of screenshots waiting for upload; beyond this new ones are dropped "
+            "and counted (the observation keeps its reference)"
+        },
+    )
+
+    def __post_init__(self):
+        # FACTS §3: clients read these from the environment when not configured.
+        self.base_url = self.base_url or os.environ.get("MONITOR_BASE_URL", "")
+        if self.token is None:
+            self.token = os.environ.get("MONITOR_PROJECT_TOKEN") or None
+        if not self.base_url or not self.base_url.startswith(("http://", "https://")):
+            raise ConfigError(
+                f"monitor base_url must be an http(s) URL, got {self.base_url!r}; set "
+                "MONITOR_BASE_URL or pass base_url"
+            )
+        self.base_url = self.base_url.rstrip("/")
+        for name in ("batch_max_records", "max_queue_records", "max_screenshot_queue_bytes"):
+            if getattr(self, name) < 1:
+                raise ConfigError(f"monitor {name} must be >= 1, got {getattr(self, name)}")
+        if self.max_retries < 0:
+            raise ConfigError(f"monitor max_retries must be >= 0, got {self.max_retries}")
+        for name in (
+            "flush_interval_s",
+            "request_timeout_s",
+            "backoff_initial_s",
+            "backoff_max_s",
+            "replay_interval_s",
+        ):
+            if getattr(self, name) <= 0:
+                raise ConfigError(f"monitor {name} must be > 0, got {getattr(self, name)}")
+        if self.spool_path is None:
+            self.spool_path = os.path.join(
+                tempfile.gettempdir(), f"cua-rl-monitor-spool-{os.getpid()}.jsonl"
+            )
+
+    @classmethod
+    def from_env(cls, **overrides: Any) -> MonitorClientConfig:
+        overrides.setdefault("base_url", os.environ.get("MONITOR_BASE_URL", ""))
+        overrides.setdefault("token", os.environ.get("MONITOR_PROJECT_TOKEN") or None)
+        return cls(**overrides)
+
+
+@dataclass
+class MonitorCounters:
+    sent: int = 0
+    retried: int = 0
+    spooled: int = 0
+    replayed: int = 0
+    dropped: int = 0
+    last_error: str | None = None
+
+    def as_dict(self) -> dict[str, Any]:
+        return dict(self.__dict__)
+
+
+def _ref(name: str, value: int | str) -> dict[str, Any]:
+    # An int is a server id; a str is the referenced record's client id.
+    if isinstance(value, int) and not isinstance(value, bool):
+        return {f"{name}_id": value}
+    return {f"{name}_client_id": str(value)}
+
+
+def _count(batch: dict[str, Any]) -> int:
+    return sum(1 if k == "training" else len(v) for k, v in batch.items())
+
+
+class MonitorClient:
+    """Async, batching monitor client. Use as ``async with MonitorClient(cfg) as client``."""
+
+    def __init__(self, config: MonitorClientConfig, *, client: httpx.AsyncClient | None = None):
+        self.config = config
+        self.counters = MonitorCounters()
+        self._http = client
+        self._owns_http = client is None
+        self._queue: collections.deque[tuple[str, dict]] = collections.deque()
+        self._lock = threading.Lock()  # enqueue may come from other threads
+        self._loop: asyncio.AbstractEventLoop | None = None
+        self._wake: asyncio.Event | None = None
+        self._task: asyncio.Task | None = None
+        self._closing = False
+        self._stopping = False
+        self._inflight: dict[str, Any] | None = None
+        self._spool = Path(config.spool_path)
+        self._spool_pending = self._spool.exists() and self._spool.stat().st_size > 0
+        self._next_replay = 0.0
+        self.screenshots = ScreenshotUploader(
+            config.base_url,
+            config.token,
+            max_queue_bytes=config.max_screenshot_queue_bytes,
+            max_retries=config.max_retries,
+            backoff_initial_s=config.backoff_initial_s,
+            backoff_max_s=config.backoff_max_s,
+            timeout_s=config.request_timeout_s,
+        )
+
+    # ------------------------------------------------------------------ public API
+
+    async def __aenter__(self) -> MonitorClient:
+        await self.start()
+        return self
+
+    async def __aexit__(self, *exc) -> None:
+        await self.close()
+
+    async def start(self) -> None:
+        if self._task is not None:
+            return
+        self._loop = asyncio.get_running_loop()
+        self._wake = asyncio.Event()
+        self._stopping = self._closing = False
+        if self._http is None:
+            self._http = httpx.AsyncClient(timeout=self.config.request_timeout_s)
+        self._task = self._loop.create_task(self._run(), name="monitor-client")
+        self.screenshots.start(self._http)
+
+    def enqueue(self, kind: str, record: dict[str, Any]) -> bool:
+        """Queue one record (``kind`` is a batch key); never blocks or raises. False if dropped."""
+        try:
+            if kind not in BATCH_KEYS or not isinstance(record, dict):
+                raise ValueError(f"unknown kind {kind!r} or record not a dict")
+            with self._lock:
+                if len(self._queue) >= self.config.max_queue_records:
+                    self.counters.dropped += 1
+                    self.counters.last_error = "queue full"
+                    return False
+                self._queue.append((kind, record))
+                big = len(self._queue) >= self.config.batch_max_records
+            if big:
+                self._poke()
+            return True
+        except Exception as exc:  # never into the caller
+            self.counters.dropped += 1
+            self.counters.last_error = f"enqueue: {exc}"
+            log.warning("monitor: record dropped: %s", exc)
+            return False
+
+    def put_screenshot(self, shot: PreparedScreenshot) -> bool:
+        """Queue an image for ``PUT /api/screenshots/<hash>``; never blocks or raises."""
+        return self.screenshots.put(shot)
+
+    async def flush(self, timeout: float | None = 60.0) -> bool:
+        """Wait until everything queued so far reached the server; False on timeout.
+
+        Bounded by default so a monitor that stays down cannot hold the caller; what did not go
+        out stays queued or spooled. ``timeout=None`` waits for as long as it takes."""
+        if self._task is None:
+            return not self._queue and not self._spool_pending
+        loop = asyncio.get_running_loop()
+        deadline = None if timeout is None else loop.time() + timeout
+        while self._queue or self._busy or self._spool_pending or not self.screenshots.idle:
+            if self._task.done() or (deadline is not None and loop.time() >= deadline):
+                return False
+            self._poke()
+            await asyncio.sleep(0.02)
+        return True
+
+    async def close(self, timeout: float = 10.0) -> None:
+        """Flush for up to ``timeout`` s; anything unsent is spooled, then the task stops.
+
+        Bounded: a POST that hangs is cancelled and its batch spooled (the server upserts by
+        client id, so a batch that was in fact committed is harmless to replay).
+        """
+        if self._task is None:
+            if self._owns_http and self._http is not None:  # send_now without start()
+                await self._http.aclose()
+                self._http = None
+            return
+        self._closing = True  # replay the spool without waiting for the interval
+        await self.flush(timeout)
+        # Stop by flag, not only by cancel: on Python 3.11 ``wait_for`` can swallow a cancel that
+        # races with the wake event, which would leave ``await task`` waiting forever.
+        self._stopping = True
+        self._poke()
+        task = self._task
+        done, _ = await asyncio.wait({task}, timeout=min(1.0, timeout))
+        if not done:
+            task.cancel()
+            done, _ = await asyncio.wait({task}, timeout=5.0)
+        if not done:  # pragma: no cover - only a worker stuck outside any await
+            log.error("monitor: client worker did not stop; abandoning it")
+        elif not task.cancelled() and task.exception() is not None:
+            self.counters.last_error = f"worker: {task.exception()}"
+        # The batch that was in flight, then whatever is still queued, go to the spool (in that
+        # order) so a later client on the same spool path replays them.
+        inflight, self._inflight = self._inflight, None
+        if inflight:
+            await self._spool_batch(inflight)
+        leftover = self._take(len(self._queue)) if self._queue else None
+        if leftover:
+            await self._spool_batch(leftover)
+        await self.screenshots.stop()
+        if self._owns_http and self._http is not None:
+            await self._http.aclose()
+            self._http = None  # a later start() makes a fresh one
+        self._task = None
+
+    @property
+    def pending(self) -> int:
+        return len(self._queue)
+
+    # ------------------------------------------------------------------ training-level records
+    # Helpers for the trainer: each queues one record with the FACTS §3 client id and returns
+    # that id, which later records (and MonitorContext) use as the reference. ``training`` may be
+    # the training's server id (int) or its client id (the run name, str).
+
+    def training(self, run_name: str, **fields: Any) -> str:
+        """Create or update the training; its client id is the run name."""
+        self.enqueue("training", {"client_id": run_name, "run_name": run_name, **fields})
+        return run_name
+
+    def step(self, training: int | str, step: int, *, batch: int = 0, **fields: Any) -> str:
+        client_id = f"step-{training}-{step}-{batch}"
+        record = {"client_id": client_id, **_ref("training", training), "step": step}
+        self.enqueue("steps", {**record, "batch": batch, **fields})
+        return client_id
+
+    def eval(self, training: int | str, step: int, **fields: Any) -> str:
+        client_id = f"eval-{training}-{step}"
+        record = {"client_id": client_id, **_ref("training", training), "step": step}
+        self.enqueue("evals", {**record, **fields})
+        return client_id
+
+    def baseline(self, training: int | str, *, client_id: str | None = None, **fields: Any) -> str:
+        """Create (or, given the ``client_id`` it returned, update) a baseline evaluation."""
+        if client_id is None:
+            client_id = f"baseline-{training}-{datetime.now(UTC).isoformat()}"
+        self.enqueue("baselines", {"client_id": client_id, **_ref("training", training), **fields})
+        return client_id
+
+    async def send_now(self, batch: dict[str, Any]) -> dict[str, Any] | None:
+        """POST one batch directly (bypassing the queue) and return the server's answer, or None
+        on any failure (counted, never raised). For start-up records whose server ids the caller
+        needs; everything else should go through the queue."""
+        try:
+            if self._http is None:
+                self._http = httpx.AsyncClient(timeout=self.config.request_timeout_s)
+            resp = await self._post(batch)
+            if resp.status_code == 200:
+                self.counters.sent += _count(batch)
+                return resp.json()
+            self.counters.last_error = f"HTTP {resp.status_code}: {resp.text[:300]}"
+        except Exception as exc:
+            self.counters.last_error = f"send_now: {type(exc).__name__}: {exc}"
+        log.warning("monitor: send_now failed: %s", self.counters.last_error)
+        return None
+
+    # ------------------------------------------------------------------ worker
+
+    _busy = False
+
+    def _poke(self) -> None:
+        if self._wake is None or self._loop is None:
+            return
+        try:
+            running = asyncio.get_running_loop()
+        except RuntimeError:
+            running = None
+        if running is self._loop:
+            self._wake.set()
+        else:
+            self._loop.call_soon_threadsafe(self._wake.set)
+
+    def _take(self, n: int) -> dict[str, Any]:
+        batch: dict[str, Any] = {}
+        slots: dict[tuple[str, str], int] = {}
+        with self._lock:
+            for _ in range(min(n, len(self._queue))):
+                kind, record = self._queue.popleft()
+                if kind == "training":
+                    if "training" in batch:  # one training object per batch: merge updates
+                        batch["training"] = {**batch["training"], **record}
+                    else:
+                        batch["training"] = record
+                    continue
+                records = batch.setdefault(kind, [])
+                cid = record.get("client_id")
+                if kind in _MERGEABLE and isinstance(cid, str):
+                    # A turn's start and end in one batch become one record (later fields win).
+                    # Only kinds without a status: merging a status change would hide it from
+                    # status_history.
+                    slot = slots.get((kind, cid))
+                    if slot is not None:
+                        records[slot] = {**records[slot], **record}
+                        continue
+                    slots[(kind, cid)] = len(records)
+                records.append(record)
+        return batch
+
+    async def _run(self) -> None:
+        cfg = self.config
+        while not self._stopping:
+            try:
+                try:
+                    await within(cfg.flush_interval_s, self._wake.wait())
+                except TimeoutError:
+                    pass
+                self._wake.clear()
+                if self._stopping:
+                    return
+                self._busy = True
+                try:
+                    if self._spool_pending:
+                        await self._maybe_replay()
+                    while self._queue and not self._stopping:
+                        batch = self._take(cfg.batch_max_records)
+                        # Owned by the worker until delivered or spooled; close() spools it if
+                        # the worker is cancelled in between.
+                        self._inflight = batch
+                        if self._spool_pending:
+                            await self._spool_batch(batch)
+                        else:
+                            await self._deliver(batch)
+                        self._inflight = None
+                finally:
+                    self._busy = False
+            except asyncio.CancelledError:
+                raise
+            except Exception as exc:  # the worker must survive anything
+                self.counters.last_error = f"worker: {exc}"
+                log.exception("monitor: client worker error")
+                await asyncio.sleep(cfg.flush_interval_s)
+
+    async def _post(self, batch: dict[str, Any]) -> httpx.Response:
+        headers = {"Content-Type": "application/json"}
+        if self.config.token:
+            headers["Authorization"] = f"Bearer {self.config.token}"
+        return await self._http.post(
+            f"{self.config.base_url}/api/ingest/batch",
+            content=_dumps(batch),
+            headers=headers,
+            timeout=self.config.request_timeout_s,
+        )
+
+    async def _deliver(self, batch: dict[str, Any], *, retries: int | None = None) -> bool:
+        """Send with retries; spool on failure. True when the server took it (or parts of it)."""
+        cfg = self.config
+        retries = cfg.max_retries if retries is None else retries
+        delay = cfg.backoff_initial_s
+        attempt = 0
+        while batch:
+            outcome = await self._attempt(batch)
+            if outcome == "ok":
+                return True
+            if outcome == "dropped-one":
+                continue  # the refused record was removed; send the rest now
+            if outcome == "spool" or attempt >= retries:
+                await self._spool_batch(batch)
+                return False
+            attempt += 1
+            self.counters.retried += 1
+            await asyncio.sleep(delay)
+            delay = min(delay * 2, cfg.backoff_max_s)
+        return True
+
+    async def _attempt(self, batch: dict[str, Any]) -> str:
+        try:
+            resp = await self._post(batch)
+        except httpx.HTTPError as exc:
+            self.counters.last_error = f"{type(exc).__name__}: {exc}"
+            return "retry"
+        if resp.status_code == 200:
+            self.counters.sent += _count(batch)
+            return "ok"
+        self.counters.last_error = f"HTTP {resp.status_code}: {resp.text[:300]}"
+        if resp.status_code in _RETRYABLE:
+            return "retry"
+        if resp.status_code in _SPOOL_STATUSES:
+            return "spool"
+        if resp.status_code == 422 and self._drop_refused(batch, resp):
+            return "dropped-one"
+        if resp.status_code == 413 and _count(batch) > 1:
+            first, second = _split(batch)
+            await self._deliver(first)
+            await self._deliver(second)
+            batch.clear()
+            return "ok"
+        log.warning(
+            "monitor: batch of %d records refused: %s", _count(batch), self.counters.last_error
+        )
+        self.counters.dropped += _count(batch)
+        batch.clear()
+        return "ok"
+
+    def _drop_refused(self, batch: dict[str, Any], resp: httpx.Response) -> bool:
+        try:
+            details = resp.json()["error"]["details"] or {}
+            kind, index = details.get("kind"), details.get("index")
+        except Exception:
+            return False
+        log.warning("monitor: record refused and dropped: %s", self.counters.last_error)
+        if kind == "training" and "training" in batch:
+            del batch["training"]
+        elif kind in batch and isinstance(index, int) and 0 <= index < len(batch[kind]):
+            del batch[kind][index]
+            if not batch[kind]:
+                del batch[kind]
+        else:
+            return False
+        self.counters.dropped += 1
+        return True
+
+    # ------------------------------------------------------------------ spool
+
+    async def _spool_batch(self, batch: dict[str, Any]) -> None:
+        if not batch:
+            return
+        line = _dumps(batch) + b"\n"
+        try:
+            await asyncio.to_thread(_append, self._spool, line)
+        except OSError as exc:
+            self.counters.dropped += _count(batch)
+            self.counters.last_error = f"spool write failed: {exc}"
+            log.error("monitor: could not spool %d records: %s", _count(batch), exc)
+            return
+        self.counters.spooled += _count(batch)
+        if not self._spool_pending:
+            self._next_replay = self._loop.time() + self.config.replay_interval_s
+        self._spool_pending = True
+
+    async def _maybe_replay(self) -> None:
+        if self._loop.time() < self._next_replay and not self._closing:
+            return
+        self._next_replay = self._loop.time() + self.config.replay_interval_s
+        lines = await asyncio.to_thread(_read_lines, self._spool)
+        done = 0
+        for line in lines:
+            try:
+                batch = json.loads(line)
+            except ValueError:
+                self.counters.dropped += 1
+                self.counters.last_error = "corrupt spool line skipped"
+                done += 1
+                continue
+            sent_before = self.counters.sent
+            outcome = await self._attempt(batch)
+            while batch and outcome == "dropped-one":
+                outcome = await self._attempt(batch)
+            if outcome in ("retry", "spool") and batch:
+                break
+            self.counters.replayed += self.counters.sent - sent_before
+            done += 1
+        # Only the replayed prefix goes; lines appended meanwhile stay, in order.
+        remaining = await asyncio.to_thread(_drop_prefix, self._spool, done)
+        self._spool_pending = remaining > 0
+
+
+def _split(batch: dict[str, Any]) -> tuple[dict[str, Any], dict[str, Any]]:
+    # Dependency order is kept: the first half holds the earlier kinds, so references resolve.
+    items = [
+        (k, r)
+        for k in BATCH_KEYS
+        if k in batch
+        for r in ([batch[k]] if k == "training" else batch[k])
+    ]
+    half = len(items) // 2
+    out = ({}, {})
+    for i, (k, r) in enumerate(items):
+        target = out[0] if i < half else out[1]
+        if k == "training":
+            target["training"] = r
+        else:
+            target.setdefault(k, []).append(r)
+    return out
+
+
+def _append(path: Path, line: bytes) -> None:
+    path.parent.mkdir(parents=True, exist_ok=True)
+    with open(path, "ab") as f:
+        f.write(line)
+        f.flush()
+        os.fsync(f.fileno())
+
+
+def _read_lines(path: Path) -> list[str]:
+    try:
+        return [ln for ln in path.read_text().splitlines() if ln.strip()]
+    except FileNotFoundError:
+        return []
+
+
+def _drop_prefix(path: Path, n: int) -> int:
+    lines = _read_lines(path)[n:]
+    if not lines:
+        path.unlink(missing_ok=True)
+        return 0
+    tmp = path.with_suffix(path.suffix + ".tmp")
+    tmp.write_text("".join(ln + "\n" for ln in lines))
+    os.replace(tmp, path)
+    return len(lines)

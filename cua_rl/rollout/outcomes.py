@@ -1,0 +1,35 @@
+"""Each rollout worker's episode outcomes, appended to a file of its own.
+
+The controller's failfast watch (``cua_rl.app.failfast.RejectionWatch``) reads these files; the
+folder is on the file system AReaL already shares between nodes, and one writer per file needs
+no locking.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import socket
+import time
+from pathlib import Path
+
+from cua_rl.logs import get_logger
+
+log = get_logger("cua_rl.rollout.outcomes")
+
+
+class OutcomeLog:
+    """Append-only outcome lines of one worker process (one writer per file: no locking)."""
+
+    def __init__(self, directory: str | os.PathLike):
+        self.directory = Path(directory)
+        self.path = self.directory / f"outcomes-{socket.gethostname()}-{os.getpid()}.jsonl"
+
+    def record(self, *, accepted: bool, reason: str | None, phase: str) -> None:
+        line = json.dumps({"t": time.time(), "ok": accepted, "reason": reason, "phase": phase})
+        try:
+            self.directory.mkdir(parents=True, exist_ok=True)
+            with open(self.path, "a", encoding="utf-8") as f:
+                f.write(line + "\n")
+        except OSError as exc:  # the watch is a safeguard; never fail an episode over it
+            log.warning("cannot append to %s: %s", self.path, exc)

@@ -1,0 +1,296 @@
+"""``CUAAgentWorkflow``: one AReaL episode = one gym execution driven by one agent run.
+
+The workflow only orchestrates. Per episode it creates a gym execution (terminated on every exit,
+cancellation included), opens the episode on its worker's rollout gateway (``cua_rl.gateway``:
+the agent's model endpoint, which samples through the trainer's engine and captures exact
+tokens, logprobs, versions and images), starts a gbox-mini-agent run pointed at it, waits for
+it, evaluates the execution, computes the reward, and builds one training row from what the
+gateway captured (``endpoint.mode=direct``: from the agent's own event log) with the pure
+functions of ``cua_rl.trajectory``. Infrastructure failures return ``None`` with a counted reason;
+a task the agent failed is a row with reward 0.
+
+Users customise it by overriding the hooks: ``build_run_spec``, ``compute_reward``, ``build_row``
+and ``record_episode`` (see the README), and name their subclass in the config (``workflow:``).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import time
+import uuid
+from typing import Any
+
+from areal import workflow_context
+from areal.api.workflow_api import RolloutWorkflow
+
+from cua_rl.errors import ConfigError, CuaRlError, GymError, RejectedEpisode
+from cua_rl.gateway import AReaLEngineView, SessionSpec, gateway_for
+from cua_rl.logs import get_logger
+from cua_rl.mini_agent import RunDriver, RunSpec
+from cua_rl.monitor.server.screenshots import http_fetcher
+from cua_rl.monitor.worker.context import MonitorContext
+from cua_rl.monitor.worker.recorder import RolloutRecorder
+from cua_rl.reward import EpisodeFacts, RewardOutcome, compute_reward
+from cua_rl.rollout.episode import Episode, Phase, episode_stats, gateway_reason
+from cua_rl.rollout.groups import GROUP_SIZE_ENV, complete_groups  # noqa: F401  (train.py's dotted path)
+from cua_rl.rollout.outcomes import OutcomeLog
+from cua_rl.rollout.placement import is_surplus, rollout_source
+from cua_rl.rollout.services import Services
+from cua_rl.rollout.settings import WorkflowSettings
+from cua_rl.trajectory import ConversionResult, convert_turns, events_to_turns, fetch_images
+
+log = get_logger("cua_rl.workflow")
+
+# How long a cancelled episode waits for its last monitor records to go out.
+CANCEL_FLUSH_S = 5.0
+
+
+class CUAAgentWorkflow(RolloutWorkflow):
+    """AReaL rollout workflow for GUI agents driven by gbox-mini-agent (or the local stand-in)."""
+
+    def __init__(self, settings: WorkflowSettings, processor: Any = None):
+        if not isinstance(settings, WorkflowSettings):
+            raise ConfigError(
+                "CUAAgentWorkflow needs a WorkflowSettings (CUAConfig.workflow_settings()), got "
+                f"{type(settings).__name__}"
+            )
+        self.settings = settings
+        self._outcomes = OutcomeLog(settings.outcome_dir) if settings.outcome_dir else None
+        self._processor = processor
+        self.services = Services.from_settings(settings)
+
+    @property
+    def processor(self):
+        if self._processor is None:
+            from transformers import AutoProcessor
+
+            self._processor = AutoProcessor.from_pretrained(self.settings.processor_path)
+        return self._processor
+
+    async def aclose(self) -> None:
+        """Flush the monitor and close HTTP clients (tests and train.py call this)."""
+        await self.services.aclose()
+
+    def open_model_endpoint(self, engine, episode: Episode) -> str:
+        """The agent's OpenAI base URL: this episode's gateway URL, or (direct mode) the
+        configured server or one of the engine's servers in turn."""
+        s = self.settings
+        if s.endpoint.mode == "gateway":
+            spec = SessionSpec(
+                AReaLEngineView(engine), s.sampling, self.processor, self.model_name(), s.trajectory
+            )
+            return gateway_for(s.gateway).open(episode.rollout_uuid, spec)
+        if s.endpoint.base_url:
+            return s.endpoint.base_url.rstrip("/")
+        addr = str(getattr(engine, "_engine", engine).choose_server())
+        addr = addr if addr.startswith(("http://", "https://")) else f"http://{addr}"
+        return f"{addr.rstrip('/')}/v1"
+
+    def close_model_endpoint(self, episode: Episode) -> None:
+        """Stop serving the episode's agent and keep what the gateway captured (idempotent)."""
+        gateway = self.settings.endpoint.mode == "gateway"
+        if gateway and episode.model_base_url and episode.capture is None:
+            episode.capture = gateway_for(self.settings.gateway).close(episode.rollout_uuid)
+
+    def model_name(self) -> str:
+        return self.settings.endpoint.model_name or self.settings.processor_path
+
+    # ------------------------------------------------------------------ hooks
+
+    def build_run_spec(self, episode: Episode) -> RunSpec:
+        """The agent run request. Override to change the instruction or the model options."""
+        s, data = self.settings, episode.data
+        instruction = data.get("instruction") or data.get("description") or data.get("name")
+        options = {
+            "temperature": s.sampling.temperature,
+            "maxTokens": s.sampling.max_new_tokens,
+            **s.agent.model_options,
+        }
+        return RunSpec(
+            task=str(instruction),
+            model_base_url=episode.model_base_url,
+            model_name=self.model_name(),
+            gym_base_url=s.gym.base_url,
+            gym_id=s.gym.gym_id,
+            execution_id=str(episode.execution_id),
+            agent=s.agent.agent,
+            max_steps=s.agent.max_steps,
+            max_run_time_s=s.agent.max_run_time_s,
+            max_step_time_s=s.agent.max_step_time_s,
+            provider=s.endpoint.provider,
+            action_space=s.agent.action_space,
+            model_options=options,
+        )
+
+    def compute_reward(self, episode: Episode) -> RewardOutcome:
+        """Evaluation -> reward (raises RejectedEpisode when the gym gave no verdict)."""
+        parsed = episode.parsed
+        turns = parsed.turns if parsed else []
+        facts = EpisodeFacts.from_turns(turns)
+        return compute_reward(episode.evaluation.raw, facts, self.settings.reward)
+
+    async def build_row(self, episode: Episode) -> ConversionResult:
+        """Turns -> one training row, from the gateway's capture (or, direct mode, the events
+        and the images they name). Conversion (image processing) runs in a thread so the
+        rollout event loop never blocks."""
+        cfg, turns = self.settings.trajectory, episode.parsed.turns
+        if episode.capture is not None:
+            turns, fetched = episode.capture.row_turns(turns), episode.capture.images()
+        else:
+            urls = [u for t in turns[-1:] for u in t.image_urls]
+            try:
+                fetched = await fetch_images(urls, cfg, client=self.services.clients()[2])
+            except RejectedEpisode as exc:
+                return ConversionResult(None, exc.reason, exc.detail, {"turns": len(turns)})
+        return await asyncio.to_thread(
+            convert_turns,
+            turns,
+            processor=self.processor,
+            reward=episode.reward.reward,
+            version=episode.version,
+            config=cfg,
+            fetched_images=fetched,
+        )
+
+    async def record_episode(self, episode: Episode, recorder: RolloutRecorder) -> None:
+        """Send turns, actions (with tokens and logprobs), observations to the monitor."""
+        if recorder.enabled and episode.parsed is not None:
+            # Screenshots are downscaled and kept by the monitor (presigned URLs expire).
+            await recorder.record_turns(
+                episode.monitor_turns(),
+                images=episode.capture.images() if episode.capture else None,
+                fetch=http_fetcher(self.settings.trajectory, self.services.clients()[2]),
+            )
+
+    # ------------------------------------------------------------------ the episode
+
+    def monitor_source(self, version: int) -> MonitorContext:
+        s = self.settings
+        return rollout_source(s.training_ref, s.phase, workflow_context.get().is_eval, version)
+
+    def is_surplus(self, version: int) -> bool:
+        s = self.settings
+        return is_surplus(s.phase, workflow_context.get().is_eval, s.total_steps, version)
+
+    async def arun_episode(self, engine, data: dict[str, Any]) -> dict[str, Any] | None:
+        scope = workflow_context.stat_scope()
+        episode = Episode(
+            data=dict(data), rollout_uuid=str(uuid.uuid4()), version=int(engine.get_version())
+        )
+        surplus = self.is_surplus(episode.version)
+        if surplus:
+            log.info(
+                "episode %s samples policy version %d after the last step: not recorded",
+                episode.rollout_uuid,
+                episode.version,
+            )
+        recorder = RolloutRecorder(
+            None if surplus else await self.services.monitor_client(),
+            episode.rollout_uuid,
+            task_id=episode.task_id,
+            model_path=self.settings.processor_path,
+            source=self.monitor_source(episode.version),
+            task={
+                "name": data.get("name") or episode.task_id,
+                "description": data.get("description") or "",
+            },
+        )
+        t0 = time.monotonic()
+        try:
+            row = await self._run(engine, episode, recorder)
+        except RejectedEpisode as exc:
+            self._count(scope, episode, reason=exc.reason)
+            log.warning("episode %s rejected: %s", episode.rollout_uuid, exc)
+            await recorder.fail(exc.reason, error_message=str(exc))
+            return None
+        except asyncio.CancelledError:
+            await recorder.fail("cancelled")
+            # A cancel usually means the trainer is stopping: AReaL cancels the episodes, awaits
+            # them, then ends the loop that would have sent these last records. Send them now.
+            if self.services.monitor is not None:
+                await self.services.monitor.flush(timeout=CANCEL_FLUSH_S)
+            raise
+        except CuaRlError as exc:
+            reason = type(exc).__name__
+            self._count(scope, episode, reason=reason)
+            log.warning("episode %s failed: %s", episode.rollout_uuid, exc)
+            await recorder.fail(reason, error_message=str(exc))
+            return None
+        episode.timings["total"] = time.monotonic() - t0
+        self._count(scope, episode, reason=None)
+        return row
+
+    async def _run(self, engine, episode: Episode, recorder: RolloutRecorder):
+        await recorder.start()
+        episode.model_base_url = self.open_model_endpoint(engine, episode)
+        try:
+            await self._act(episode, recorder)
+        except RejectedEpisode as exc:
+            self.close_model_endpoint(episode)
+            sharper = gateway_reason(episode.capture, exc.reason.removeprefix("agent_"))
+            if exc.reason.startswith("agent_") and sharper:
+                raise RejectedEpisode(sharper, exc.detail) from exc
+            raise
+        finally:
+            self.close_model_endpoint(episode)
+        episode.parsed = events_to_turns(episode.run.events)
+        episode.reward = self.compute_reward(episode)
+        await recorder.validation(
+            success=episode.reward.success,
+            score=episode.reward.base,
+            details_json=episode.evaluation.raw,
+        )
+        async with Phase(episode, "convert_s"):
+            episode.conversion = await self.build_row(episode)
+        await self.record_episode(episode, recorder)
+        result = episode.conversion
+        if result.row is None:
+            raise RejectedEpisode(result.reason or "rejected", result.detail)
+        await recorder.complete(
+            reward=episode.reward.reward,
+            task_success=int(episode.reward.success),
+            metrics_json={"conversion": result.stats, "timings": episode.timings},
+        )
+        return result.row
+
+    async def _act(self, episode: Episode, recorder: RolloutRecorder) -> None:
+        """Execution, agent run, evaluation; the execution is terminated on every exit."""
+        genv, agent, _ = self.services.clients()
+        await recorder.environment("creating")
+        t_create = time.monotonic()
+        try:
+            async with genv.execution(episode.task_id) as handle:
+                episode.timings["env_create_s"] = time.monotonic() - t_create
+                episode.execution_id, episode.box_id = handle.execution_id, handle.box_id
+                await recorder.environment("running", gbox_id=episode.box_id)
+                spec = self.build_run_spec(episode)
+                async with Phase(episode, "agent_s"):
+                    episode.run = await RunDriver(agent, self.settings.agent.driver).run(spec)
+                summary = episode.run.summary
+                if summary.status != "completed":
+                    raise RejectedEpisode(
+                        f"agent_{summary.reason or summary.status}",
+                        f"run {summary.run_id} ended {summary.status}: {summary.errors[-3:]}",
+                    )
+                async with Phase(episode, "evaluate_s"):
+                    episode.evaluation = await handle.evaluate(
+                        execution_data={"run_id": summary.run_id, "steps": summary.steps},
+                        answer_text=summary.answer,
+                    )
+                t_term = time.monotonic()
+            episode.timings["env_terminate_s"] = time.monotonic() - t_term
+        except GymError as exc:
+            await recorder.environment("error", status_message=str(exc)[:500])
+            raise RejectedEpisode("gym_error", str(exc)) from exc
+        except BaseException:
+            await recorder.environment("terminated")
+            raise
+        await recorder.environment("terminated")
+
+    def _count(self, scope: str, episode: Episode, *, reason: str | None) -> None:
+        """Stats under AReaL's rollout / eval-rollout scope and the outcome log; once per episode."""
+        from areal.utils import stats_tracker
+
+        stats_tracker.get(scope).scalar(**episode_stats(episode, reason))
+        if self._outcomes is not None:
+            self._outcomes.record(accepted=reason is None, reason=reason, phase=self.settings.phase)

@@ -1,0 +1,203 @@
+"""Proof of learning: the curve tools, the negative control's mask, and (slow) real training.
+
+The fast tests read curves from real monitor databases written through ``MonitorStore``. The
+slow test trains the tiny Qwen2-VL on the learn family with ``make learn``'s launcher
+twice: the production workflow must raise its success rate by a margin, and the control whose
+loss mask is one token late must not, in the same budget. The margin and the runs behind it are
+in docs/learning.md.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+from PIL import Image
+
+from cua_rl.app.controls import shift_mask_right
+from cua_rl.app.learn import Progress
+from cua_rl.app.learning import (
+    CurveError,
+    StepPoint,
+    first_last,
+    format_curve,
+    plot_curves,
+    read_curve,
+    steps_to_reach,
+)
+from cua_rl.monitor.server.store import MonitorStore
+
+ROOT = Path(__file__).resolve().parents[2]
+
+
+def _write_run(db: Path, run: str, steps: list[tuple[int, str, float | None]], start: str):
+    """A training ``run`` with steps (number, status, success) ending a minute apart."""
+    store = MonitorStore(db)
+    try:
+        store.ingest(
+            {
+                "training": {
+                    "run_name": run,
+                    "log_path": "runs/x",
+                    "model_name": "tiny",
+                    "start_time": start,
+                },
+                "steps": [
+                    {
+                        "client_id": f"{run}-step-{n}",
+                        "training_client_id": run,
+                        "step": n,
+                        "status": status,
+                        "num_trajectories": 24,
+                        "end_time": f"2026-01-01 00:{n:02d}:30",
+                        "metrics_json": {} if success is None else {"rollout/cua/success": success},
+                    }
+                    for n, status, success in steps
+                ],
+            }
+        )
+    finally:
+        store.close()
+
+
+def _points(values: list[float]) -> list[StepPoint]:
+    return [StepPoint(i + 1, v, v, 24, None, None) for i, v in enumerate(values)]
+
+
+def test_read_curve_gives_the_latest_trainings_committed_steps_in_order(tmp_path):
+    db = tmp_path / "monitor.db"
+    _write_run(db, "old", [(1, "completed", 0.9)], "2026-01-01 00:00:00")
+    _write_run(
+        db,
+        "new",
+        [(2, "completed", 0.5), (1, "completed", 0.25), (3, "training", None)],
+        "2026-01-01 00:00:00",
+    )
+    points = read_curve(db)
+    assert [(p.step, p.success, p.episodes) for p in points] == [(1, 0.25, 24), (2, 0.5, 24)]
+    assert [p.elapsed_s for p in points] == [90.0, 150.0]
+    assert [p.success for p in read_curve(db, "old")] == [0.9]
+
+
+def test_a_step_without_the_statistic_counts_as_nothing_solved(tmp_path):
+    db = tmp_path / "monitor.db"
+    _write_run(db, "r", [(1, "completed", None), (2, "completed", 1.0)], "2026-01-01 00:00:00")
+    points = read_curve(db)
+    assert points[0].success is None
+    assert steps_to_reach(points, 0.5, window=2) == 2  # mean of (0, 1)
+
+
+def test_read_curve_errors_say_what_is_missing(tmp_path):
+    with pytest.raises(CurveError, match="no monitor database"):
+        read_curve(tmp_path / "absent.db")
+    db = tmp_path / "monitor.db"
+    MonitorStore(db).close()
+    with pytest.raises(CurveError, match="no record of any training"):
+        read_curve(db)
+    _write_run(db, "r", [], "2026-01-01 00:00:00")
+    with pytest.raises(CurveError, match="no record of training 'other'"):
+        read_curve(db, "other")
+    assert read_curve(db) == []
+
+
+def test_steps_to_reach_uses_the_trailing_window():
+    points = _points([0.1, 0.0, 0.2, 0.9, 0.9, 0.8])
+    assert steps_to_reach(points, 0.8, window=1) == 4
+    assert steps_to_reach(points, 0.8, window=3) == 6  # (0.9 + 0.9 + 0.8) / 3
+    assert steps_to_reach(points, 0.95, window=1) is None
+    with pytest.raises(CurveError):
+        steps_to_reach(points, 0.8, window=0)
+
+
+def test_first_last_needs_two_disjoint_windows():
+    assert first_last(_points([0.0, 0.5, 1.0, 1.0]), 2) == (0.25, 1.0)
+    with pytest.raises(CurveError, match="disjoint"):
+        first_last(_points([0.0, 0.5, 1.0]), 2)
+
+
+def test_plot_and_table(tmp_path):
+    a, b = _points([0.1, 0.6, 1.0]), _points([0.0, 0.1])
+    png = plot_curves({"a": a, "b": b}, tmp_path / "sub" / "success.png", target=0.8)
+    with Image.open(png) as img:
+        assert img.format == "PNG" and img.size == (770, 440)
+    lines = format_curve(a)
+    assert lines[1].startswith("step   2  success 0.600") and lines[1].endswith("#" * 12)
+    with pytest.raises(CurveError):
+        plot_curves({"a": []}, tmp_path / "empty.png")
+
+
+def test_progress_prints_each_committed_step_once(tmp_path, capsys):
+    db = tmp_path / "monitor.db"
+    progress = Progress(db, "run", total=5)
+    progress.poll()  # no database yet: nothing, no error
+    _write_run(db, "r", [(1, "completed", 0.125)], "2026-01-01 00:00:00")
+    progress.poll()
+    progress.start()  # the thread's own polls and the final one print nothing new
+    progress.stop()
+    assert not progress.is_alive()
+    out = capsys.readouterr().out.splitlines()
+    assert out == ["[learn] run step 1/5: success 0.125 (3/24) at 90s"]
+
+
+def test_the_control_mask_skips_the_first_generated_token():
+    mask = torch.tensor([[0, 0, 0, 1, 1, 1]], dtype=torch.int32)
+    shifted = shift_mask_right(mask)
+    assert shifted.tolist() == [[0, 0, 0, 0, 1, 1]]
+    assert shifted.dtype == mask.dtype and mask.tolist() == [[0, 0, 0, 1, 1, 1]]
+
+
+# -- real training ------------------------------------------------------------------------------
+
+# `make learn`'s whole length: the step at which a run crosses 0.5 success varies from 7 to past
+# 12 between reruns of one seed (vLLM sampling and the asynchronous batching are not
+# deterministic); every measured run held >= 0.9 from step 17 on (docs/learning.md).
+STEPS = 20
+WINDOW = 3
+# Measured (docs/learning.md): the real workflow's runs gained >= 0.85 between their first and
+# last 3 steps of 20; the controls gained <= 0.05. 0.4 sits between, with room on both sides.
+MARGIN = 0.4
+
+
+def _learn(tmp_path: Path, name: str, *extra: str) -> dict:
+    run_dir = tmp_path / name
+    proc = subprocess.run(
+        [
+            sys.executable,
+            "-m",
+            "cua_rl.app.learn",
+            "--run-dir",
+            str(run_dir),
+            "--steps",
+            str(STEPS),
+            "--window",
+            str(WINDOW),
+            *extra,
+        ],
+        cwd=ROOT,
+        capture_output=True,
+        text=True,
+        timeout=900,
+        env={**os.environ, "PYTHONUNBUFFERED": "1"},
+    )
+    assert proc.returncode == 0, proc.stdout[-4000:] + proc.stderr[-4000:]
+    curve = json.loads((run_dir / "curve.json").read_text())
+    assert curve["steps"] == STEPS, curve
+    assert (run_dir / "success.png").is_file()
+    return curve
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(1900)
+def test_the_policy_learns_and_the_shifted_mask_control_does_not(tmp_path, tiny_vl_bpe_model_dir):
+    learned = _learn(tmp_path, "learn")
+    gain = learned["last_mean"] - learned["first_mean"]
+    assert gain >= MARGIN, learned["success"]
+
+    control = _learn(tmp_path, "control", "--control")
+    gain = control["last_mean"] - control["first_mean"]
+    assert gain < MARGIN, control["success"]

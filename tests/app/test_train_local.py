@@ -1,0 +1,310 @@
+"""The main job on the local stack, for real: ``make demo``'s launcher and a crashing run.
+
+The first test runs ``python -m cua_rl.app.demo`` (monitor on SQLite, local gym, local
+agent, AReaL's PPOTrainer with a vLLM CPU server and the tiny Qwen2-VL) and reads the monitor's
+database afterwards. The second starts train.py against a model folder that holds no model, so the
+real PPOTrainer fails while it starts, and checks that the training is left failed with its error.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import re
+import signal
+import sqlite3
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import httpx
+import pytest
+
+from cua_rl.sim.gym import Fault, GymServer, SimGymConfig
+from tests.conftest import DEMO_STEPS
+
+ROOT = Path(__file__).resolve().parents[2]
+
+pytestmark = pytest.mark.slow
+
+
+def _rows(db: Path, sql: str, *args) -> list[tuple]:
+    con = sqlite3.connect(db)
+    try:
+        return con.execute(sql, args).fetchall()
+    finally:
+        con.close()
+
+
+def _leftovers(marker: str) -> list[str]:
+    """Processes whose command line names ``marker`` (the run folder): none may outlive a run."""
+    out = subprocess.run(["ps", "-eo", "pid,args"], capture_output=True, text=True).stdout
+    return [line for line in out.splitlines() if marker in line and "ps -eo" not in line]
+
+
+def _descendants(root: int) -> list[int]:
+    """Every process whose parent chain leads to ``root`` (AReaL's workers, the vLLM server)."""
+    out = subprocess.run(["ps", "-eo", "pid=,ppid="], capture_output=True, text=True).stdout
+    children: dict[int, list[int]] = {}
+    for line in out.splitlines():
+        pid, ppid = map(int, line.split())
+        children.setdefault(ppid, []).append(pid)
+    found, stack = [], [root]
+    while stack:
+        for child in children.get(stack.pop(), []):
+            found.append(child)
+            stack.append(child)
+    return found
+
+
+def _alive(pid: int) -> bool:
+    try:
+        status = Path(f"/proc/{pid}/status").read_text()
+    except OSError:
+        return False
+    return "\nState:\tZ" not in status  # a zombie has exited; only its parent's wait is missing
+
+
+@pytest.mark.timeout(1800)
+def test_demo_trains_asynchronously_without_losing_an_episode(demo_run):
+    """Six steps with two steps of staleness through the gateway: weight updates land in the
+    middle of episodes, yet no episode is rejected and every step accepts all its rows."""
+    db = demo_run.run_dir / "monitor.db"
+    assert demo_run.returncode == 0, demo_run.output[-6000:]
+    steps = _rows(db, "SELECT step, status, metrics_json FROM step ORDER BY step")
+    assert [(n, st) for n, st, _ in steps] == [(n, "completed") for n in range(1, DEMO_STEPS + 1)]
+    for n, _, metrics in steps:
+        m = json.loads(metrics or "{}")
+        assert m.get("rollout/accepted") == 1.0, (n, m)
+        # Rejection counters are recorded as 0 when nothing was rejected.
+        assert not {k: v for k, v in m.items() if "/rejected/" in k and v}, (n, m)
+    failed = _rows(db, "SELECT status_message FROM rollout WHERE status = 'failed'")
+    assert failed == [], failed
+    # Some episodes really did straddle weight updates: their turns carry several versions.
+    versions: dict[int, set[int]] = {}
+    for rid, mj in _rows(
+        db,
+        "SELECT t.rollout_id, t.metrics_json FROM turn t JOIN rollout r ON t.rollout_id = r.id "
+        "WHERE r.source_type = 'step'",
+    ):
+        versions.setdefault(rid, set()).update(json.loads(mj or "{}").get("versions", []))
+    assert versions and any(len(v) > 1 for v in versions.values()), versions
+
+
+@pytest.mark.timeout(1800)
+def test_demo_trains_and_records_everything(demo_run):
+    run_dir, text = demo_run.run_dir, demo_run.output
+    assert demo_run.returncode == 0, text[-6000:]
+    print(text)  # what the terminal showed (pytest -s)
+
+    db = run_dir / "monitor.db"
+    assert db.exists(), text[-3000:]
+    (status, err, total), *_ = _rows(db, "SELECT status, error_message, total_steps FROM training")
+    assert status == "completed", (status, err)
+
+    steps = _rows(db, "SELECT step, status, num_trajectories FROM step ORDER BY step")
+    completed = [s for s in steps if s[1] == "completed"]
+    assert len(completed) == DEMO_STEPS, steps
+    assert all(n and n > 0 for _, _, n in completed), steps
+
+    # Every step's rollouts hang off that step, with turns and token-carrying actions below them.
+    n_rollouts = _rows(db, "SELECT COUNT(*) FROM rollout WHERE source_type = 'step'")[0][0]
+    assert n_rollouts >= 2 * 2, steps  # two steps of at least one group of two
+    assert _rows(db, "SELECT COUNT(*) FROM turn")[0][0] >= n_rollouts
+    n_actions = _rows(db, "SELECT COUNT(*) FROM action WHERE num_tokens > 0")[0][0]
+    assert n_actions >= n_rollouts
+    assert _rows(db, "SELECT COUNT(*) FROM baseline WHERE status = 'completed'")[0][0] == 1
+
+    # Every turn's screenshot is in the monitor's store, referenced by hash.
+    uris = [u for (u,) in _rows(db, "SELECT screenshot_uri FROM obs")]
+    assert uris and all(u.startswith("sha256:") for u in uris), uris[:3]
+    stored = {h for (h,) in _rows(db, "SELECT sha256 FROM screenshot")}
+    assert {u.removeprefix("sha256:") for u in uris} <= stored
+    assert all((run_dir / "monitor.screenshots" / h[:2] / h).is_file() for h in stored)
+
+    # The terminal: the dashboard's URL first, no worker output, one rounded summary line per
+    # step, where things are, and how to browse the database again.
+    lines = text.splitlines()
+    dashboard = next(i for i, ln in enumerate(lines) if "dashboard: open http://127.0.0.1:" in ln)
+    first_step = next(
+        i for i, ln in enumerate(lines) if ln.startswith(f"[demo] step 1/{DEMO_STEPS}: ")
+    )
+    assert dashboard < first_step
+    assert "(AReaL)" not in text and "INFO" not in text, text[-3000:]
+    summaries = [
+        ln
+        for ln in lines
+        if re.match(rf"\[demo\] step \d/{DEMO_STEPS}: trained on \d+ episodes \(reward ", ln)
+    ]
+    want = [f"[demo] step {n}/{DEMO_STEPS}" for n in range(1, DEMO_STEPS + 1)]
+    assert [ln.split(":")[0] for ln in summaries] == want
+    for ln in summaries:
+        # Rounded: no number with more than 2 decimals.
+        assert not re.search(r"\d\.\d{3,}", ln), ln
+    assert len(lines) < 80, f"{len(lines)} lines:\n{text}"
+    assert f"monitor database: {db}" in text
+    assert f"python -m cua_rl.monitor serve --db {db}" in lines[-1], lines[-3:]
+    assert "(train.log" in text and (run_dir / "logs" / "train.log").stat().st_size > 10_000
+    assert not _leftovers(str(run_dir)), _leftovers(str(run_dir))
+
+
+@pytest.mark.timeout(900)
+def test_a_crashing_run_leaves_the_training_failed_with_its_error(tmp_path):
+    not_a_model = tmp_path / "not-a-model"
+    not_a_model.mkdir()
+    db = tmp_path / "monitor.db"
+    with GymServer() as gym:
+        proc = subprocess.run(
+            [
+                sys.executable,
+                "-m",
+                "examples.cua_agent.train",
+                "--config",
+                "configs/local.yaml",
+                f"actor.path={not_a_model}",
+                f"gym.base_url={gym.url}",
+                f"monitor.db_path={db}",
+                f"cluster.fileroot={tmp_path / 'areal'}",
+                f"cluster.name_resolve.nfs_record_root={tmp_path / 'name_resolve'}",
+            ],
+            cwd=ROOT,
+            capture_output=True,
+            text=True,
+            timeout=800,
+        )
+    assert proc.returncode != 0, proc.stdout[-3000:]
+    rows = _rows(db, "SELECT status, error_message FROM training")
+    assert len(rows) == 1, rows
+    status, err = rows[0]
+    assert status == "failed"
+    # The recorded error is the exception the process died of, as its traceback shows it.
+    assert err, rows
+    assert err.splitlines()[0].split(": ", 1)[-1] in proc.stderr, (err, proc.stderr[-3000:])
+    history = _rows(
+        db,
+        "SELECT new_status FROM status_history WHERE entity_type = 'training' ORDER BY id",
+    )
+    # (A crash this early can reach the monitor in the same batch as the start: the client merges
+    # the two updates of one record, so "running" need not appear in the history.)
+    assert history and history[-1][0] == "failed", history
+
+
+@pytest.mark.timeout(900)
+def test_sigterm_mid_run_cancels_the_training_and_stops_every_worker(tmp_path, tiny_vl_model_dir):
+    """A scheduler's SIGTERM while episodes run: AReaL's workers and vLLM stop, the record says so."""
+    from cua_rl.sim.agent import AgentServer
+
+    db = tmp_path / "monitor.db"
+    fileroot = tmp_path / "areal"
+    # Evaluate answers only after a minute, so the signal surely lands while episodes hold
+    # open executions (the baseline's, which run first).
+    slow_evaluate = SimGymConfig(faults={"evaluate": Fault(latency_s=60)})
+    with GymServer(slow_evaluate) as gym, AgentServer() as agent:
+        proc = subprocess.Popen(
+            [
+                sys.executable,
+                "-m",
+                "examples.cua_agent.train",
+                "--config",
+                "configs/local.yaml",
+                f"actor.path={tiny_vl_model_dir}",
+                f"gym.base_url={gym.url}",
+                f"agent.base_url={agent.url}",
+                f"monitor.db_path={db}",
+                f"cluster.fileroot={fileroot}",
+                f"cluster.name_resolve.nfs_record_root={tmp_path / 'name_resolve'}",
+                # Enough steps that the signal lands mid-run, never after the end.
+                "total_train_steps=50",
+                "total_train_epochs=50",
+            ],
+            cwd=ROOT,
+            stdout=subprocess.DEVNULL,
+            stderr=subprocess.PIPE,
+            text=True,
+            start_new_session=True,
+        )
+        try:
+            # Wait until episodes have run their agent (vLLM served them) and sit in evaluate.
+            deadline = time.monotonic() + 600
+            while time.monotonic() < deadline and proc.poll() is None:
+                if gym.gym.counters["evaluations"] > 0:
+                    break
+                time.sleep(1)
+            assert proc.poll() is None, proc.stderr.read()[-3000:]
+            assert httpx.get(f"{gym.base_url}/executions", timeout=10).json()["executions"]
+            workers = _descendants(proc.pid)
+            assert workers, "the trainer has started no worker process"
+            proc.send_signal(signal.SIGTERM)
+            rc = proc.wait(timeout=180)
+            # Episodes cut short still terminate their gym executions: no box is left running.
+            left_open = httpx.get(f"{gym.base_url}/executions", timeout=10).json()["executions"]
+        finally:
+            if proc.poll() is None:
+                os.killpg(proc.pid, signal.SIGKILL)
+                proc.wait()
+    assert rc == 128 + signal.SIGTERM, proc.stderr.read()[-3000:]
+    assert left_open == [], left_open
+    status, message = _rows(db, "SELECT status, status_message FROM training")[0]
+    assert status == "cancelled" and "SIGTERM" in message, (status, message)
+    # Nothing the run started is left looking alive in the monitor: the episodes cut short, their
+    # environments, and the baseline they belonged to all carry an end state.
+    live = {
+        "rollout": _rows(db, "SELECT status FROM rollout WHERE status NOT IN "
+                             "('completed', 'failed', 'cancelled')"),
+        "environment": _rows(db, "SELECT status FROM environment WHERE status NOT IN "
+                                 "('terminated', 'error')"),
+        "baseline": _rows(db, "SELECT status FROM baseline WHERE status != 'cancelled'"),
+        "eval": _rows(db, "SELECT status FROM eval WHERE status NOT IN ('completed', 'cancelled')"),
+    }  # fmt: skip
+    assert not any(live.values()), live
+    assert _rows(db, "SELECT COUNT(*) FROM rollout WHERE status = 'cancelled'")[0][0] > 0
+    alive = [pid for pid in workers if _alive(pid)]
+    assert not alive, subprocess.run(["ps", "-o", "pid,args", "-p", ",".join(map(str, alive))],
+                                     capture_output=True, text=True).stdout  # fmt: skip
+
+
+@pytest.mark.timeout(900)
+def test_systematic_rejection_stops_the_training_failed_with_its_reason(
+    tmp_path, tiny_vl_model_dir
+):
+    """An agent that returns no token data, called directly (no gateway): every episode is
+    rejected missing_tokens. The run stops within the window, failed, naming reason and fix."""
+    from cua_rl.sim.agent import AgentServer
+
+    db = tmp_path / "monitor.db"
+    window = 6
+    with GymServer() as gym, AgentServer() as agent:
+        t0 = time.monotonic()
+        proc = subprocess.run(
+            [
+                sys.executable, "-m", "examples.cua_agent.train",
+                "--config", "configs/local.yaml",
+                f"actor.path={tiny_vl_model_dir}",
+                f"gym.base_url={gym.url}",
+                f"agent.base_url={agent.url}",
+                f"monitor.db_path={db}",
+                f"cluster.fileroot={tmp_path / 'areal'}",
+                f"cluster.name_resolve.nfs_record_root={tmp_path / 'name_resolve'}",
+                "endpoint.mode=direct",
+                # local.yaml's agent already asks for no token data, like an unpatched agent.
+                f"failfast.window={window}",
+                "total_train_steps=20",
+                "total_train_epochs=20",
+            ],
+            cwd=ROOT, capture_output=True, text=True, timeout=800,
+        )  # fmt: skip
+        took = time.monotonic() - t0
+        left_open = httpx.get(f"{gym.base_url}/executions", timeout=10).json()["executions"]
+    assert left_open == [], left_open
+    assert proc.returncode == 3, (proc.returncode, proc.stderr[-3000:])
+    assert "missing_tokens" in proc.stderr and "endpoint.mode=gateway" in proc.stderr
+    status, err = _rows(db, "SELECT status, error_message FROM training")[0]
+    assert status == "failed", (status, err)
+    assert "missing_tokens" in err and "endpoint.mode=gateway" in err, err
+    rejected = _rows(db, "SELECT COUNT(*) FROM rollout WHERE status = 'failed'")[0][0]
+    # Stopped within the window: the rejections that tripped it, plus at most the episodes
+    # already running when it did (4 groups of 2) and those ending during one poll and the stop.
+    assert window <= rejected <= window + 2 * 4 * 2, rejected
+    print(f"stopped after {took:.0f}s and {rejected} rejected episodes")
+    assert not _leftovers(str(tmp_path)), _leftovers(str(tmp_path))

@@ -1,0 +1,441 @@
+"""CUAAgentWorkflow on the real local stack: sim gym, local agent, vLLM CPU with a tiny Qwen2-VL,
+the rollout gateway, and a real monitor on a SQLite file. The engine is a hand-written stand-in
+exposing exactly what the workflow and the gateway use of AReaL's engine (``get_version``,
+``choose_server``; no ``_workflow_executor``: never paused)."""
+
+from __future__ import annotations
+
+import asyncio
+import sqlite3
+
+import httpx
+import pytest
+import torch
+from areal.infra import workflow_context
+from areal.utils import stats_tracker
+
+from cua_rl.gateway import GatewayConfig, Sampling
+from cua_rl.genv import GenvClient, GenvTimeouts
+from cua_rl.mini_agent import DriverConfig
+from cua_rl.monitor.protocol import step_client_id
+from cua_rl.monitor.server.app import create_app
+from cua_rl.monitor.server.store import MonitorStore
+from cua_rl.reward import RewardConfig
+from cua_rl.rollout.episode import Episode
+from cua_rl.rollout.settings import AgentSection, EndpointSection, GymSection, WorkflowSettings
+from cua_rl.rollout.workflow import GROUP_SIZE_ENV, CUAAgentWorkflow, complete_groups
+from cua_rl.serving import ThreadedServer, bind_free_port
+from cua_rl.sim.agent import AgentServer
+from cua_rl.sim.gym import GymServer
+from cua_rl.tasks import task_row
+from cua_rl.testing.forward import load_vl_model, trained_gap
+from cua_rl.trajectory.config import TrajectoryConfig
+
+pytestmark = pytest.mark.slow
+
+ROW_KEYS = {
+    "input_ids",
+    "loss_mask",
+    "logprobs",
+    "versions",
+    "attention_mask",
+    "rewards",
+    "mm_token_type_ids",
+    "multi_modal_input",
+}
+RUN = "wf-test"
+FAST_GYM = GenvTimeouts(
+    connect_s=2, request_s=10, create_s=10, evaluate_s=10, terminate_s=3, backoff_s=0.01
+)
+
+
+class FakeEngine:
+    """The two engine calls the workflow makes; records which server each episode got."""
+
+    def __init__(self, addresses: list[str], version: int = 0):
+        self.addresses = list(addresses)
+        self.version = version
+        self.chosen: list[str] = []
+
+    def get_version(self) -> int:
+        return self.version
+
+    def choose_server(self) -> str:
+        addr = self.addresses[len(self.chosen) % len(self.addresses)]
+        self.chosen.append(addr)
+        return addr
+
+
+@pytest.fixture(scope="module")
+def gym():
+    with GymServer() as server:
+        yield server
+
+
+@pytest.fixture(scope="module")
+def agent():
+    with AgentServer() as server:
+        yield server
+
+
+@pytest.fixture
+def monitor(tmp_path):
+    store = MonitorStore(str(tmp_path / "monitor.db"))
+    # The training and its first step exist before rollouts are recorded (train.py's order).
+    store.ingest(
+        {
+            "training": {"run_name": RUN, "log_path": "logs", "model_name": "tiny-vl"},
+            "steps": [
+                {"client_id": step_client_id(RUN, n), "training_client_id": RUN, "step": n}
+                for n in range(1, 5)
+            ],
+        }
+    )
+    with ThreadedServer(create_app(store), name="monitor") as server:
+        server.db_path = tmp_path / "monitor.db"
+        yield server
+    store.close()
+
+
+@pytest.fixture(scope="module")
+def easy_task(gym):
+    async def first_easy():
+        async with GenvClient(gym.url, gym.gym_id) as client:
+            from cua_rl.tasks import load_tasks_gym
+
+            tasks = await load_tasks_gym(client)
+        return next(t for t in tasks if "easy" in t.tags)
+
+    return task_row(asyncio.run(first_easy()))
+
+
+def _settings(gym, agent, vllm_server, model_dir, monitor=None, **changes) -> WorkflowSettings:
+    settings = WorkflowSettings(
+        gym=GymSection(base_url=gym.url, gym_id=gym.gym_id, timeouts=FAST_GYM),
+        agent=AgentSection(
+            base_url=agent.url,
+            agent="sim",
+            max_steps=3,
+            max_run_time_s=240,
+            model_options={"logprobs": True, "parse": "lenient"},
+            driver=DriverConfig(deadline_s=300),
+        ),
+        endpoint=EndpointSection(model_name=vllm_server.model),
+        trajectory=TrajectoryConfig(),
+        reward=RewardConfig(shaping=[{"name": "parse_error_penalty", "penalty": 0.1}]),
+        processor_path=str(model_dir),
+        monitor_base_url=monitor.url if monitor else "",
+        training_ref=RUN if monitor else "",
+        sampling=Sampling(temperature=1.0, max_new_tokens=24),
+    )
+    for key, value in changes.items():
+        setattr(settings, key, value)
+    return settings
+
+
+def _engine(vllm_server, version: int = 0) -> FakeEngine:
+    addr = vllm_server.base_url.removesuffix("/v1").removeprefix("http://")
+    return FakeEngine([addr], version=version)
+
+
+async def _open_executions(gym) -> list[dict]:
+    async with httpx.AsyncClient(timeout=10) as http:
+        r = await http.get(f"{gym.url}/api/v1/{gym.gym_id}/executions")
+        r.raise_for_status()
+        return r.json()["executions"]
+
+
+async def _set_faults(gym, **faults) -> None:
+    """Set the given operations' faults and clear the others (an update would keep them)."""
+    body = {op: faults.get(op, {}) for op in ("create", "evaluate", "terminate")}
+    async with httpx.AsyncClient(timeout=10) as http:
+        r = await http.put(f"{gym.url}/api/v1/_sim/faults", json=body)
+        r.raise_for_status()
+
+
+def _rollout_stats() -> dict[str, float]:
+    return stats_tracker.get("rollout").export(reset=True)
+
+
+async def test_episode_produces_an_exact_row_and_monitor_records(
+    gym, agent, vllm_server, tiny_vl_model_dir, monitor, easy_task
+):
+    workflow_context.set(workflow_context.WorkflowContext(is_eval=False))
+    _rollout_stats()
+    wf = CUAAgentWorkflow(_settings(gym, agent, vllm_server, tiny_vl_model_dir, monitor))
+    engine = _engine(vllm_server, version=3)
+    try:
+        row = await wf.arun_episode(engine, dict(easy_task))
+    finally:
+        await wf.aclose()
+    assert row is not None, _rollout_stats()
+    assert set(row) == ROW_KEYS
+    L = row["input_ids"].shape[1]
+    for key in ("loss_mask", "logprobs", "versions", "attention_mask", "mm_token_type_ids"):
+        assert row[key].shape == (1, L), key
+    trained = row["loss_mask"][0].bool()
+    assert trained.any()
+    # Generated tokens carry the engine's version; prompt tokens carry -1 and logprob 0.
+    assert (row["versions"][0][trained] == 3).all()
+    assert (row["versions"][0][~trained] == -1).all()
+    assert (row["logprobs"][0][~trained] == 0).all()
+    assert (row["logprobs"][0][trained] <= 0).all()
+    mm = row["multi_modal_input"][0]
+    n_pads = int(row["mm_token_type_ids"].sum())
+    merge = 2 * 2  # Qwen2-VL merges 2x2 patches into one pad token
+    assert n_pads == int(mm["image_grid_thw"].prod(dim=1).sum()) // merge
+    assert mm["pixel_values"].shape[0] == int(mm["image_grid_thw"].prod(dim=1).sum())
+    assert row["rewards"].dtype == torch.float32
+    assert engine.chosen, "the episode must use one of the engine's servers"
+
+    # Stats under the rollout scope.
+    stats = _rollout_stats()
+    assert stats["rollout/cua/accepted"] == 1.0
+    assert stats["rollout/cua/gateway/calls"] == stats["rollout/cua/turns"] >= 1
+    assert stats["rollout/cua/gateway/errors"] == 0
+    assert stats["rollout/cua/trained_tokens"] == float(trained.sum())
+
+    # Monitor: the rollout under step v + 1, its environment, turns, actions with tokens.
+    db = sqlite3.connect(monitor.db_path)
+    (rid, status, src, step_ref) = db.execute(
+        "SELECT r.id, r.status, r.source_type, s.step FROM rollout r JOIN step s ON r.step_id = s.id"
+    ).fetchone()
+    assert (status, src, step_ref) == ("completed", "step", 4)
+    turns = db.execute("SELECT COUNT(*) FROM turn WHERE rollout_id = ?", (rid,)).fetchone()[0]
+    assert turns >= 1
+    actions = db.execute(
+        "SELECT COUNT(*), SUM(num_tokens) FROM action a JOIN turn t ON a.turn_id = t.id "
+        "WHERE t.rollout_id = ?",
+        (rid,),
+    ).fetchone()
+    assert actions[0] >= 1 and actions[1] >= 1
+    env = db.execute("SELECT status FROM environment WHERE rollout_id = ?", (rid,)).fetchone()
+    assert env == ("terminated",)
+    assert db.execute("SELECT COUNT(*) FROM validation").fetchone()[0] == 1
+    db.close()
+    assert await _open_executions(gym) == []
+
+
+@pytest.mark.parametrize(
+    ("fault", "reason"),
+    [
+        ("gym_create", "gym_error"),
+        ("gym_evaluate", "gym_error"),
+        ("agent_down", "agent_create_failed"),
+        ("model_down", "gateway_model_server_error"),
+        ("model_down_direct", "agent_model_error"),
+        ("gateway_unreachable", "gateway_unreachable"),
+    ],
+)
+async def test_faults_end_as_none_with_a_reason_and_no_open_execution(
+    gym, agent, vllm_server, tiny_vl_model_dir, easy_task, fault, reason
+):
+    workflow_context.set(workflow_context.WorkflowContext(is_eval=False))
+    _rollout_stats()
+    dead = bind_free_port()
+    dead_url = f"http://127.0.0.1:{dead.getsockname()[1]}"
+    settings = _settings(gym, agent, vllm_server, tiny_vl_model_dir)
+    if fault == "agent_down":
+        settings.agent = AgentSection(**{**settings.agent.__dict__, "base_url": dead_url})
+    engine = _engine(vllm_server)
+    if fault == "model_down":
+        engine = FakeEngine([dead_url.removeprefix("http://")])
+        settings.gateway = GatewayConfig(retries=1)
+    if fault == "model_down_direct":
+        settings.endpoint = EndpointSection(
+            mode="direct", base_url=f"{dead_url}/v1", model_name="tiny-vl"
+        )
+    if fault == "gateway_unreachable":
+        # The agent is told a gateway address where nothing listens (a wrong public_port).
+        settings.gateway = GatewayConfig(public_port=dead.getsockname()[1])
+    if fault.startswith("gym_"):
+        await _set_faults(gym, **{fault.removeprefix("gym_"): {"fail_rate": 1.0}})
+    wf = CUAAgentWorkflow(settings)
+    try:
+        row = await wf.arun_episode(engine, dict(easy_task))
+    finally:
+        await wf.aclose()
+        await _set_faults(gym)
+        dead.close()
+    assert row is None
+    stats = _rollout_stats()
+    assert stats.get(f"rollout/cua/rejected/{reason}") == 1.0, stats
+    assert stats["rollout/cua/accepted"] == 0.0
+    assert await _open_executions(gym) == []
+
+
+async def test_cancelled_episode_leaves_no_open_execution(
+    gym, agent, vllm_server, tiny_vl_model_dir, easy_task
+):
+    workflow_context.set(workflow_context.WorkflowContext(is_eval=False))
+    wf = CUAAgentWorkflow(_settings(gym, agent, vllm_server, tiny_vl_model_dir))
+    task = asyncio.create_task(wf.arun_episode(_engine(vllm_server), dict(easy_task)))
+    # Cancel while the agent is running (the execution exists by then).
+    for _ in range(200):
+        await asyncio.sleep(0.05)
+        if await _open_executions(gym):
+            break
+    assert await _open_executions(gym), "the episode never opened an execution"
+    task.cancel()
+    with pytest.raises(asyncio.CancelledError):
+        await task
+    await wf.aclose()
+    assert await _open_executions(gym) == []
+
+
+def test_complete_groups_rejects_groups_that_lost_members(monkeypatch):
+    monkeypatch.setenv(GROUP_SIZE_ENV, "4")
+
+    def group(n: int) -> dict:
+        return {"input_ids": torch.zeros(n, 7), "rewards": torch.arange(n, dtype=torch.float32)}
+
+    assert complete_groups(group(4))
+    assert not complete_groups(group(3))
+    monkeypatch.delenv(GROUP_SIZE_ENV)
+    with pytest.raises(ValueError, match=GROUP_SIZE_ENV):
+        complete_groups(group(4))
+
+
+def test_settings_must_be_workflow_settings():
+    with pytest.raises(ValueError, match="WorkflowSettings"):
+        CUAAgentWorkflow({"gym": {}})
+
+
+def test_direct_mode_points_the_agent_at_the_engine_or_an_external_server(
+    gym, agent, vllm_server, tiny_vl_model_dir
+):
+    settings = _settings(gym, agent, vllm_server, tiny_vl_model_dir)
+    settings.endpoint = EndpointSection(mode="direct", base_url="http://models.example:8000/v1/")
+    engine = _engine(vllm_server)
+    episode = Episode(data={"task_id": "t"}, rollout_uuid="u", version=0)
+    wf = CUAAgentWorkflow(settings)
+    assert wf.open_model_endpoint(engine, episode) == "http://models.example:8000/v1"
+    assert engine.chosen == []
+    settings.endpoint = EndpointSection(mode="direct")
+    assert CUAAgentWorkflow(settings).open_model_endpoint(engine, episode) == vllm_server.base_url
+
+
+def test_rollouts_after_the_last_step_are_not_recorded_against_a_step():
+    def wf(phase: str, total_steps: int) -> CUAAgentWorkflow:
+        return CUAAgentWorkflow(
+            WorkflowSettings(
+                gym=GymSection(),
+                agent=AgentSection(),
+                endpoint=EndpointSection(),
+                trajectory=TrajectoryConfig(),
+                reward=RewardConfig(),
+                processor_path="unused",
+                training_ref=RUN,
+                phase=phase,
+                total_steps=total_steps,
+            )
+        )
+
+    two_steps = wf("train", 2)
+    # Versions 0 and 1 are trained by steps 1 and 2; version 2 was prefetched and never trained.
+    assert [two_steps.is_surplus(v) for v in (0, 1, 2, 3)] == [False, False, True, True]
+    assert two_steps.monitor_source(1).step_id == step_client_id(RUN, 2)
+    assert not wf("train", 0).is_surplus(50)  # unknown length: everything is recorded
+    assert not wf("eval", 2).is_surplus(2)  # the eval after the last step has its own record
+
+
+@pytest.mark.parametrize("temperature", [1.0, 0.7])
+async def test_agent_without_token_data_trains_through_the_gateway(
+    gym, agent, vllm_bpe_server, tiny_vl_bpe_model_dir, easy_task, temperature
+):
+    """The local agent asks for no logprobs and no token ids (an unpatched agent): the row comes
+    from the gateway's capture, and a transformers forward pass reproduces every trained token's
+    logprob at the trainer's temperature, whatever the agent asked (here temperature 0)."""
+    workflow_context.set(workflow_context.WorkflowContext(is_eval=False))
+    _rollout_stats()
+    settings = _settings(gym, agent, vllm_bpe_server, tiny_vl_bpe_model_dir)
+    settings.agent = AgentSection(
+        **{**settings.agent.__dict__, "model_options": {"logprobs": False, "parse": "lenient"}}
+    )
+    settings.sampling = Sampling(temperature=temperature, max_new_tokens=24)
+    wf = CUAAgentWorkflow(settings)
+    # The agent asks for temperature 0; the trainer's temperature wins and the ask is recorded.
+    wf.build_run_spec = _asking_temperature_zero(wf.build_run_spec)
+    try:
+        row = await wf.arun_episode(_engine(vllm_bpe_server, version=2), dict(easy_task))
+    finally:
+        await wf.aclose()
+    stats = _rollout_stats()
+    assert row is not None, stats
+    assert stats["rollout/cua/gateway/overridden_calls"] == stats["rollout/cua/gateway/calls"] >= 1
+    trained = row["loss_mask"][0].bool()
+    assert (row["versions"][0][trained] == 2).all()
+    model = load_vl_model(tiny_vl_bpe_model_dir)
+    gap = trained_gap(model, row, temperature=temperature)
+    assert gap.max().item() < 1e-3, gap.max().item()
+
+
+def _asking_temperature_zero(build):
+    def build_run_spec(episode):
+        spec = build(episode)
+        spec.model_options = {**spec.model_options, "temperature": 0.0}
+        return spec
+
+    return build_run_spec
+
+
+class _KeepsConversions(CUAAgentWorkflow):
+    """The workflow as it runs, keeping each episode's conversion for the checks."""
+
+    def __init__(self, settings):
+        super().__init__(settings)
+        self.results = []
+
+    async def build_row(self, episode):
+        result = await super().build_row(episode)
+        self.results.append((episode.capture, result))
+        return result
+
+
+async def test_bpe_episodes_sampled_freely_keep_every_turn_in_one_exact_row(
+    gym, agent, vllm_bpe_server, tiny_vl_bpe_model_dir, easy_task
+):
+    """Tokens in, tokens out: the BPE model sampled without any constraint at temperature 1.0,
+    8 episodes of 4 turns through the gateway. The agent resends its history as text; the
+    gateway extends the ids it served, so no prefix breaks: every turn trains in one row, and
+    the transformers forward pass reproduces every trained token's logprob."""
+    workflow_context.set(workflow_context.WorkflowContext(is_eval=False))
+    _rollout_stats()
+    settings = _settings(gym, agent, vllm_bpe_server, tiny_vl_bpe_model_dir)
+    settings.agent = AgentSection(
+        **{
+            **settings.agent.__dict__,
+            "max_steps": 4,
+            "model_options": {"logprobs": False, "parse": "lenient"},
+        }
+    )
+    settings.sampling = Sampling(temperature=1.0, max_new_tokens=24)
+    wf = _KeepsConversions(settings)
+    try:
+        rows = await asyncio.gather(
+            *(wf.arun_episode(_engine(vllm_bpe_server), dict(easy_task)) for _ in range(8))
+        )
+    finally:
+        await wf.aclose()
+    assert all(row is not None for row in rows), _rollout_stats()
+    assert len(wf.results) == 8
+    model = load_vl_model(tiny_vl_bpe_model_dir)
+    for capture, result in wf.results:
+        stats = result.stats
+        assert stats["turns"] >= 4, stats
+        assert stats["prefix_breaks"] == 0 and stats["trained_turns"] == stats["turns"], stats
+        assert capture.stats()["gateway/new_segments"] == 0
+        # The agent got text back and sent text: the row's ids are the ones sampled.
+        assert sum(len(t.output_ids) for t in capture.turns) == stats["trained_tokens"]
+        gap = trained_gap(model, result.row)
+        assert gap.max().item() < 1e-3, gap.max().item()
+    # Unconstrained BPE sampling did produce what re-tokenising would change (FACTS §4): the
+    # check above is not vacuous.
+    tok = wf.processor.tokenizer
+    changed = sum(
+        tok.encode(tok.decode(t.output_ids, skip_special_tokens=True), add_special_tokens=False)
+        != [i for i in t.output_ids if i not in tok.all_special_ids]
+        for capture, _ in wf.results
+        for t in capture.turns
+    )
+    assert changed > 0
