@@ -385,7 +385,7 @@ def screen_images(turns: int, width: int, height: int) -> list[bytes]:
 
 
 async def bench_screenshots(url: str, db: Path, turns: int) -> None:
-    from cua_rl.monitor.server.screenshots import prepare_screenshot
+    from cua_rl.monitor.worker.uploader import prepare_screenshot
 
     cfg = MonitorClientConfig(base_url=url, token=TOKEN, spool_path=str(db.with_suffix(".spool")))
     for width, height in ((360, 640), (1080, 2400)):

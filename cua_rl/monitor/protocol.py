@@ -1,20 +1,165 @@
-"""What both sides of the monitor agree on: client id formats, record kinds, status words.
+"""What both sides of the monitor agree on: record kinds, client id formats, status words.
 
-The worker side (``cua_rl.monitor.worker``) formats ids with these functions and the server side
-(``cua_rl.monitor.server``) parses and resolves them, so a format lives in one place. Steps, evals
-and baselines use the existing clients' formats with the run name in place of the server id.
+The worker side (``cua_rl.monitor.worker``) builds batches and ids with these names and the
+server side (``cua_rl.monitor.server``) validates, derives and resolves them, so each format lives
+in one place. A batch is a JSON object whose keys are :data:`RECORD_KINDS`, applied in that order
+(a record may reference one listed before it). Steps, evals and baselines are identified by their
+training (the run name on the worker side, the server id when the server derives an id), the step
+and a batch number; records of one rollout by the rollout's uuid. Nothing here imports either
+side, so the training process never loads the server's code.
 """
 
 from __future__ import annotations
 
+import re
+from typing import Any
 
-def step_client_id(run: str, step: int) -> str:
-    return f"step-{run}-{step}-0"
+from cua_rl.errors import CuaRlError
+
+# Batch key -> table, in dependency order: a record may only reference kinds listed before it.
+RECORD_TABLES: dict[str, str] = {
+    "training": "training",
+    "tasks": "task",
+    "validators": "validator",
+    "steps": "step",
+    "baselines": "baseline",
+    "evals": "eval",
+    "rollouts": "rollout",
+    "environments": "environment",
+    "turns": "turn",
+    "actions": "action",
+    "observations": "obs",
+    "validations": "validation",
+}
+RECORD_KINDS: tuple[str, ...] = tuple(RECORD_TABLES)
+
+# The status words of each stateful table (the seed schema's vocabularies).
+STATUSES: dict[str, tuple[str, ...]] = {
+    "training": (
+        "pending",
+        "initializing",
+        "running",
+        "completed",
+        "failed",
+        "paused",
+        "cancelled",
+    ),
+    "baseline": ("pending", "running", "completed", "failed", "cancelled"),
+    "eval": ("pending", "running", "completed", "failed", "cancelled"),
+    "step": ("pending", "rollout_collecting", "rollout_running", "training", "completed", "failed"),
+    "rollout": (
+        "pending",
+        "env_creation",
+        "agent_init",
+        "running",
+        "completed",
+        "failed",
+        "cancelled",
+    ),
+    "environment": ("pending", "creating", "running", "terminated", "error"),
+}
+# The words after which a record does not change any more.
+TERMINAL: dict[str, frozenset[str]] = {
+    "training": frozenset({"completed", "failed", "cancelled"}),
+    "baseline": frozenset({"completed", "failed", "cancelled"}),
+    "eval": frozenset({"completed", "failed", "cancelled"}),
+    "step": frozenset({"completed", "failed"}),
+    "rollout": frozenset({"completed", "failed", "cancelled"}),
+    "environment": frozenset({"terminated", "error"}),
+}
+
+# Where a rollout comes from, and the column naming that source.
+SOURCE_TYPES = ("step", "eval", "baseline")
+SOURCE_ID_COLUMNS = {"step": "step_id", "eval": "eval_id", "baseline": "baseline_id"}
 
 
-def eval_client_id(run: str, step: int) -> str:
-    return f"eval-{run}-{step}"
+def step_client_id(training: int | str, step: int, batch: int = 0) -> str:
+    return f"step-{training}-{step}-{batch}"
 
 
-def baseline_client_id(run: str) -> str:
-    return f"baseline-{run}-0"
+def eval_client_id(training: int | str, step: int) -> str:
+    return f"eval-{training}-{step}"
+
+
+def baseline_client_id(training: int | str, suffix: str | int = 0) -> str:
+    return f"baseline-{training}-{suffix}"
+
+
+def environment_client_id(rollout_uuid: str) -> str:
+    return f"{rollout_uuid}:env"
+
+
+def turn_client_id(rollout_uuid: str, turn: int) -> str:
+    return f"{rollout_uuid}:turn:{turn}"
+
+
+def action_client_id(rollout_uuid: str, turn: int, index: int) -> str:
+    return f"{turn_client_id(rollout_uuid, turn)}:action:{index}"
+
+
+def observation_client_id(rollout_uuid: str, turn: int, index: int) -> str:
+    return f"{turn_client_id(rollout_uuid, turn)}:obs:{index}"
+
+
+def validation_client_id(rollout_uuid: str) -> str:
+    return f"{rollout_uuid}:validation"
+
+
+def natural_client_id(table: str, values: dict[str, Any], rollout_uuid: str | None) -> str | None:
+    """The client id a record sent without one gets from its natural key (the formats above,
+    with the server's ids); None when it has none. ``rollout_uuid`` is the uuid of the rollout
+    ``values["rollout_id"]`` names, for environments and turns."""
+    if table == "training":
+        return values.get("run_name") or None
+    if table in ("task", "rollout"):
+        return values.get(f"{table}_id") or None
+    training, step = values.get("training_id"), values.get("step")
+    if table in ("step", "eval") and training is not None and step is not None:
+        if table == "eval":
+            return eval_client_id(training, step)
+        return step_client_id(training, step, values.get("batch") or 0)
+    if table in ("turn", "environment") and values.get("rollout_id") is not None:
+        if table == "environment":
+            return environment_client_id(str(rollout_uuid))
+        if values.get("turn") is not None:
+            return turn_client_id(str(rollout_uuid), values["turn"])
+    return None
+
+
+# ---------------------------------------------------------------------------- screenshots
+# Observations name stored images ``sha256:<hex>``; the upload goes to PUT /api/screenshots/<hex>.
+
+URI_PREFIX = "sha256:"
+HEX_DIGEST = re.compile(r"^[0-9a-f]{64}$")
+
+
+def screenshot_uri(sha256: str) -> str:
+    return f"{URI_PREFIX}{sha256}"
+
+
+def parse_screenshot_uri(uri: Any) -> str | None:
+    """The hash of a ``sha256:<hex>`` reference; None for anything else (an URL, a note)."""
+    if isinstance(uri, str) and uri.startswith(URI_PREFIX):
+        digest = uri[len(URI_PREFIX) :]
+        if HEX_DIGEST.match(digest):
+            return digest
+    return None
+
+
+class ScreenshotError(CuaRlError, ValueError):
+    """An image was refused; ``code`` is stable (``not_an_image``, ``too_large``, ...)."""
+
+    def __init__(self, code: str, message: str):
+        super().__init__(message)
+        self.code = code
+
+
+def sniff_mime(data: bytes) -> str | None:
+    """The image type by its magic bytes (the types the store takes); None for anything else."""
+    if data.startswith(b"\x89PNG\r\n\x1a\n"):
+        return "image/png"
+    if data.startswith(b"\xff\xd8\xff"):
+        return "image/jpeg"
+    if len(data) >= 12 and data[:4] == b"RIFF" and data[8:12] == b"WEBP":
+        return "image/webp"
+    return None

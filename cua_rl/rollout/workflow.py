@@ -27,9 +27,9 @@ from cua_rl.errors import ConfigError, CuaRlError, GymError, RejectedEpisode
 from cua_rl.gateway import AReaLEngineView, SessionSpec, gateway_for
 from cua_rl.logs import get_logger
 from cua_rl.mini_agent import RunDriver, RunSpec
-from cua_rl.monitor.server.screenshots import http_fetcher
 from cua_rl.monitor.worker.context import MonitorContext
 from cua_rl.monitor.worker.recorder import RolloutRecorder
+from cua_rl.monitor.worker.uploader import http_fetcher
 from cua_rl.reward import EpisodeFacts, RewardOutcome, compute_reward
 from cua_rl.rollout.episode import Episode, Phase, episode_stats, gateway_reason
 from cua_rl.rollout.groups import GROUP_SIZE_ENV, complete_groups  # noqa: F401  (train.py's dotted path)

@@ -13,16 +13,13 @@ import httpx
 import pytest
 from PIL import Image
 
-from cua_rl.monitor.server.screenshots import (
-    ScreenshotError,
-    ScreenshotStore,
-    default_root,
-    prepare_screenshot,
-)
+from cua_rl.monitor.protocol import ScreenshotError
+from cua_rl.monitor.server.screenshots import ScreenshotStore, default_root
 from cua_rl.monitor.server.store import MonitorStore
 from cua_rl.monitor.worker.client import MonitorClient, MonitorClientConfig
 from cua_rl.monitor.worker.context import MonitorContext
 from cua_rl.monitor.worker.recorder import RolloutRecorder
+from cua_rl.monitor.worker.uploader import prepare_screenshot
 
 from .conftest import MonitorProcess, uid
 

@@ -19,8 +19,9 @@ from fastapi.responses import FileResponse, Response
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
 from cua_rl.logs import get_logger
+from cua_rl.monitor.protocol import ScreenshotError
 from cua_rl.monitor.server.dashboard import DEFAULT_STALE_AFTER_S, DashboardAuth, install_dashboard
-from cua_rl.monitor.server.screenshots import ScreenshotError, ScreenshotStore
+from cua_rl.monitor.server.screenshots import ScreenshotStore
 from cua_rl.monitor.server.store import IngestValidationError, MonitorStore
 
 try:  # orjson is several times faster on large batches; the stdlib is the fallback.

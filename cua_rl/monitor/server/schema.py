@@ -19,33 +19,9 @@ from __future__ import annotations
 import re
 from dataclasses import dataclass
 
-# The status vocabularies of the seed, one tuple per stateful table.
-STATUSES: dict[str, tuple[str, ...]] = {
-    "training": (
-        "pending",
-        "initializing",
-        "running",
-        "completed",
-        "failed",
-        "paused",
-        "cancelled",
-    ),
-    "baseline": ("pending", "running", "completed", "failed", "cancelled"),
-    "eval": ("pending", "running", "completed", "failed", "cancelled"),
-    "step": ("pending", "rollout_collecting", "rollout_running", "training", "completed", "failed"),
-    "rollout": (
-        "pending",
-        "env_creation",
-        "agent_init",
-        "running",
-        "completed",
-        "failed",
-        "cancelled",
-    ),
-    "environment": ("pending", "creating", "running", "terminated", "error"),
-}
+from cua_rl.monitor.protocol import STATUSES
 
-SOURCE_TYPES = ("step", "eval", "baseline")
+# The status vocabularies and rollout sources live in the protocol both sides share.
 
 # Tables that carry an ``updated_at`` column maintained by a trigger.
 UPDATED_AT_TABLES = ("training", "baseline", "eval", "task", "step", "rollout", "environment")

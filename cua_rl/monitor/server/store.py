@@ -39,9 +39,15 @@ from typing import Any
 import sqlite_utils
 
 from cua_rl.errors import CuaRlError
+from cua_rl.monitor.protocol import (
+    RECORD_TABLES,
+    SOURCE_ID_COLUMNS,
+    SOURCE_TYPES,
+    STATUSES,
+    natural_client_id,
+)
 from cua_rl.monitor.server import compat
 from cua_rl.monitor.server.migrations import connect, migrate
-from cua_rl.monitor.server.schema import SOURCE_TYPES, STATUSES
 
 
 class IngestValidationError(CuaRlError, ValueError):
@@ -79,25 +85,27 @@ class EntitySpec:
     natural_key: tuple[str, ...] = ()  # columns of a UNIQUE constraint usable for upserts
 
 
-# Dependency order: a record may only reference kinds listed before it.
-SPECS: tuple[EntitySpec, ...] = (
-    EntitySpec("training", "training", natural_key=("run_name",)),
-    EntitySpec("tasks", "task", natural_key=("task_id",)),
-    EntitySpec("validators", "validator", refs={"task_id": "task"}),
-    EntitySpec("steps", "step", {"training_id": "training"}, ("training_id", "step")),
-    EntitySpec("baselines", "baseline", {"training_id": "training"}),
-    EntitySpec("evals", "eval", {"training_id": "training"}, ("training_id", "step")),
-    EntitySpec(
-        "rollouts",
-        "rollout",
+# Per kind: reference column -> referenced table, and the natural key (protocol.RECORD_TABLES
+# gives the kinds' order and tables).
+_RELATIONS: dict[str, tuple[dict[str, str], tuple[str, ...]]] = {
+    "training": ({}, ("run_name",)),
+    "tasks": ({}, ("task_id",)),
+    "validators": ({"task_id": "task"}, ()),
+    "steps": ({"training_id": "training"}, ("training_id", "step")),
+    "baselines": ({"training_id": "training"}, ()),
+    "evals": ({"training_id": "training"}, ("training_id", "step")),
+    "rollouts": (
         {"step_id": "step", "eval_id": "eval", "baseline_id": "baseline", "task_id": "task"},
         ("rollout_id",),
     ),
-    EntitySpec("environments", "environment", {"rollout_id": "rollout"}),
-    EntitySpec("turns", "turn", {"rollout_id": "rollout"}, ("rollout_id", "turn")),
-    EntitySpec("actions", "action", {"turn_id": "turn"}),
-    EntitySpec("observations", "obs", {"turn_id": "turn"}),
-    EntitySpec("validations", "validation", {"rollout_id": "rollout", "validator_id": "validator"}),
+    "environments": ({"rollout_id": "rollout"}, ()),
+    "turns": ({"rollout_id": "rollout"}, ("rollout_id", "turn")),
+    "actions": ({"turn_id": "turn"}, ()),
+    "observations": ({"turn_id": "turn"}, ()),
+    "validations": ({"rollout_id": "rollout", "validator_id": "validator"}, ()),
+}
+SPECS: tuple[EntitySpec, ...] = tuple(
+    EntitySpec(key, table, *_RELATIONS[key]) for key, table in RECORD_TABLES.items()
 )
 SPEC_BY_KEY = {s.key: s for s in SPECS}
 BATCH_KEYS = tuple(s.key for s in SPECS)
@@ -109,7 +117,7 @@ _CONSTRAINT_FIELDS = {
     "source_exactly_one_id": "source_type",
     "source_id_matches_type": "source_type",
 }
-_SOURCE_ID_COLUMNS = {"step": "step_id", "eval": "eval_id", "baseline": "baseline_id"}
+_SOURCE_ID_COLUMNS = SOURCE_ID_COLUMNS
 
 
 def now_timestamp() -> str:
@@ -884,30 +892,12 @@ class _BatchContext:
 
     def derive_client_id(self, spec: EntitySpec, values: dict, record: dict, row_id) -> str:
         table = spec.table
-        if table == "training" and values.get("run_name"):
-            return values["run_name"]
-        if table == "task" and values.get("task_id"):
-            return values["task_id"]
-        if table == "rollout" and values.get("rollout_id"):
-            return values["rollout_id"]
-        if (
-            table == "step"
-            and values.get("training_id") is not None
-            and values.get("step") is not None
-        ):
-            return f"step-{values['training_id']}-{values['step']}-{values.get('batch') or 0}"
-        if (
-            table == "eval"
-            and values.get("training_id") is not None
-            and values.get("step") is not None
-        ):
-            return f"eval-{values['training_id']}-{values['step']}"
+        uuid = None
         if table in ("turn", "environment") and values.get("rollout_id") is not None:
             uuid = self.uuid_of(values["rollout_id"])
-            if table == "environment":
-                return f"{uuid}:env"
-            if values.get("turn") is not None:
-                return f"{uuid}:turn:{values['turn']}"
+        natural = natural_client_id(table, values, uuid)
+        if natural is not None:
+            return natural
         if row_id is not None:
             return f"{table}:{row_id}"
         # No natural key: the content identifies the record, so a retried batch maps to the same

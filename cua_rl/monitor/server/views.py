@@ -17,7 +17,7 @@ import sqlite3
 from datetime import UTC, datetime
 from typing import Any
 
-from cua_rl.monitor.server.screenshots import parse_screenshot_uri
+from cua_rl.monitor.protocol import parse_screenshot_uri
 from cua_rl.monitor.server.store import read_extras
 
 # Curve -> candidate keys in a step's metrics_json (first present wins); AReaL's names moved

@@ -32,24 +32,17 @@ import httpx
 from cua_rl.aio import within
 from cua_rl.errors import ConfigError
 from cua_rl.logs import get_logger
-from cua_rl.monitor.server.screenshots import PreparedScreenshot, ScreenshotUploader
+from cua_rl.monitor.protocol import (
+    RECORD_KINDS,
+    baseline_client_id,
+    eval_client_id,
+    step_client_id,
+)
+from cua_rl.monitor.worker.uploader import PreparedScreenshot, ScreenshotUploader
 
 log = get_logger(__name__)
 
-BATCH_KEYS = (
-    "training",
-    "tasks",
-    "validators",
-    "steps",
-    "baselines",
-    "evals",
-    "rollouts",
-    "environments",
-    "turns",
-    "actions",
-    "observations",
-    "validations",
-)
+BATCH_KEYS = RECORD_KINDS
 _MERGEABLE = frozenset({"tasks", "turns", "actions", "observations", "validations"})
 _RETRYABLE = {408, 425, 429, 500, 502, 503, 504}
 # The monitor is there but will not take this batch now (bad token, wrong URL): keep it.
@@ -335,13 +328,13 @@ class MonitorClient:
         return run_name
 
     def step(self, training: int | str, step: int, *, batch: int = 0, **fields: Any) -> str:
-        client_id = f"step-{training}-{step}-{batch}"
+        client_id = step_client_id(training, step, batch)
         record = {"client_id": client_id, **_ref("training", training), "step": step}
         self.enqueue("steps", {**record, "batch": batch, **fields})
         return client_id
 
     def eval(self, training: int | str, step: int, **fields: Any) -> str:
-        client_id = f"eval-{training}-{step}"
+        client_id = eval_client_id(training, step)
         record = {"client_id": client_id, **_ref("training", training), "step": step}
         self.enqueue("evals", {**record, **fields})
         return client_id
@@ -349,7 +342,7 @@ class MonitorClient:
     def baseline(self, training: int | str, *, client_id: str | None = None, **fields: Any) -> str:
         """Create (or, given the ``client_id`` it returned, update) a baseline evaluation."""
         if client_id is None:
-            client_id = f"baseline-{training}-{datetime.now(UTC).isoformat()}"
+            client_id = baseline_client_id(training, datetime.now(UTC).isoformat())
         self.enqueue("baselines", {"client_id": client_id, **_ref("training", training), **fields})
         return client_id
 

@@ -24,14 +24,21 @@ from datetime import UTC, datetime
 from typing import Any
 
 from cua_rl.logs import get_logger
-from cua_rl.monitor.server.screenshots import (
+from cua_rl.monitor.protocol import (
+    action_client_id,
+    environment_client_id,
+    observation_client_id,
+    turn_client_id,
+    validation_client_id,
+)
+from cua_rl.monitor.worker.client import MonitorClient, utc_now
+from cua_rl.monitor.worker.context import MonitorContext, current, ref_field
+from cua_rl.monitor.worker.uploader import (
     DEFAULT_MAX_EDGE,
     Fetch,
     prepare_screenshot,
     screenshot_bytes,
 )
-from cua_rl.monitor.worker.client import MonitorClient, utc_now
-from cua_rl.monitor.worker.context import MonitorContext, current, ref_field
 
 log = get_logger(__name__)
 
@@ -81,7 +88,7 @@ class RolloutRecorder:
     # ------------------------------------------------------------------ helpers
 
     def turn_client_id(self, n: int) -> str:
-        return f"{self.uuid}:turn:{n}"
+        return turn_client_id(self.uuid, n)
 
     def _enqueue(self, kind: str, record: dict[str, Any]) -> None:
         if self.enabled:
@@ -132,7 +139,7 @@ class RolloutRecorder:
             return
         await self._ensure_started()
         record: dict[str, Any] = {
-            "client_id": f"{self.uuid}:env",
+            "client_id": environment_client_id(self.uuid),
             "rollout_client_id": self.uuid,
             "status": status,
         }
@@ -222,7 +229,7 @@ class RolloutRecorder:
             await self.turn_start(turn)
         self._actions.add((turn, index))
         record: dict[str, Any] = {
-            "client_id": f"{self.turn_client_id(turn)}:action:{index}",
+            "client_id": action_client_id(self.uuid, turn, index),
             "turn_client_id": self.turn_client_id(turn),
             "action_type": fields.pop("action_type", name),
             "tool_name": name,
@@ -248,7 +255,7 @@ class RolloutRecorder:
         self._enqueue(
             "observations",
             {
-                "client_id": f"{self.turn_client_id(turn)}:obs:{index}",
+                "client_id": observation_client_id(self.uuid, turn, index),
                 "turn_client_id": self.turn_client_id(turn),
                 **fields,
             },
@@ -345,7 +352,7 @@ class RolloutRecorder:
         self._enqueue(
             "validations",
             {
-                "client_id": f"{self.uuid}:validation",
+                "client_id": validation_client_id(self.uuid),
                 "rollout_client_id": self.uuid,
                 "success": bool(success),
                 "validation_time": now,
