@@ -54,7 +54,6 @@ from __future__ import annotations
 import argparse
 import json
 import re
-import sqlite3
 import subprocess
 import sys
 import time
@@ -62,13 +61,11 @@ from dataclasses import dataclass, field
 from datetime import datetime
 from pathlib import Path
 
+from cua_rl.monitor.server.read import MonitorReader
+
 ROOT = Path(__file__).resolve().parents[1]
 DART_ENV_UTILISATION = 5.5
 GROUP_REJECTED = re.compile(r"group rejected: (\d+) of (\d+) members returned a row")
-# The training episodes of a run (not its baseline or evals), for ``training.id = ?``.
-TRAINING_ROLLOUT = (
-    "r.source_type = 'step' AND r.step_id IN (SELECT id FROM step WHERE training_id = ?)"
-)
 TRAIN_KEYS = (
     "timeperf/recompute_logp",
     "timeperf/compute_advantage",
@@ -189,28 +186,20 @@ def read_run(fig: RunFigures, *, steps: int, pool: int) -> RunFigures:
     if not db_path.exists():
         fig.error = "no monitor database"
         return fig
-    db = sqlite3.connect(f"file:{db_path}?mode=ro", uri=True)
-    db.row_factory = sqlite3.Row
+    db = MonitorReader(db_path)
     try:
-        training = db.execute("SELECT id, status FROM training ORDER BY id DESC LIMIT 1").fetchone()
+        training = db.latest_training()
         if training is None:
             fig.error = "no training recorded"
             return fig
         fig.status = training["status"]
-        rows = db.execute(
-            "SELECT id, step, start_time, end_time, status, metrics_json FROM step "
-            "WHERE training_id = ? ORDER BY step",
-            (training["id"],),
-        ).fetchall()
+        rows = db.steps(training["id"])
         done = [r for r in rows if r["status"] == "completed" and r["step"] <= steps]
         fig.steps = len(done)
         if not done:
             fig.error = "no step completed"
             return fig
-        of_run = (training["id"],)
-        first = db.execute(
-            f"SELECT MIN(r.start_time) FROM rollout r WHERE {TRAINING_ROLLOUT}", of_run
-        ).fetchone()[0]
+        first = db.first_rollout_start(training["id"])
         t0, t1 = _t(first or rows[0]["start_time"]), _t(done[-1]["end_time"])
         fig.phase_s = t1 - t0
         fig.pool = pool
@@ -232,19 +221,11 @@ def read_run(fig: RunFigures, *, steps: int, pool: int) -> RunFigures:
         ]
         fig.paused_s = sum(paused) / len(paused) if paused else 0.0
 
-        rollouts = db.execute(
-            "SELECT r.id, r.status, r.error_message, r.end_time, e.creation_time, "
-            "e.termination_time FROM rollout r LEFT JOIN environment e ON e.rollout_id = r.id "
-            f"WHERE {TRAINING_ROLLOUT}",
-            of_run,
-        ).fetchall()
+        rollouts = db.training_rollouts_with_environment(training["id"])
         turns: dict[int, list[tuple[float, float]]] = {}
         timed = 0
-        for rid, start, end in db.execute(
-            "SELECT t.rollout_id, t.start_time, t.end_time FROM turn t JOIN rollout r "
-            f"ON r.id = t.rollout_id WHERE {TRAINING_ROLLOUT}",
-            of_run,
-        ):
+        for turn in db.training_turn_times(training["id"]):
+            rid, start, end = turn["rollout_id"], turn["start_time"], turn["end_time"]
             a, b = _t(start), _t(end)
             if a is not None and b is not None and b > a:
                 turns.setdefault(rid, []).append((a, b))

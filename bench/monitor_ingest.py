@@ -412,13 +412,13 @@ async def bench_screenshots(url: str, db: Path, turns: int) -> None:
 
 
 def _store_bytes(db: Path) -> int:
-    import sqlite3
+    from cua_rl.monitor.server.read import MonitorReader
 
-    con = sqlite3.connect(db)
+    read = MonitorReader(db)
     try:
-        return con.execute("SELECT COALESCE(SUM(bytes), 0) FROM screenshot").fetchone()[0]
+        return read.screenshot_totals()["bytes"]
     finally:
-        con.close()
+        read.close()
 
 
 def print_latencies(title: str, rows: list[tuple[str, float, float]], goal_ms: float) -> None:

@@ -16,7 +16,6 @@ import argparse
 import io
 import os
 import signal
-import sqlite3
 import subprocess
 import sys
 import time
@@ -24,6 +23,7 @@ from datetime import datetime
 from pathlib import Path
 
 from cua_rl.app.progress import DemoProgress
+from cua_rl.monitor.server.read import MonitorReader
 from cua_rl.serving import bind_free_port
 
 ROOT = Path(__file__).resolve().parents[2]
@@ -94,20 +94,18 @@ def wait_http(url: str, timeout: float) -> None:
 def summary(db_path: Path) -> list[str]:
     if not db_path.exists():
         return ["monitor database was not created"]
-    db = sqlite3.connect(db_path)
+    db = MonitorReader(db_path)
     try:
         out = []
-        for name, status, err in db.execute(
-            "SELECT run_name, status, error_message FROM training ORDER BY id"
-        ):
-            out.append(f"training {name}: {status}" + (f" ({err[:200]})" if err else ""))
-        counts = []
-        for table in ("step", "baseline", "eval", "rollout", "turn", "action", "screenshot"):
-            try:
-                n = db.execute(f"SELECT COUNT(*) FROM {table}").fetchone()[0]  # noqa: S608
-            except sqlite3.Error:  # a database the run never migrated
-                continue
-            counts.append(f"{n} {table}{'s' if n != 1 else ''}")
+        for t in db.trainings():
+            err = t["error_message"]
+            out.append(
+                f"training {t['run_name']}: {t['status']}" + (f" ({err[:200]})" if err else "")
+            )
+        tables = ("step", "baseline", "eval", "rollout", "turn", "action", "screenshot")
+        counts = [
+            f"{n} {table}{'s' if n != 1 else ''}" for table, n in db.table_counts(tables).items()
+        ]
         out.append("  recorded: " + ", ".join(counts))
         return out
     finally:

@@ -22,6 +22,7 @@ from datetime import datetime
 from pathlib import Path
 
 from cua_rl.errors import CuaRlError
+from cua_rl.monitor.server.read import MonitorReader
 
 SUCCESS_KEY = "rollout/cua/success"
 REWARD_KEY = "rollout/cua/reward"
@@ -68,30 +69,24 @@ def read_curve(db_path: str | Path, run_name: str | None = None) -> list[StepPoi
     path = Path(db_path)
     if not path.is_file():
         raise CurveError(f"no monitor database at {path}; did the run start?")
-    db = sqlite3.connect(f"file:{path}?mode=ro", uri=True, timeout=5.0)
+    db = MonitorReader(path, timeout_s=5.0)
     try:
-        query = "SELECT id, start_time FROM training"
-        args: tuple = ()
-        if run_name is not None:
-            query += " WHERE run_name = ?"
-            args = (run_name,)
         try:
-            training = db.execute(query + " ORDER BY id DESC LIMIT 1", args).fetchone()
+            training = db.latest_training(run_name)
         except sqlite3.OperationalError as exc:  # schema not created yet, or locked
             raise CurveError(f"{path} cannot be read yet: {exc}") from exc
         if training is None:
             which = f"training {run_name!r}" if run_name else "any training"
             raise CurveError(f"{path} has no record of {which}")
-        started = _time(training[1])
-        rows = db.execute(
-            "SELECT step, num_trajectories, end_time, metrics_json FROM step "
-            "WHERE training_id = ? AND status = 'completed' ORDER BY step",
-            (training[0],),
-        ).fetchall()
+        started = _time(training["start_time"])
+        rows = db.completed_steps(training["id"])
     finally:
         db.close()
     points = []
-    for step, n, end, metrics in rows:
+    for row in rows:
+        step, n, end, metrics = (
+            row[k] for k in ("step", "num_trajectories", "end_time", "metrics_json")
+        )
         try:
             stats = json.loads(metrics or "{}")
         except ValueError:

@@ -22,6 +22,8 @@ import time
 from pathlib import Path
 from typing import TextIO
 
+from cua_rl.monitor.protocol import TERMINAL
+from cua_rl.monitor.server.read import MonitorReader
 from cua_rl.monitor.server.views import parse_time, seconds_between
 
 _DONE = ("completed",)
@@ -62,21 +64,20 @@ class DemoProgress:
         self._last_line = ""
         self._last_print = 0.0
         self._drawn = False
-        self._conn: sqlite3.Connection | None = None
+        self._read: MonitorReader | None = None
 
-    def _db(self) -> sqlite3.Connection | None:
-        if self._conn is None:
+    def _db(self) -> MonitorReader | None:
+        if self._read is None:
             if not self.db_path.exists():
                 return None
-            self._conn = sqlite3.connect(f"file:{self.db_path}?mode=ro", uri=True, timeout=2)
-            self._conn.row_factory = sqlite3.Row
-        return self._conn
+            self._read = MonitorReader(self.db_path, timeout_s=2)
+        return self._read
 
     def close(self) -> None:
         self._clear()
-        if self._conn is not None:
-            self._conn.close()
-            self._conn = None
+        if self._read is not None:
+            self._read.close()
+            self._read = None
 
     # ------------------------------------------------------------------ output
 
@@ -113,15 +114,12 @@ class DemoProgress:
             db = self._db()
             if db is None:
                 return
-            training = db.execute(
-                "SELECT id, status, current_step, total_steps, current_phase FROM training "
-                "ORDER BY id DESC LIMIT 1"
-            ).fetchone()
+            training = db.latest_training()
             if training is None:
                 return
             for line in self.step_summaries(db, training):
                 self.say(line)
-            if training["status"] in ("completed", "failed", "cancelled"):
+            if training["status"] in TERMINAL["training"]:
                 self._clear()
                 return
             live = self.live_line(db, training)
@@ -130,16 +128,11 @@ class DemoProgress:
         except sqlite3.Error:
             return  # the file is being created or migrated: next tick
 
-    def step_summaries(self, db: sqlite3.Connection, training: sqlite3.Row) -> list[str]:
+    def step_summaries(self, db: MonitorReader, training: dict) -> list[str]:
         lines = []
         total = training["total_steps"]
         prev_end = None
-        for s in db.execute(
-            "SELECT s.*, e.success_rate AS eval_success FROM step s LEFT JOIN eval e "
-            "ON e.training_id = s.training_id AND e.step = s.step "
-            "WHERE s.training_id = ? AND s.status IN ('completed', 'failed') ORDER BY s.step",
-            (training["id"],),
-        ):
+        for s in db.finished_steps(training["id"]):
             if s["step"] in self.summarised:
                 prev_end = s["end_time"]
                 continue
@@ -178,28 +171,21 @@ class DemoProgress:
             lines.append(f"step {s['step']}/{total or '?'}: " + ", ".join(parts))
         return lines
 
-    def _finished(self, db: sqlite3.Connection, training_id: int, after, until) -> tuple[int, int]:
+    def _finished(self, db: MonitorReader, training_id: int, after, until) -> tuple[int, int]:
         """(accepted, rejected) training episodes that ended in ``(after, until]``."""
         lo, hi = parse_time(after), parse_time(until)
         done = rejected = 0
-        for status, end in db.execute(
-            "SELECT r.status, r.end_time FROM rollout r JOIN step s ON s.id = r.step_id "
-            "WHERE s.training_id = ? AND r.source_type = 'step'",
-            (training_id,),
-        ):
-            t = parse_time(end)
+        for r in db.training_rollout_ends(training_id):
+            status, t = r["status"], parse_time(r["end_time"])
             if t is None or hi is None or t > hi or (lo is not None and t <= lo):
                 continue
             done += status in _DONE
             rejected += status in _REJECTED
         return done, rejected
 
-    def _counts(self, db: sqlite3.Connection, column: str, source_id: int) -> dict[str, int]:
+    def _counts(self, db: MonitorReader, kind: str, source_id: int) -> dict[str, int]:
         counts = {"done": 0, "running": 0, "rejected": 0, "stopped": 0}
-        for status, n in db.execute(
-            f"SELECT status, COUNT(*) FROM rollout WHERE {column} = ? GROUP BY status",  # noqa: S608
-            (source_id,),
-        ):
+        for status, n in db.rollout_counts(kind, source_id).items():
             key = (
                 "done"
                 if status in _DONE
@@ -212,39 +198,28 @@ class DemoProgress:
             counts[key] += n
         return counts
 
-    def live_line(self, db: sqlite3.Connection, training: sqlite3.Row) -> str:
+    def live_line(self, db: MonitorReader, training: dict) -> str:
         total = training["total_steps"] or "?"
         phase = training["current_phase"] or training["status"]
         # The newest open pass: a baseline or eval runs between steps.
         source = label = None
-        for kind, column in (("baseline", "baseline_id"), ("eval", "eval_id")):
-            row = db.execute(
-                f"SELECT id, {'step' if kind == 'eval' else 'NULL AS step'} FROM {kind} "  # noqa: S608
-                "WHERE training_id = ? AND status = 'running' ORDER BY id DESC LIMIT 1",
-                (training["id"],),
-            ).fetchone()
+        for kind in ("baseline", "eval"):
+            row = db.running_pass(kind, training["id"])
             if row:
-                source = (kind, column, row["id"])
+                source = (kind, row["id"])
                 label = (
                     "baseline (before step 1)"
                     if kind == "baseline"
                     else f"eval after step {row['step']}/{total}"
                 )
         if source is None:
-            step = db.execute(
-                "SELECT id, step FROM step WHERE training_id = ? ORDER BY step DESC LIMIT 1",
-                (training["id"],),
-            ).fetchone()
+            step = db.last_step(training["id"])
             if step is None:
                 return f"starting: AReaL workers and the vLLM server ({phase})"
             label = f"step {step['step']}/{total}"
-            source = ("step", "step_id", step["id"])
-        counts = self._counts(db, source[1], source[2])
-        last = db.execute(
-            f"SELECT reward, task_success FROM rollout WHERE {source[1]} = ? "  # noqa: S608
-            "AND status = 'completed' ORDER BY end_time DESC, id DESC LIMIT 1",
-            (source[2],),
-        ).fetchone()
+            source = ("step", step["id"])
+        counts = self._counts(db, *source)
+        last = db.last_completed_rollout(*source)
         text = (
             f"{label} · {phase} · episodes {counts['done']} finished, {counts['running']} running, "
             f"{counts['rejected']} rejected"

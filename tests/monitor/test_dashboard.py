@@ -278,7 +278,7 @@ def test_episodes_stopped_by_the_end_of_a_run_are_not_rejections(store):
         }
     )  # fmt: skip
     training_id = store.find_id("training", name)
-    page = training_page(store._reader(), training_id, now=datetime.now(UTC), stale_after_s=60)
+    page = training_page(store.read, training_id, now=datetime.now(UTC), stale_after_s=60)
     (row,) = page["steps"]
     assert (row["accepted"], row["rejected"], row["stopped"], row["running"]) == (2, 1, 2, 0)
     assert page["reasons"] == [("missing_tokens", 1)]

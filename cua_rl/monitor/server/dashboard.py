@@ -23,7 +23,6 @@ from __future__ import annotations
 import hashlib
 import hmac
 import math
-import threading
 import time
 from collections.abc import Callable
 from datetime import UTC, datetime
@@ -37,7 +36,7 @@ from fastapi.responses import FileResponse, HTMLResponse, RedirectResponse, Resp
 from jinja2 import Environment, FileSystemLoader, select_autoescape
 
 from cua_rl.monitor.server import views
-from cua_rl.monitor.server.migrations import connect
+from cua_rl.monitor.server.read import MonitorReader
 
 HERE = Path(__file__).parent
 STATIC = HERE / "static"
@@ -163,13 +162,7 @@ def install_dashboard(
     """Add the login, page and static routes to ``app`` (the API's app)."""
     env = _environment()
     db_path = Path(db_path)
-    local = threading.local()
-
-    def conn():
-        c = getattr(local, "conn", None)
-        if c is None:
-            c = local.conn = connect(db_path, read_only=True)
-        return c
+    read = MonitorReader(db_path)
 
     def html(body: str, status: int = 200, headers: dict | None = None) -> HTMLResponse:
         return HTMLResponse(
@@ -276,16 +269,16 @@ def install_dashboard(
         return await render(
             request,
             "trainings.html",
-            lambda: views.trainings_page(conn(), now=now(), stale_after_s=stale_after_s),
+            lambda: views.trainings_page(read, now=now(), stale_after_s=stale_after_s),
             "Trainings",
         )
 
     @app.get("/trainings/{training_id}")
     async def training_detail(request: Request, training_id: int):
         def build():
-            ctx = views.training_page(conn(), training_id, now=now(), stale_after_s=stale_after_s)
+            ctx = views.training_page(read, training_id, now=now(), stale_after_s=stale_after_s)
             if ctx is not None:
-                ctx["history"] = views.status_history(conn(), "training", training_id)
+                ctx["history"] = views.status_history(read, "training", training_id)
             return ctx
 
         return await render(request, "training.html", build, f"Training {training_id}")
@@ -295,9 +288,9 @@ def install_dashboard(
         def make(kind: str):
             async def source_detail(request: Request, source_id: int):
                 def build():
-                    ctx = views.source_page(conn(), kind, source_id)
+                    ctx = views.source_page(read, kind, source_id)
                     if ctx is not None:
-                        ctx["history"] = views.status_history(conn(), kind, source_id)
+                        ctx["history"] = views.status_history(read, kind, source_id)
                     return ctx
 
                 return await render(request, "source.html", build, f"{kind.title()} {source_id}")
@@ -309,7 +302,7 @@ def install_dashboard(
     @app.get("/rollouts/{rollout_id}")
     async def rollout_detail(request: Request, rollout_id: int):
         return await render(
-            request, "rollout.html", lambda: views.rollout_page(conn(), rollout_id), "Rollout"
+            request, "rollout.html", lambda: views.rollout_page(read, rollout_id), "Rollout"
         )
 
     static_files = {p.name: p for p in STATIC.iterdir() if p.is_file()}

@@ -48,6 +48,7 @@ from cua_rl.monitor.protocol import (
 )
 from cua_rl.monitor.server import compat
 from cua_rl.monitor.server.migrations import connect, migrate
+from cua_rl.monitor.server.read import MonitorReader
 
 
 class IngestValidationError(CuaRlError, ValueError):
@@ -209,8 +210,7 @@ class MonitorStore:
         migrate(self._write)
         self.db = sqlite_utils.Database(self._write, recursive_triggers=False)
         self._lock = threading.Lock()
-        self._local = threading.local()
-        self._readers: list[sqlite3.Connection] = []
+        self.read = MonitorReader(self.path)
         self._columns: dict[str, dict[str, _Column]] = {}
         for spec in SPECS:
             cols = {}
@@ -226,10 +226,8 @@ class MonitorStore:
         self._sql: dict[tuple, str] = {}
 
     def close(self) -> None:
+        self.read.close()
         with self._lock:
-            for conn in self._readers:
-                conn.close()
-            self._readers.clear()
             self._write.close()
 
     # ------------------------------------------------------------------ ingest
@@ -541,157 +539,31 @@ class MonitorStore:
                     raise _BadField(col, f"must be empty when source_type is {source!r}")
 
     # ------------------------------------------------------------------ reads
+    # The read model answers; these names stay for the API's and the tests' callers.
 
     def _reader(self) -> sqlite3.Connection:
-        conn = getattr(self._local, "conn", None)
-        if conn is None:
-            conn = connect(self.path, read_only=True)
-            self._local.conn = conn
-            with self._lock:
-                self._readers.append(conn)
-        return conn
-
-    def _rows(self, sql: str, params: tuple = ()) -> list[dict[str, Any]]:
-        return [dict(r) for r in self._reader().execute(sql, params)]
-
-    def _attach_extras(self, table: str, rows: list[dict[str, Any]]) -> None:
-        if not rows:
-            return
-        found = read_extras(self._reader(), table, [r["id"] for r in rows])
-        for r in rows:
-            if r["id"] in found:
-                r["extra"] = found[r["id"]]
+        return self.read.conn()
 
     def list_trainings(self, *, limit: int = 50, before_id: int | None = None) -> list[dict]:
-        if before_id is None:
-            rows = self._rows("SELECT * FROM training ORDER BY id DESC LIMIT ?", (limit,))
-        else:
-            rows = self._rows(
-                "SELECT * FROM training WHERE id < ? ORDER BY id DESC LIMIT ?", (before_id, limit)
-            )
-        self._attach_extras("training", rows)
-        return rows
+        return self.read.list_trainings(limit=limit, before_id=before_id)
 
     def get_training(self, training_id: int) -> dict[str, Any] | None:
-        rows = self._rows("SELECT * FROM training WHERE id = ?", (training_id,))
-        if not rows:
-            return None
-        training = rows[0]
-        self._attach_extras("training", rows)
-        for key, table, order in (
-            ("steps", "step", "step, id"),
-            ("evals", "eval", "step, id"),
-            ("baselines", "baseline", "id"),
-        ):
-            items = self._rows(
-                f"SELECT * FROM {table} WHERE training_id = ? ORDER BY {order}", (training_id,)
-            )
-            self._attach_extras(table, items)
-            training[key] = items
-        return training
+        return self.read.get_training(training_id)
 
-    def list_rollouts(
-        self, source_type: str, source_id: int, *, limit: int = 500, after_id: int = 0
-    ) -> list[dict[str, Any]] | None:
-        if source_type not in _SOURCE_ID_COLUMNS:
-            raise ValueError(f"source_type must be one of {list(SOURCE_TYPES)}")
-        parent = self._rows(f"SELECT id FROM {source_type} WHERE id = ?", (source_id,))
-        if not parent:
-            return None
-        col = _SOURCE_ID_COLUMNS[source_type]
-        rows = self._rows(
-            f"SELECT * FROM rollout WHERE source_type = ? AND {col} = ? AND id > ? "
-            "ORDER BY id LIMIT ?",
-            (source_type, source_id, after_id, limit),
-        )
-        self._attach_extras("rollout", rows)
-        return rows
+    def list_rollouts(self, source_type: str, source_id: int, **page: int):
+        return self.read.list_rollouts(source_type, source_id, **page)
 
     def get_rollout(self, rollout_id: int) -> dict[str, Any] | None:
-        rows = self._rows("SELECT * FROM rollout WHERE id = ?", (rollout_id,))
-        if not rows:
-            return None
-        rollout = rows[0]
-        self._attach_extras("rollout", rows)
-        turns = self._rows(
-            "SELECT * FROM turn WHERE rollout_id = ? ORDER BY turn, id", (rollout_id,)
-        )
-        self._attach_extras("turn", turns)
-        by_turn = {t["id"]: t for t in turns}
-        for t in turns:
-            t["actions"] = []
-            t["observations"] = []
-        for key, table in (("actions", "action"), ("observations", "obs")):
-            items = self._rows(
-                f"SELECT x.* FROM {table} x JOIN turn t ON x.turn_id = t.id "
-                "WHERE t.rollout_id = ? ORDER BY x.id",
-                (rollout_id,),
-            )
-            self._attach_extras(table, items)
-            for item in items:
-                by_turn[item["turn_id"]][key].append(item)
-        rollout["turns"] = turns
-        for key, table in (("validations", "validation"), ("environments", "environment")):
-            items = self._rows(
-                f"SELECT * FROM {table} WHERE rollout_id = ? ORDER BY id", (rollout_id,)
-            )
-            self._attach_extras(table, items)
-            rollout[key] = items
-        rollout["validation"] = rollout["validations"][-1] if rollout["validations"] else None
-        rollout["environment"] = rollout["environments"][-1] if rollout["environments"] else None
-        return rollout
+        return self.read.get_rollout(rollout_id)
 
     def status_history(self, entity_type: str, entity_id: int) -> list[dict[str, Any]]:
-        if entity_type not in STATUSES:
-            raise ValueError(f"entity_type must be one of {list(STATUSES)}")
-        return self._rows(
-            "SELECT * FROM status_history WHERE entity_type = ? AND entity_id = ? "
-            "ORDER BY changed_at, id",
-            (entity_type, entity_id),
-        )
+        return self.read.status_history(entity_type, entity_id)
 
     def task_outcomes(self, run_name: str) -> tuple[int | None, list[dict[str, Any]]]:
-        """Completed training rollouts of a run, aggregated per task and step (the curriculum's
-        outcomes, docs/curriculum.md), with the training's id (``None``: no such run yet)."""
-        found = self._rows("SELECT id FROM training WHERE run_name = ?", (run_name,))
-        if not found:
-            return None, []
-        return found[0]["id"], self._rows(
-            "SELECT t.task_id AS task_id, s.step AS step, COUNT(*) AS n, "
-            "SUM(COALESCE(r.task_success, 0)) AS successes, SUM(r.reward) AS reward_sum, "
-            "MIN(r.reward) AS reward_min, MAX(r.reward) AS reward_max "
-            "FROM step s JOIN rollout r ON r.source_type = 'step' AND r.step_id = s.id "
-            "JOIN task t ON t.id = r.task_id "
-            "WHERE s.training_id = ? AND r.status = 'completed' AND r.reward IS NOT NULL "
-            "GROUP BY t.task_id, s.step ORDER BY s.step, t.task_id",
-            (found[0]["id"],),
-        )
+        return self.read.task_outcomes(run_name)
 
     def find_id(self, table: str, client_id: str) -> int | None:
-        """The row id recorded for a client id (tests and tools)."""
-        row = (
-            self._reader()
-            .execute(
-                "SELECT entity_id FROM client_key WHERE entity_type = ? AND client_id = ?",
-                (table, client_id),
-            )
-            .fetchone()
-        )
-        return row[0] if row else None
-
-
-def read_extras(conn: sqlite3.Connection, table: str, ids: list[int]) -> dict[int, dict]:
-    """The kept unknown fields of rows ``ids`` of ``table`` (one query per 500 ids)."""
-    found: dict[int, dict] = {}
-    for start in range(0, len(ids), 500):
-        chunk = ids[start : start + 500]
-        sql = (
-            "SELECT entity_id, fields_json FROM extra_field WHERE entity_type = ? "
-            f"AND entity_id IN ({', '.join('?' * len(chunk))})"
-        )
-        for entity_id, fields_json in conn.execute(sql, (table, *chunk)):
-            found[entity_id] = json.loads(fields_json)
-    return found
+        return self.read.find_id(table, client_id)
 
 
 class _InsertGroup:

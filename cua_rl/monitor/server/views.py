@@ -13,12 +13,11 @@ from __future__ import annotations
 
 import json
 import math
-import sqlite3
 from datetime import UTC, datetime
 from typing import Any
 
-from cua_rl.monitor.protocol import parse_screenshot_uri
-from cua_rl.monitor.server.store import read_extras
+from cua_rl.monitor.protocol import SOURCE_ID_COLUMNS, TERMINAL, parse_screenshot_uri
+from cua_rl.monitor.server.read import MonitorReader
 
 # Curve -> candidate keys in a step's metrics_json (first present wins); AReaL's names moved
 # between releases and depend on the loss in use.
@@ -44,18 +43,9 @@ PHASE_TIMERS = {
     "eval_s": "timeperf/eval",
 }
 ACTIVE_TRAINING = ("pending", "initializing", "running", "paused")
-FINISHED = frozenset({"completed", "failed", "cancelled"})
+FINISHED = TERMINAL["rollout"]
 _NO_OUTCOMES = {"accepted": 0, "rejected": 0, "stopped": 0, "running": 0}
 LOW_TOKENS = 3  # how many least likely tokens a turn marks
-
-
-def _rows(conn: sqlite3.Connection, sql: str, params: tuple = ()) -> list[dict[str, Any]]:
-    return [dict(r) for r in conn.execute(sql, params)]
-
-
-def _one(conn: sqlite3.Connection, sql: str, params: tuple = ()) -> dict[str, Any] | None:
-    row = conn.execute(sql, params).fetchone()
-    return dict(row) if row else None
 
 
 def _json(text: Any) -> Any:
@@ -107,16 +97,8 @@ def _finite(v: Any) -> float | None:
 # ---------------------------------------------------------------------------- trainings
 
 
-def trainings_page(conn: sqlite3.Connection, *, now: datetime, stale_after_s: float) -> dict:
-    trainings = _rows(
-        conn,
-        "SELECT t.*, "
-        "(SELECT metrics_json FROM step s WHERE s.training_id = t.id AND s.status = 'completed' "
-        " ORDER BY s.step DESC LIMIT 1) AS last_step_metrics, "
-        "(SELECT success_rate FROM eval e WHERE e.training_id = t.id "
-        " AND e.success_rate IS NOT NULL ORDER BY e.step DESC LIMIT 1) AS last_eval_success "
-        "FROM training t ORDER BY t.id DESC LIMIT 200",
-    )
+def trainings_page(read: MonitorReader, *, now: datetime, stale_after_s: float) -> dict:
+    trainings = read.trainings_overview()
     for t in trainings:
         beat = parse_time(t.get("last_heartbeat"))
         t["heartbeat_age_s"] = (now - beat).total_seconds() if beat else None
@@ -132,8 +114,8 @@ def trainings_page(conn: sqlite3.Connection, *, now: datetime, stale_after_s: fl
 # ---------------------------------------------------------------------------- one training
 
 
-def training_page(conn: sqlite3.Connection, training_id: int, *, now: datetime, stale_after_s):
-    training = _one(conn, "SELECT * FROM training WHERE id = ?", (training_id,))
+def training_page(read: MonitorReader, training_id: int, *, now: datetime, stale_after_s):
+    training = read.training(training_id)
     if training is None:
         return None
     beat = parse_time(training.get("last_heartbeat"))
@@ -143,36 +125,13 @@ def training_page(conn: sqlite3.Connection, training_id: int, *, now: datetime, 
         and (training["heartbeat_age_s"] is None or training["heartbeat_age_s"] > stale_after_s)
     )
     config = _json(training.pop("config_json"))
-    steps = _rows(
-        conn,
-        "SELECT id, step, status, current_phase, reward_mean, reward_std, kl_divergence, "
-        "policy_gradient_norm, num_tokens, num_trajectories, loss, learning_rate, start_time, "
-        "end_time, rollout_start_time, rollout_end_time, training_start_time, "
-        "training_end_time, metrics_json, error_message "
-        "FROM step WHERE training_id = ? ORDER BY step, id",
-        (training_id,),
-    )
-    evals = _rows(
-        conn,
-        "SELECT id, step, status, success_rate, avg_reward, avg_turns, start_time, end_time "
-        "FROM eval WHERE training_id = ? ORDER BY step, id",
-        (training_id,),
-    )
-    baselines = _rows(
-        conn,
-        "SELECT id, status, success_rate, avg_reward, avg_turns, start_time, end_time, "
-        "model_path FROM baseline WHERE training_id = ? ORDER BY id",
-        (training_id,),
-    )
+    steps = read.step_table(training_id)
+    evals = read.eval_table(training_id)
+    baselines = read.baseline_table(training_id)
     # Episodes per step by outcome: one grouped query over the training's step rollouts.
     outcomes: dict[int, dict[str, int]] = {}
     reasons: dict[str, int] = {}
-    for r in conn.execute(
-        "SELECT r.step_id, r.status, COALESCE(r.status_message, r.error_message) AS reason, "
-        "COUNT(*) AS n FROM rollout r WHERE r.source_type = 'step' AND r.step_id IN "
-        "(SELECT id FROM step WHERE training_id = ?) GROUP BY r.step_id, r.status, reason",
-        (training_id,),
-    ):
+    for r in read.step_outcomes(training_id):
         per = outcomes.setdefault(r["step_id"], dict(_NO_OUTCOMES))
         if r["status"] == "completed":
             per["accepted"] += r["n"]
@@ -266,27 +225,14 @@ def training_charts(steps: list[dict], baseline_success: float | None) -> list[d
 
 # ---------------------------------------------------------------------------- one step / eval / baseline
 
-_SOURCE_COLUMNS = {"step": "step_id", "eval": "eval_id", "baseline": "baseline_id"}
 
-
-def source_page(conn: sqlite3.Connection, kind: str, source_id: int, *, limit: int = 5000):
+def source_page(read: MonitorReader, kind: str, source_id: int, *, limit: int = 5000):
     """A step, eval or baseline with its rollouts as a task x sample grid."""
-    source = _one(conn, f"SELECT * FROM {kind} WHERE id = ?", (source_id,))  # noqa: S608
+    source = read.source(kind, source_id)
     if source is None:
         return None
-    training = _one(
-        conn, "SELECT id, run_name, status FROM training WHERE id = ?", (source["training_id"],)
-    )
-    col = _SOURCE_COLUMNS[kind]
-    rollouts = _rows(
-        conn,
-        "SELECT r.id, r.rollout_id, r.status, r.reward, r.num_turns, r.rollout_time, "
-        "r.status_message, r.error_message, r.task_success, r.validation_passed, r.start_time, "
-        "r.end_time, r.task_id AS task_row, k.task_id AS task_key, k.name AS task_name "
-        f"FROM rollout r JOIN task k ON k.id = r.task_id WHERE r.source_type = ? AND r.{col} = ? "
-        "ORDER BY r.id LIMIT ?",
-        (kind, source_id, limit),
-    )
+    training = read.training_brief(source["training_id"])
+    rollouts = read.source_rollouts(kind, source_id, limit)
     tasks: dict[int, dict] = {}
     rewards = [r["reward"] for r in rollouts if _finite(r["reward"]) is not None]
     lo, hi = (min(rewards), max(rewards)) if rewards else (0.0, 1.0)
@@ -335,42 +281,29 @@ def reward_colour(reward: Any, lo: float, hi: float) -> str:
 # ---------------------------------------------------------------------------- one rollout
 
 
-def rollout_page(conn: sqlite3.Connection, rollout_id: int) -> dict | None:
-    rollout = _one(conn, "SELECT * FROM rollout WHERE id = ?", (rollout_id,))
-    if rollout is None:
+def rollout_page(read: MonitorReader, rollout_id: int) -> dict | None:
+    rows = read.rollout_rows(rollout_id)
+    if not rows:
         return None
-    rollout["extra"] = read_extras(conn, "rollout", [rollout_id]).get(rollout_id, {})
-    task = _one(
-        conn, "SELECT id, task_id, name, description FROM task WHERE id = ?", (rollout["task_id"],)
-    )
+    rollout = rows[0]
+    rollout["extra"] = read.extras("rollout", [rollout_id]).get(rollout_id, {})
+    task = read.task_brief(rollout["task_id"])
     kind = rollout["source_type"]
-    source_id = rollout[_SOURCE_COLUMNS[kind]]
-    source = _one(
-        conn,
-        f"SELECT id, training_id, {'step' if kind != 'baseline' else 'NULL AS step'} "  # noqa: S608
-        f"FROM {kind} WHERE id = ?",
-        (source_id,),
-    )
+    source_id = rollout[SOURCE_ID_COLUMNS[kind]]
+    source = read.source_brief(kind, source_id)
     training = None
     if source:
-        training = _one(
-            conn, "SELECT id, run_name FROM training WHERE id = ?", (source["training_id"],)
-        )
-    turns = _rows(conn, "SELECT * FROM turn WHERE rollout_id = ? ORDER BY turn, id", (rollout_id,))
+        training = read.training_brief(source["training_id"])
+    turns = read.turns(rollout_id)
     by_id = {t["id"]: t for t in turns}
-    turn_extras = read_extras(conn, "turn", list(by_id))
+    turn_extras = read.extras("turn", list(by_id))
     for t in turns:
         t["extra"] = turn_extras.get(t["id"], {})
         t["actions"], t["observations"] = [], []
         t["metrics"] = _json(t.get("metrics_json"))
     for key, table in (("actions", "action"), ("observations", "obs")):
-        items = _rows(
-            conn,
-            f"SELECT x.* FROM {table} x JOIN turn t ON x.turn_id = t.id "  # noqa: S608
-            "WHERE t.rollout_id = ? ORDER BY x.id",
-            (rollout_id,),
-        )
-        extras = read_extras(conn, table, [i["id"] for i in items])
+        items = read.turn_items(table, rollout_id)
+        extras = read.extras(table, [i["id"] for i in items])
         for item in items:
             item["extra"] = extras.get(item["id"], {})
             by_id[item["turn_id"]][key].append(item)
@@ -381,16 +314,7 @@ def rollout_page(conn: sqlite3.Connection, rollout_id: int) -> dict | None:
     digests = [
         t["screenshot"]["sha256"] for t in turns if t["screenshot"] and t["screenshot"]["sha256"]
     ]
-    stored = set()
-    for start in range(0, len(digests), 500):
-        chunk = digests[start : start + 500]
-        stored.update(
-            r[0]
-            for r in conn.execute(
-                f"SELECT sha256 FROM screenshot WHERE sha256 IN ({', '.join('?' * len(chunk))})",
-                chunk,
-            )
-        )
+    stored = read.stored_screenshots(digests)
     for t in turns:
         if t["screenshot"]:
             t["screenshot"]["stored"] = t["screenshot"]["sha256"] in stored
@@ -399,17 +323,13 @@ def rollout_page(conn: sqlite3.Connection, rollout_id: int) -> dict | None:
             for a in t["actions"]
         ]
         t["tokens"] = token_view(t["actions"])
-    validations = _rows(
-        conn, "SELECT * FROM validation WHERE rollout_id = ? ORDER BY id", (rollout_id,)
-    )
+    validations = read.validations(rollout_id)
     for v in validations:
         v["details"] = _json(v.get("details_json"))
-    environments = _rows(
-        conn, "SELECT * FROM environment WHERE rollout_id = ? ORDER BY id", (rollout_id,)
-    )
-    history = status_history(conn, "rollout", rollout_id)
+    environments = read.environments(rollout_id)
+    history = status_history(read, "rollout", rollout_id)
     for env in environments:
-        history += status_history(conn, "environment", env["id"])
+        history += status_history(read, "environment", env["id"])
     history.sort(key=lambda h: (h["changed_at"] or "", h["id"]))
     return {
         "rollout": rollout,
@@ -517,13 +437,8 @@ def token_view(actions: list[dict]) -> dict | None:
 # ---------------------------------------------------------------------------- history
 
 
-def status_history(conn: sqlite3.Connection, entity_type: str, entity_id: int) -> list[dict]:
-    rows = _rows(
-        conn,
-        "SELECT id, old_status, new_status, progress_percent, status_message, changed_at "
-        "FROM status_history WHERE entity_type = ? AND entity_id = ? ORDER BY changed_at, id",
-        (entity_type, entity_id),
-    )
+def status_history(read: MonitorReader, entity_type: str, entity_id: int) -> list[dict]:
+    rows = read.status_changes(entity_type, entity_id)
     for r in rows:
         r["entity_type"] = entity_type
         r["entity_id"] = entity_id
