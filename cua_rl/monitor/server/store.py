@@ -1,4 +1,4 @@
-"""The monitor's storage: atomic, idempotent batch ingest and the dashboard's reads (no HTTP).
+"""The monitor's ingest: atomic, idempotent batch upserts (no HTTP); reads are in read.py.
 
 ``ingest(batch)`` writes one batch in one transaction: records are applied in dependency order
 (training, tasks, validators, steps, baselines, evals, rollouts, environments, turns, actions,
@@ -6,7 +6,7 @@ observations, validations), so a record may reference one sent earlier in the sa
 record rolls the whole batch back and raises :class:`IngestValidationError` naming the array,
 the record's index and the field.
 
-Idempotency: every row gets a client id (sent, or derived: the FACTS §3 formats for entities
+Idempotency: every row gets a client id (sent, or derived: the formats of cua_rl/monitor/protocol.py for entities
 that have a natural key, a content hash plus occurrence number for actions, observations,
 validations, validators and baselines sent without one). ``client_key`` maps it to the row id;
 a record whose client id is known updates only the fields it carries.
@@ -26,179 +26,36 @@ redone one by one if any of them fails, so errors still name the record).
 
 from __future__ import annotations
 
-import hashlib
-import json
-import re
 import sqlite3
 import threading
-from dataclasses import dataclass, field
-from datetime import UTC, datetime
 from pathlib import Path
 from typing import Any
 
 import sqlite_utils
 
-from cua_rl.errors import CuaRlError
 from cua_rl.monitor.protocol import (
-    RECORD_TABLES,
     SOURCE_ID_COLUMNS,
     SOURCE_TYPES,
     STATUSES,
-    natural_client_id,
 )
 from cua_rl.monitor.server import compat
+from cua_rl.monitor.server.batch import (
+    BATCH_KEYS,
+    SPECS,
+    BadField,
+    BatchContext,
+    Column,
+    EntitySpec,
+    IngestValidationError,
+    InsertGroup,
+    convert,
+    drop_extra,
+    integrity_error,
+    merge_extras,
+    quote,
+)
 from cua_rl.monitor.server.migrations import connect, migrate
 from cua_rl.monitor.server.read import MonitorReader
-
-
-class IngestValidationError(CuaRlError, ValueError):
-    """A batch was refused; ``kind``/``index``/``field`` locate the offending record."""
-
-    def __init__(
-        self,
-        message: str,
-        *,
-        kind: str | None = None,
-        index: int | None = None,
-        field: str | None = None,
-    ):
-        where = ""
-        if kind is not None:
-            where = f"{kind}[{index}]" if index is not None else kind
-            if field:
-                where += f".{field}"
-            where += ": "
-        super().__init__(where + message)
-        self.kind = kind
-        self.index = index
-        self.field = field
-        self.reason = message
-
-    def details(self) -> dict[str, Any]:
-        return {"kind": self.kind, "index": self.index, "field": self.field}
-
-
-@dataclass(frozen=True)
-class EntitySpec:
-    key: str  # the batch key ("turns")
-    table: str  # the table ("turn")
-    refs: dict[str, str] = field(default_factory=dict)  # reference column -> referenced table
-    natural_key: tuple[str, ...] = ()  # columns of a UNIQUE constraint usable for upserts
-
-
-# Per kind: reference column -> referenced table, and the natural key (protocol.RECORD_TABLES
-# gives the kinds' order and tables).
-_RELATIONS: dict[str, tuple[dict[str, str], tuple[str, ...]]] = {
-    "training": ({}, ("run_name",)),
-    "tasks": ({}, ("task_id",)),
-    "validators": ({"task_id": "task"}, ()),
-    "steps": ({"training_id": "training"}, ("training_id", "step")),
-    "baselines": ({"training_id": "training"}, ()),
-    "evals": ({"training_id": "training"}, ("training_id", "step")),
-    "rollouts": (
-        {"step_id": "step", "eval_id": "eval", "baseline_id": "baseline", "task_id": "task"},
-        ("rollout_id",),
-    ),
-    "environments": ({"rollout_id": "rollout"}, ()),
-    "turns": ({"rollout_id": "rollout"}, ("rollout_id", "turn")),
-    "actions": ({"turn_id": "turn"}, ()),
-    "observations": ({"turn_id": "turn"}, ()),
-    "validations": ({"rollout_id": "rollout", "validator_id": "validator"}, ()),
-}
-SPECS: tuple[EntitySpec, ...] = tuple(
-    EntitySpec(key, table, *_RELATIONS[key]) for key, table in RECORD_TABLES.items()
-)
-SPEC_BY_KEY = {s.key: s for s in SPECS}
-BATCH_KEYS = tuple(s.key for s in SPECS)
-
-# Which column a named CHECK constraint is about, for error messages.
-_CONSTRAINT_FIELDS = {
-    "status_vocabulary": "status",
-    "source_type_vocabulary": "source_type",
-    "source_exactly_one_id": "source_type",
-    "source_id_matches_type": "source_type",
-}
-_SOURCE_ID_COLUMNS = SOURCE_ID_COLUMNS
-
-
-def now_timestamp() -> str:
-    """UTC time in SQLite's CURRENT_TIMESTAMP layout, with microseconds (sorts as text)."""
-    return datetime.now(UTC).strftime("%Y-%m-%d %H:%M:%S.%f")
-
-
-def _epoch_to_timestamp(value: float) -> str:
-    return datetime.fromtimestamp(value, UTC).strftime("%Y-%m-%d %H:%M:%S.%f")
-
-
-try:  # orjson is several times faster for the JSON columns (tokens, logprobs, args)
-    import orjson
-
-    _ORJSON_OPTS = orjson.OPT_NON_STR_KEYS
-
-    def _to_json(value: Any) -> str:
-        try:
-            return orjson.dumps(value, default=str, option=_ORJSON_OPTS).decode()
-        except TypeError:  # e.g. integers beyond 64 bits
-            return json.dumps(value, separators=(",", ":"), default=str)
-
-except ImportError:  # pragma: no cover - depends on the environment
-
-    def _to_json(value: Any) -> str:
-        return json.dumps(value, separators=(",", ":"), default=str)
-
-
-def _canonical(value: Any) -> str:
-    return json.dumps(value, sort_keys=True, separators=(",", ":"), default=str)
-
-
-@dataclass
-class _Column:
-    name: str
-    type: str
-    required: bool  # NOT NULL without a default: must be present on insert
-
-
-class _BadField(Exception):
-    def __init__(self, field_name: str, message: str):
-        super().__init__(message)
-        self.field = field_name
-        self.message = message
-
-
-def _convert(col: _Column, value: Any) -> Any:
-    if value is None:
-        return None
-    kind = col.type
-    if kind == "INTEGER":
-        if isinstance(value, bool):
-            return int(value)
-        if isinstance(value, int):
-            return value
-        if isinstance(value, float) and value.is_integer():
-            return int(value)
-        raise _BadField(col.name, f"expected an integer, got {type(value).__name__} {value!r:.60}")
-    if kind == "REAL":
-        if isinstance(value, (int, float)) and not isinstance(value, bool):
-            return float(value)
-        raise _BadField(col.name, f"expected a number, got {type(value).__name__} {value!r:.60}")
-    if kind == "TIMESTAMP":
-        if isinstance(value, str):
-            return value
-        if isinstance(value, (int, float)) and not isinstance(value, bool):
-            return _epoch_to_timestamp(float(value))
-        raise _BadField(
-            col.name, f"expected a timestamp (ISO text or epoch seconds), got {value!r:.60}"
-        )
-    # TEXT: structured values become JSON, scalars their text.
-    if isinstance(value, str):
-        return value
-    if isinstance(value, (dict, list)):
-        return _to_json(value)
-    if isinstance(value, bool):
-        return "true" if value else "false"
-    if isinstance(value, (int, float)):
-        return str(value)
-    raise _BadField(col.name, f"expected text, got {type(value).__name__}")
 
 
 class MonitorStore:
@@ -211,14 +68,14 @@ class MonitorStore:
         self.db = sqlite_utils.Database(self._write, recursive_triggers=False)
         self._lock = threading.Lock()
         self.read = MonitorReader(self.path)
-        self._columns: dict[str, dict[str, _Column]] = {}
+        self._columns: dict[str, dict[str, Column]] = {}
         for spec in SPECS:
             cols = {}
             for c in self.db[spec.table].columns:
                 if c.name == "id":
                     continue
                 required = bool(c.notnull) and c.default_value is None
-                cols[c.name] = _Column(c.name, (c.type or "TEXT").upper(), required)
+                cols[c.name] = Column(c.name, (c.type or "TEXT").upper(), required)
             self._columns[spec.table] = cols
         self._required = {
             t: [c.name for c in cs.values() if c.required] for t, cs in self._columns.items()
@@ -255,7 +112,7 @@ class MonitorStore:
 
     def _apply(self, conn: sqlite3.Connection, batch: dict[str, Any]) -> dict[str, Any]:
         result: dict[str, Any] = {}
-        ctx = _BatchContext(conn)
+        ctx = BatchContext(conn)
         for spec in SPECS:
             if spec.key not in batch or batch[spec.key] is None:
                 continue
@@ -272,7 +129,7 @@ class MonitorStore:
                 raise IngestValidationError("must be an array of objects", kind=spec.key)
             ctx.prefetch(spec.table, records)
             out: list[dict[str, Any]] = []
-            group = _InsertGroup(out)
+            group = InsertGroup(out)
             for index, record in enumerate(records):
                 cid = record.get("client_id") if isinstance(record, dict) else None
                 eligible = isinstance(cid, str)
@@ -289,57 +146,23 @@ class MonitorStore:
 
     def _upsert(
         self,
-        ctx: _BatchContext,
+        ctx: BatchContext,
         spec: EntitySpec,
         index: int,
         record: Any,
-        group: _InsertGroup | None = None,
+        group: InsertGroup | None = None,
     ):
         if not isinstance(record, dict):
             raise IngestValidationError("must be an object", kind=spec.key, index=index)
         table = spec.table
-        columns = self._columns[table]
-        values: dict[str, Any] = {}
-        extras: dict[str, Any] = {}
         client_id = record.get("client_id")
         if client_id is not None and not isinstance(client_id, str):
             client_id = str(client_id)
         conn = ctx.conn
         try:
-            training_row = None  # a training named by its server id (an update)
-            env_ref = None  # (field, environment id): the rollout names its environment
-            aliased = table in compat.FIELD_ALIASES
-            for name, value in record.items():
-                if name == "client_id":
-                    continue
-                if table == "training" and name == "training_id":
-                    if value is not None:
-                        training_row = ctx.resolve("training", value, name)
-                    continue
-                if table == "rollout" and name in compat.ENV_REFERENCES:
-                    env_ref = self._env_reference(ctx, record, name, value) or env_ref
-                    continue
-                if name in spec.refs:
-                    if value is not None:
-                        values[name] = ctx.resolve(spec.refs[name], value, name)
-                    else:
-                        values[name] = None
-                    continue
-                if name.endswith("_client_id"):
-                    ref = name[: -len("_client_id")] + "_id"
-                    if ref in spec.refs:
-                        if value is not None and ref not in record:
-                            values[ref] = ctx.resolve(spec.refs[ref], str(value), name)
-                        continue
-                if aliased:
-                    name = compat.seed_name(table, name, record)
-                col = columns.get(name)
-                if col is None:
-                    extras[name] = value
-                else:
-                    values[name] = _convert(col, value)
+            values, extras, training_row, env_ref = self._fields(ctx, spec, record)
             if table == "rollout" and "source_type" not in values:
-                present = [s for s, c in _SOURCE_ID_COLUMNS.items() if values.get(c) is not None]
+                present = [s for s, c in SOURCE_ID_COLUMNS.items() if values.get(c) is not None]
                 if len(present) == 1:
                     values["source_type"] = present[0]
             original = None  # a status word of the existing clients, stored as the seed's word
@@ -347,26 +170,12 @@ class MonitorStore:
             if mapped is not None:
                 original, values["status"] = values["status"], mapped
                 extras[compat.ORIGINAL_STATUS] = original
-            if training_row is not None:
-                row_id = training_row
-                if client_id is None:
-                    client_id = conn.execute(
-                        "SELECT run_name FROM training WHERE id = ?", (row_id,)
-                    ).fetchone()[0]
-            elif client_id is not None:
-                # Known client id: update. Unknown: insert, and only if that hits the natural
-                # key (a row made under another client id) look it up; saves a query per row.
-                row_id = ctx.lookup_client(table, client_id)
-            else:
-                row_id = ctx.find(spec, None, values)
-                client_id = ctx.derive_client_id(spec, values, record, row_id)
-                if row_id is None:
-                    row_id = ctx.lookup_client(table, client_id)
+            row_id, client_id = self._target(ctx, spec, record, client_id, training_row, values)
             self._check_values(table, values, inserting=row_id is None)
             if env_ref is not None:
                 owner = compat.environment_owner(conn, env_ref[1])
                 if owner is not None and owner != row_id:
-                    raise _BadField(
+                    raise BadField(
                         env_ref[0], f"environment {env_ref[1]} belongs to rollout {owner}"
                     )
             # A seed word replaces a mapped one: the kept original no longer describes the row.
@@ -388,32 +197,88 @@ class MonitorStore:
                             values[name] = default
                 for name in self._required[table]:
                     if values.get(name) is None:
-                        raise _BadField(name, "is required to create this record")
+                        raise BadField(name, "is required to create this record")
                 if group is not None:
                     names = tuple(values)
                     if group.names is not None and group.names != names:
                         self._flush_group(ctx, spec, group)
                     group.add(index, client_id, names, values, extras)
                     return client_id, None  # the id is filled in when the group is written
-        except _BadField as exc:
+        except BadField as exc:
             raise IngestValidationError(
                 exc.message, kind=spec.key, index=index, field=exc.field
             ) from None
         except sqlite3.IntegrityError as exc:
-            raise _integrity_error(spec, index, exc) from None
+            raise integrity_error(spec, index, exc) from None
         mark = compat.history_mark(conn) if original is not None else 0
         row_id = self._write_record(ctx, spec, index, client_id, row_id, values, extras)
         if original is not None:
             compat.note_original_status(conn, table, row_id, original, mark)
         elif forget_original:
-            _drop_extra(conn, table, row_id, compat.ORIGINAL_STATUS)
+            drop_extra(conn, table, row_id, compat.ORIGINAL_STATUS)
         if env_ref is not None:
             compat.link_environment(conn, env_ref[1], row_id)
         return client_id, row_id
 
     @staticmethod
+    def _target(ctx: BatchContext, spec: EntitySpec, record, client_id, training_row, values):
+        """The row a record updates (None: a new row) and its client id."""
+        if training_row is not None:
+            if client_id is None:
+                client_id = ctx.conn.execute(
+                    "SELECT run_name FROM training WHERE id = ?", (training_row,)
+                ).fetchone()[0]
+            return training_row, client_id
+        if client_id is not None:
+            # Known client id: update. Unknown: insert, and only if that hits the natural key
+            # (a row made under another client id) look it up; saves a query per row.
+            return ctx.lookup_client(spec.table, client_id), client_id
+        row_id = ctx.find(spec, None, values)
+        client_id = ctx.derive_client_id(spec, values, record, row_id)
+        if row_id is None:
+            row_id = ctx.lookup_client(spec.table, client_id)
+        return row_id, client_id
+
+    def _fields(self, ctx: BatchContext, spec: EntitySpec, record: dict):
+        """A record's columns (converted, references resolved), its unknown fields, the training
+        it updates by server id and the environment it names (``(field, id)``), if any."""
+        table, columns = spec.table, self._columns[spec.table]
+        values: dict[str, Any] = {}
+        extras: dict[str, Any] = {}
+        training_row = None  # a training named by its server id (an update)
+        env_ref = None  # (field, environment id): the rollout names its environment
+        aliased = table in compat.FIELD_ALIASES
+        for name, value in record.items():
+            if name == "client_id":
+                continue
+            if table == "training" and name == "training_id":
+                if value is not None:
+                    training_row = ctx.resolve("training", value, name)
+                continue
+            if table == "rollout" and name in compat.ENV_REFERENCES:
+                env_ref = self._env_reference(ctx, record, name, value) or env_ref
+                continue
+            if name in spec.refs:
+                values[name] = None if value is None else ctx.resolve(spec.refs[name], value, name)
+                continue
+            if name.endswith("_client_id"):
+                ref = name[: -len("_client_id")] + "_id"
+                if ref in spec.refs:
+                    if value is not None and ref not in record:
+                        values[ref] = ctx.resolve(spec.refs[ref], str(value), name)
+                    continue
+            if aliased:
+                name = compat.seed_name(table, name, record)
+            col = columns.get(name)
+            if col is None:
+                extras[name] = value
+            else:
+                values[name] = convert(col, value)
+        return values, extras, training_row, env_ref
+
+    @staticmethod
     def _env_reference(
-        ctx: _BatchContext, record: dict, name: str, value: Any
+        ctx: BatchContext, record: dict, name: str, value: Any
     ) -> tuple[str, int] | None:
         """The environment a rollout names (``env_id``: server or client id; ``env_client_id``:
         client id, unless ``env_id`` is sent too); it must have been sent in an earlier batch."""
@@ -426,14 +291,14 @@ class MonitorStore:
         sql = self._sql.get((table, names))
         if sql is None:
             sql = self._sql[(table, names)] = (
-                f"INSERT INTO {table} ({', '.join(_q(n) for n in names)}) "
+                f"INSERT INTO {table} ({', '.join(quote(n) for n in names)}) "
                 f"VALUES ({', '.join('?' * len(names))})"
             )
         return sql
 
     def _write_record(
         self,
-        ctx: _BatchContext,
+        ctx: BatchContext,
         spec: EntitySpec,
         index: int,
         client_id: str,
@@ -461,7 +326,7 @@ class MonitorStore:
                 ctx.new_keys.append((table, client_id, row_id))  # written once per kind
             else:
                 if values:
-                    sets = ", ".join(f"{_q(n)} = ?" for n in values)
+                    sets = ", ".join(f"{quote(n)} = ?" for n in values)
                     conn.execute(
                         f"UPDATE {table} SET {sets} WHERE id = ?", [*values.values(), row_id]
                     )
@@ -472,16 +337,16 @@ class MonitorStore:
                 )
             ctx.remember(table, client_id, row_id, values)
             if extras:
-                _merge_extras(conn, table, row_id, extras)
-        except _BadField as exc:
+                merge_extras(conn, table, row_id, extras)
+        except BadField as exc:
             raise IngestValidationError(
                 exc.message, kind=spec.key, index=index, field=exc.field
             ) from None
         except sqlite3.IntegrityError as exc:
-            raise _integrity_error(spec, index, exc) from None
+            raise integrity_error(spec, index, exc) from None
         return row_id
 
-    def _flush_group(self, ctx: _BatchContext, spec: EntitySpec, group: _InsertGroup) -> None:
+    def _flush_group(self, ctx: BatchContext, spec: EntitySpec, group: InsertGroup) -> None:
         """Write pending inserts of one shape with one executemany.
 
         AUTOINCREMENT ids of rows inserted back to back by the only writer are consecutive, so
@@ -515,28 +380,28 @@ class MonitorStore:
             ctx.new_keys.append((table, client_id, row_id))
             ctx.remember(table, client_id, row_id, values)
             if extras:
-                _merge_extras(conn, table, row_id, extras)
+                merge_extras(conn, table, row_id, extras)
             group.out[index]["id"] = row_id
 
     def _check_values(self, table: str, values: dict[str, Any], inserting: bool) -> None:
         # The database enforces these too; checking first gives messages that say how to fix it.
         status = values.get("status")
         if "status" in values and table in STATUSES and status not in STATUSES[table]:
-            raise _BadField("status", f"{status!r} is not one of {list(STATUSES[table])}")
+            raise BadField("status", f"{status!r} is not one of {list(STATUSES[table])}")
         if table == "rollout" and inserting:
             source = values.get("source_type")
             if source not in SOURCE_TYPES:
-                raise _BadField(
+                raise BadField(
                     "source_type",
                     f"{source!r} is not one of {list(SOURCE_TYPES)} (or send exactly one of "
                     "step_id / eval_id / baseline_id and it is inferred)",
                 )
-            own = _SOURCE_ID_COLUMNS[source]
+            own = SOURCE_ID_COLUMNS[source]
             if values.get(own) is None:
-                raise _BadField(own, f"is required when source_type is {source!r}")
-            for other, col in _SOURCE_ID_COLUMNS.items():
+                raise BadField(own, f"is required when source_type is {source!r}")
+            for other, col in SOURCE_ID_COLUMNS.items():
                 if other != source and values.get(col) is not None:
-                    raise _BadField(col, f"must be empty when source_type is {source!r}")
+                    raise BadField(col, f"must be empty when source_type is {source!r}")
 
     # ------------------------------------------------------------------ reads
     # The read model answers; these names stay for the API's and the tests' callers.
@@ -564,223 +429,3 @@ class MonitorStore:
 
     def find_id(self, table: str, client_id: str) -> int | None:
         return self.read.find_id(table, client_id)
-
-
-class _InsertGroup:
-    """Consecutive new records of one kind and one set of columns, written together."""
-
-    def __init__(self, out: list[dict[str, Any]]):
-        self.out = out  # the kind's answer list; ids are filled in at write time
-        self.entries: list[tuple[int, str, dict[str, Any], dict[str, Any]]] = []
-        self.ids: set[str] = set()
-        self.names: tuple[str, ...] | None = None
-
-    def add(self, index: int, client_id: str, names: tuple, values: dict, extras: dict) -> None:
-        self.names = names
-        self.entries.append((index, client_id, values, extras))
-        self.ids.add(client_id)
-
-    def take(self):
-        entries, names = self.entries, self.names
-        self.entries, self.ids, self.names = [], set(), None
-        return entries, names
-
-
-def _integrity_error(spec: EntitySpec, index: int, exc: sqlite3.IntegrityError):
-    message = str(exc)
-    return IngestValidationError(
-        _explain_integrity(spec.table, message),
-        kind=spec.key,
-        index=index,
-        field=_integrity_field(spec.table, message),
-    )
-
-
-def _q(name: str) -> str:
-    return f'"{name}"'
-
-
-def _merge_extras(conn: sqlite3.Connection, table: str, row_id: int, extras: dict) -> None:
-    row = conn.execute(
-        "SELECT fields_json FROM extra_field WHERE entity_type = ? AND entity_id = ?",
-        (table, row_id),
-    ).fetchone()
-    merged = json.loads(row[0]) if row else {}
-    merged.update(extras)
-    conn.execute(
-        "INSERT INTO extra_field (entity_type, entity_id, fields_json) VALUES (?, ?, ?) "
-        "ON CONFLICT (entity_type, entity_id) DO UPDATE SET fields_json = excluded.fields_json",
-        (table, row_id, json.dumps(merged, separators=(",", ":"), default=str)),
-    )
-
-
-def _drop_extra(conn: sqlite3.Connection, table: str, row_id: int, key: str) -> None:
-    row = conn.execute(
-        "SELECT fields_json FROM extra_field WHERE entity_type = ? AND entity_id = ?",
-        (table, row_id),
-    ).fetchone()
-    if row is None:
-        return
-    fields = json.loads(row[0])
-    if fields.pop(key, None) is None:
-        return
-    conn.execute(
-        "UPDATE extra_field SET fields_json = ? WHERE entity_type = ? AND entity_id = ?",
-        (json.dumps(fields, separators=(",", ":"), default=str), table, row_id),
-    )
-
-
-def _integrity_field(table: str, message: str) -> str | None:
-    m = re.search(r"constraint failed: (\w+)\.(\w+)", message)
-    if m:
-        return m.group(2)
-    m = re.search(r"CHECK constraint failed: (\w+)", message)
-    if m:
-        return _CONSTRAINT_FIELDS.get(m.group(1))
-    return None
-
-
-def _explain_integrity(table: str, message: str) -> str:
-    if "FOREIGN KEY" in message:
-        return "references a record that does not exist"
-    if "UNIQUE" in message:
-        return (
-            f"conflicts with an existing {table} ({message}); send the same client_id to update it"
-        )
-    return f"refused by the database ({message})"
-
-
-class _BatchContext:
-    """Per-batch caches: client id -> row id, existence of referenced ids, rollout uuids."""
-
-    def __init__(self, conn: sqlite3.Connection):
-        self.conn = conn
-        self.known: dict[tuple[str, str], int] = {}
-        self.exists: set[tuple[str, int]] = set()
-        self.rollout_uuid: dict[int, str] = {}
-        self.occurrences: dict[tuple[str, str], int] = {}
-        self.absent: set[tuple[str, str]] = set()
-        self.new_keys: list[tuple[str, str, int]] = []
-
-    def write_keys(self) -> None:
-        # Client ids first seen in this batch (a repeat within the batch may have written its
-        # key already on the update path, hence OR IGNORE).
-        if self.new_keys:
-            self.conn.executemany(
-                "INSERT OR IGNORE INTO client_key (entity_type, client_id, entity_id) "
-                "VALUES (?, ?, ?)",
-                self.new_keys,
-            )
-            self.new_keys.clear()
-
-    def prefetch(self, table: str, records: list) -> None:
-        """One query per 500 client ids instead of one per record."""
-        ids = [
-            r["client_id"]
-            for r in records
-            if isinstance(r, dict) and isinstance(r.get("client_id"), str)
-        ]
-        ids = [i for i in dict.fromkeys(ids) if (table, i) not in self.known]
-        for start in range(0, len(ids), 500):
-            chunk = ids[start : start + 500]
-            rows = self.conn.execute(
-                "SELECT client_id, entity_id FROM client_key WHERE entity_type = ? "
-                f"AND client_id IN ({', '.join('?' * len(chunk))})",
-                (table, *chunk),
-            ).fetchall()
-            found = {r[0]: r[1] for r in rows}
-            for cid in chunk:
-                if cid in found:
-                    self.known[(table, cid)] = found[cid]
-                else:
-                    self.absent.add((table, cid))
-
-    def lookup_client(self, table: str, client_id: str) -> int | None:
-        key = (table, client_id)
-        if key in self.known:
-            return self.known[key]
-        if key in self.absent:
-            return None
-        row = self.conn.execute(
-            "SELECT entity_id FROM client_key WHERE entity_type = ? AND client_id = ?", key
-        ).fetchone()
-        if row is None:
-            return None
-        self.known[key] = row[0]
-        return row[0]
-
-    def resolve(self, table: str, value: Any, field_name: str) -> int:
-        if isinstance(value, bool):
-            raise _BadField(field_name, "expected a server id (integer) or a client id (text)")
-        if isinstance(value, int):
-            if (table, value) not in self.exists:
-                if self.conn.execute(f"SELECT 1 FROM {table} WHERE id = ?", (value,)).fetchone():
-                    self.exists.add((table, value))
-                else:
-                    raise _BadField(field_name, f"no {table} with id {value}")
-            return value
-        if isinstance(value, str):
-            row_id = self.lookup_client(table, value)
-            if row_id is None and table == "task":
-                # A task's natural key is its task id, also for tasks created by other means.
-                row = self.conn.execute(
-                    "SELECT id FROM task WHERE task_id = ?", (value,)
-                ).fetchone()
-                row_id = row[0] if row else None
-            if row_id is None and table == "rollout":
-                row = self.conn.execute(
-                    "SELECT id FROM rollout WHERE rollout_id = ?", (value,)
-                ).fetchone()
-                row_id = row[0] if row else None
-            if row_id is None:
-                raise _BadField(
-                    field_name,
-                    f"no {table} with client id {value!r} (send it earlier or in this batch)",
-                )
-            return row_id
-        raise _BadField(field_name, f"expected a server id or client id, got {value!r:.60}")
-
-    def find(self, spec: EntitySpec, client_id: str | None, values: dict) -> int | None:
-        if client_id is not None:
-            row_id = self.lookup_client(spec.table, client_id)
-            if row_id is not None:
-                return row_id
-        if spec.natural_key and all(values.get(c) is not None for c in spec.natural_key):
-            where = " AND ".join(f"{_q(c)} = ?" for c in spec.natural_key)
-            row = self.conn.execute(
-                f"SELECT id FROM {spec.table} WHERE {where}", [values[c] for c in spec.natural_key]
-            ).fetchone()
-            if row:
-                return row[0]
-        return None
-
-    def uuid_of(self, rollout_id: int) -> str | None:
-        if rollout_id not in self.rollout_uuid:
-            row = self.conn.execute(
-                "SELECT rollout_id FROM rollout WHERE id = ?", (rollout_id,)
-            ).fetchone()
-            self.rollout_uuid[rollout_id] = row[0] if row else None
-        return self.rollout_uuid[rollout_id]
-
-    def derive_client_id(self, spec: EntitySpec, values: dict, record: dict, row_id) -> str:
-        table = spec.table
-        uuid = None
-        if table in ("turn", "environment") and values.get("rollout_id") is not None:
-            uuid = self.uuid_of(values["rollout_id"])
-        natural = natural_client_id(table, values, uuid)
-        if natural is not None:
-            return natural
-        if row_id is not None:
-            return f"{table}:{row_id}"
-        # No natural key: the content identifies the record, so a retried batch maps to the same
-        # rows; identical records within one batch are told apart by their occurrence number.
-        digest = hashlib.sha256(f"{table}\0{_canonical(record)}".encode()).hexdigest()[:32]
-        n = self.occurrences.get((table, digest), 0)
-        self.occurrences[(table, digest)] = n + 1
-        return f"{table}:sha256:{digest}:{n}"
-
-    def remember(self, table: str, client_id: str, row_id: int, values: dict) -> None:
-        self.known[(table, client_id)] = row_id
-        self.exists.add((table, row_id))
-        if table == "rollout" and values.get("rollout_id"):
-            self.rollout_uuid[row_id] = values["rollout_id"]
