@@ -1,10 +1,12 @@
-"""The monitor's HTTP API: ``POST /api/ingest/batch`` (FACTS §3), the dashboard's reads, the
-screenshot store (``PUT``/``GET /api/screenshots/<sha256>``) and the dashboard pages.
+"""The monitor's HTTP API: ``POST /api/ingest/batch`` (the batch of cua_rl/monitor/protocol.py),
+the reads of the read model, the screenshot store (``PUT``/``GET /api/screenshots/<sha256>``)
+and the dashboard pages. Routes are installed per resource by small functions.
 
 Every error, from any layer (auth, body limit, JSON, validation, routing), has one shape:
 ``{"error": {"code": ..., "message": ..., "details": ...}}``. The body limit is enforced while
 reading the stream, so an oversized body is never held in memory. Store calls run in worker
-threads; the store serialises writes itself and gives each thread its own read connection.
+threads; the store serialises writes itself and the read model gives each thread its own
+read connection.
 """
 
 from __future__ import annotations
@@ -21,6 +23,7 @@ from starlette.exceptions import HTTPException as StarletteHTTPException
 from cua_rl.logs import get_logger
 from cua_rl.monitor.protocol import ScreenshotError
 from cua_rl.monitor.server.dashboard import DEFAULT_STALE_AFTER_S, DashboardAuth, install_dashboard
+from cua_rl.monitor.server.read import MonitorReader
 from cua_rl.monitor.server.screenshots import ScreenshotStore
 from cua_rl.monitor.server.store import IngestValidationError, MonitorStore
 
@@ -97,7 +100,22 @@ def create_app(
         app.router.on_shutdown.append(screenshots.close)
     app.state.screenshots = screenshots
     auth = DashboardAuth(token)
+    _install_error_handlers(app)
 
+    @app.get("/healthz")
+    async def healthz():
+        return _json({"ok": True})
+
+    _install_ingest(app, store, auth, max_body_bytes)
+    _install_trainings(app, store.read, auth)
+    _install_rollouts(app, store.read, auth)
+    _install_screenshots(app, screenshots, auth, max_body_bytes)
+    if dashboard:
+        install_dashboard(app, store.path, auth, stale_after_s=stale_after_s)
+    return app
+
+
+def _install_error_handlers(app: FastAPI) -> None:
     @app.exception_handler(ApiError)
     async def _api_error(request: Request, exc: ApiError):
         headers = {"WWW-Authenticate": "Bearer"} if exc.status == 401 else None
@@ -124,45 +142,61 @@ def create_app(
         log.exception("monitor: unhandled error on %s %s", request.method, request.url.path)
         return _error(500, "internal_error", f"{type(exc).__name__}: {exc}")
 
-    def check_auth(request: Request, *, read: bool = True) -> None:
-        # Reads also take the dashboard's session cookie; writes only the Bearer token.
-        why = auth.reader(request) if read else auth.bearer(request)
-        if why == "missing":
-            raise ApiError(401, "unauthorized", "missing Authorization: Bearer <project token>")
-        if why is not None:
-            raise ApiError(401, "unauthorized", "wrong project token")
 
-    async def read_body(request: Request, limit: int = max_body_bytes, hint: str = "") -> bytes:
-        hint = hint or "send smaller batches"
-        length = request.headers.get("content-length")
-        if length is not None and length.isdigit() and int(length) > limit:
-            raise ApiError(
-                413,
-                "body_too_large",
-                f"body of {length} bytes exceeds the limit of {limit} bytes; {hint}",
-                {"limit": limit},
-            )
-        chunks, size = [], 0
-        async for chunk in request.stream():
-            size += len(chunk)
-            if size > limit:
-                raise ApiError(
-                    413,
-                    "body_too_large",
-                    f"body exceeds the limit of {limit} bytes; {hint}",
-                    {"limit": limit},
-                )
-            chunks.append(chunk)
-        return b"".join(chunks)
+def _check_auth(auth: DashboardAuth, request: Request, *, read: bool = True) -> None:
+    # Reads also take the dashboard's session cookie; writes only the Bearer token.
+    why = auth.reader(request) if read else auth.bearer(request)
+    if why == "missing":
+        raise ApiError(401, "unauthorized", "missing Authorization: Bearer <project token>")
+    if why is not None:
+        raise ApiError(401, "unauthorized", "wrong project token")
 
-    @app.get("/healthz")
-    async def healthz():
-        return _json({"ok": True})
 
+def _too_large(message: str, limit: int) -> ApiError:
+    return ApiError(413, "body_too_large", message, {"limit": limit})
+
+
+async def _read_body(request: Request, limit: int, hint: str = "") -> bytes:
+    """The body, refused (413) as soon as it passes ``limit`` bytes: never held whole."""
+    hint = hint or "send smaller batches"
+    length = request.headers.get("content-length")
+    if length is not None and length.isdigit() and int(length) > limit:
+        raise _too_large(
+            f"body of {length} bytes exceeds the limit of {limit} bytes; {hint}", limit
+        )
+    chunks, size = [], 0
+    async for chunk in request.stream():
+        size += len(chunk)
+        if size > limit:
+            raise _too_large(f"body exceeds the limit of {limit} bytes; {hint}", limit)
+        chunks.append(chunk)
+    return b"".join(chunks)
+
+
+def _int_param(request: Request, name: str, default: int, lo: int, hi: int) -> int:
+    raw = request.query_params.get(name)
+    if raw is None:
+        return default
+    try:
+        value = int(raw)
+    except ValueError:
+        raise ApiError(
+            422, "validation_error", f"{name} must be an integer", {"field": name}
+        ) from None
+    if not lo <= value <= hi:
+        raise ApiError(422, "validation_error", f"{name} must be in [{lo}, {hi}]", {"field": name})
+    return value
+
+
+async def _in_thread(fn, *args, **kwargs):
+    return await anyio.to_thread.run_sync(lambda: fn(*args, **kwargs))
+
+
+def _install_ingest(app: FastAPI, store: MonitorStore, auth: DashboardAuth, limit: int) -> None:
     @app.post("/api/ingest/batch")
     async def ingest(request: Request):
-        check_auth(request, read=False)
-        body = await read_body(request)
+        _check_auth(auth, request, read=False)
+        body = await _read_body(request, limit)
         try:
             batch = _loads(body)
         except _JSON_ERRORS as exc:
@@ -173,94 +207,85 @@ def create_app(
             raise ApiError(422, "validation_error", str(exc), exc.details()) from None
         return _json(result)
 
-    def _int_param(request: Request, name: str, default: int, lo: int, hi: int) -> int:
-        raw = request.query_params.get(name)
-        if raw is None:
-            return default
-        try:
-            value = int(raw)
-        except ValueError:
-            raise ApiError(
-                422, "validation_error", f"{name} must be an integer", {"field": name}
-            ) from None
-        if not lo <= value <= hi:
-            raise ApiError(
-                422, "validation_error", f"{name} must be in [{lo}, {hi}]", {"field": name}
-            )
-        return value
 
-    async def _read(fn, *args, **kwargs):
-        return await anyio.to_thread.run_sync(lambda: fn(*args, **kwargs))
-
+def _install_trainings(app: FastAPI, read: MonitorReader, auth: DashboardAuth) -> None:
     @app.get("/api/trainings")
     async def trainings(request: Request):
-        check_auth(request)
+        _check_auth(auth, request)
         limit = _int_param(request, "limit", 50, 1, 1000)
         before = request.query_params.get("before_id")
         before_id = _int_param(request, "before_id", 0, 0, 2**62) if before else None
-        rows = await _read(store.list_trainings, limit=limit, before_id=before_id)
+        rows = await _in_thread(read.list_trainings, limit=limit, before_id=before_id)
         return _json({"trainings": rows})
 
     @app.get("/api/trainings/{training_id}")
     async def training(request: Request, training_id: int):
-        check_auth(request)
-        row = await _read(store.get_training, training_id)
+        _check_auth(auth, request)
+        row = await _in_thread(read.get_training, training_id)
         if row is None:
             raise ApiError(404, "not_found", f"no training with id {training_id}")
         return _json({"training": row})
 
-    async def _rollouts_of(request: Request, source: str, source_id: int):
-        check_auth(request)
-        limit = _int_param(request, "limit", 500, 1, 5000)
-        after_id = _int_param(request, "after_id", 0, 0, 2**62)
-        rows = await _read(store.list_rollouts, source, source_id, limit=limit, after_id=after_id)
-        if rows is None:
-            raise ApiError(404, "not_found", f"no {source} with id {source_id}")
-        return _json({"rollouts": rows})
-
-    @app.get("/api/steps/{step_id}/rollouts")
-    async def step_rollouts(request: Request, step_id: int):
-        return await _rollouts_of(request, "step", step_id)
-
-    @app.get("/api/evals/{eval_id}/rollouts")
-    async def eval_rollouts(request: Request, eval_id: int):
-        return await _rollouts_of(request, "eval", eval_id)
-
-    @app.get("/api/baselines/{baseline_id}/rollouts")
-    async def baseline_rollouts(request: Request, baseline_id: int):
-        return await _rollouts_of(request, "baseline", baseline_id)
-
-    @app.get("/api/rollouts/{rollout_id}")
-    async def rollout(request: Request, rollout_id: int):
-        check_auth(request)
-        row = await _read(store.get_rollout, rollout_id)
-        if row is None:
-            raise ApiError(404, "not_found", f"no rollout with id {rollout_id}")
-        return _json({"rollout": row})
-
     @app.get("/api/status-history/{entity_type}/{entity_id}")
     async def status_history(request: Request, entity_type: str, entity_id: int):
-        check_auth(request)
+        _check_auth(auth, request)
         try:
-            rows = await _read(store.status_history, entity_type, entity_id)
+            rows = await _in_thread(read.status_history, entity_type, entity_id)
         except ValueError as exc:
             raise ApiError(404, "not_found", str(exc)) from None
         return _json({"entity_type": entity_type, "entity_id": entity_id, "history": rows})
 
     @app.get("/api/task-outcomes")
     async def task_outcomes(request: Request):
-        check_auth(request)
+        _check_auth(auth, request)
         run_name = request.query_params.get("run_name", "")
         if not run_name:
             raise ApiError(422, "validation_error", "run_name is required", {"field": "run_name"})
         # A run not recorded yet has no outcomes (not a 404: that means a wrong URL).
-        training_id, rows = await _read(store.task_outcomes, run_name)
+        training_id, rows = await _in_thread(read.task_outcomes, run_name)
         return _json({"run_name": run_name, "training_id": training_id, "outcomes": rows})
 
+
+def _install_rollouts(app: FastAPI, read: MonitorReader, auth: DashboardAuth) -> None:
+    async def rollouts_of(request: Request, source: str, source_id: int):
+        _check_auth(auth, request)
+        limit = _int_param(request, "limit", 500, 1, 5000)
+        after_id = _int_param(request, "after_id", 0, 0, 2**62)
+        rows = await _in_thread(
+            read.list_rollouts, source, source_id, limit=limit, after_id=after_id
+        )
+        if rows is None:
+            raise ApiError(404, "not_found", f"no {source} with id {source_id}")
+        return _json({"rollouts": rows})
+
+    @app.get("/api/steps/{step_id}/rollouts")
+    async def step_rollouts(request: Request, step_id: int):
+        return await rollouts_of(request, "step", step_id)
+
+    @app.get("/api/evals/{eval_id}/rollouts")
+    async def eval_rollouts(request: Request, eval_id: int):
+        return await rollouts_of(request, "eval", eval_id)
+
+    @app.get("/api/baselines/{baseline_id}/rollouts")
+    async def baseline_rollouts(request: Request, baseline_id: int):
+        return await rollouts_of(request, "baseline", baseline_id)
+
+    @app.get("/api/rollouts/{rollout_id}")
+    async def rollout(request: Request, rollout_id: int):
+        _check_auth(auth, request)
+        row = await _in_thread(read.get_rollout, rollout_id)
+        if row is None:
+            raise ApiError(404, "not_found", f"no rollout with id {rollout_id}")
+        return _json({"rollout": row})
+
+
+def _install_screenshots(
+    app: FastAPI, screenshots: ScreenshotStore, auth: DashboardAuth, max_body_bytes: int
+) -> None:
     @app.put("/api/screenshots/{sha256}")
     async def put_screenshot(request: Request, sha256: str):
-        check_auth(request, read=False)
-        body = await read_body(
+        _check_auth(auth, request, read=False)
+        body = await _read_body(
             request,
             min(max_body_bytes, screenshots.max_image_bytes),
             "downscale the image (the recorder keeps the long edge at most 1024 px)",
@@ -277,7 +302,7 @@ def create_app(
 
     @app.get("/api/screenshots/{sha256}")
     async def get_screenshot(request: Request, sha256: str):
-        check_auth(request)
+        _check_auth(auth, request)
         found = await anyio.to_thread.run_sync(screenshots.get, sha256)
         if found is None:
             raise ApiError(404, "not_found", f"no screenshot {sha256[:64]}")
@@ -291,7 +316,3 @@ def create_app(
                 "X-Content-Type-Options": "nosniff",
             },
         )
-
-    if dashboard:
-        install_dashboard(app, store.path, auth, stale_after_s=stale_after_s)
-    return app

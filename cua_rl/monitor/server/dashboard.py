@@ -35,6 +35,7 @@ from fastapi import FastAPI, Request
 from fastapi.responses import FileResponse, HTMLResponse, RedirectResponse, Response
 from jinja2 import Environment, FileSystemLoader, select_autoescape
 
+from cua_rl.monitor.protocol import SOURCE_TYPES
 from cua_rl.monitor.server import views
 from cua_rl.monitor.server.read import MonitorReader
 
@@ -151,19 +152,15 @@ def _safe_next(value: str | None) -> str:
     return parts.path + (f"?{parts.query}" if parts.query else "")
 
 
-def install_dashboard(
-    app: FastAPI,
-    db_path: str | Path,
-    auth: DashboardAuth,
-    *,
-    stale_after_s: float = DEFAULT_STALE_AFTER_S,
-    refresh_s: float = DEFAULT_REFRESH_S,
-) -> None:
-    """Add the login, page and static routes to ``app`` (the API's app)."""
-    env = _environment()
-    db_path = Path(db_path)
-    read = MonitorReader(db_path)
+class _Pages:
+    """What every page route shares: the templates, the auth guard and the timed render."""
 
+    def __init__(self, auth: DashboardAuth, refresh_s: float):
+        self.env = _environment()
+        self.auth = auth
+        self.refresh_s = refresh_s
+
+    @staticmethod
     def html(body: str, status: int = 200, headers: dict | None = None) -> HTMLResponse:
         return HTMLResponse(
             body,
@@ -178,26 +175,26 @@ def install_dashboard(
         )
 
     def login_page(
-        request: Request, error: str | None = None, status: int = 200, nxt: str | None = None
+        self, request: Request, error: str | None = None, status: int = 200, nxt: str | None = None
     ) -> Response:
         nxt = nxt or _safe_next(request.query_params.get("next"))
-        body = env.get_template("login.html").render(error=error, next=nxt)
-        return html(body, status)
+        body = self.env.get_template("login.html").render(error=error, next=nxt)
+        return self.html(body, status)
 
-    def guard(request: Request) -> Response | None:
-        why = auth.reader(request)
+    def guard(self, request: Request) -> Response | None:
+        why = self.auth.reader(request)
         if why is None:
             return None
         if request.headers.get("x-live") or why == "wrong":
             # A script's poll, or a wrong Bearer token: an answer, not a redirect.
-            return login_page(request, "wrong token" if why == "wrong" else None, 401)
+            return self.login_page(request, "wrong token" if why == "wrong" else None, 401)
         target = request.url.path + (f"?{request.url.query}" if request.url.query else "")
         return RedirectResponse(f"/login?next={quote(target, safe='')}", status_code=303)
 
     async def render(
-        request: Request, template: str, build: Callable[[], dict | None], title: str
+        self, request: Request, template: str, build: Callable[[], dict | None], title: str
     ) -> Response:
-        denied = guard(request)
+        denied = self.guard(request)
         if denied is not None:
             return denied
 
@@ -206,11 +203,11 @@ def install_dashboard(
             ctx = build()
             if ctx is None:
                 return None, (time.perf_counter() - t0) * 1000
-            out = env.get_template(template).render(
+            out = self.env.get_template(template).render(
                 **ctx,
                 title=title,
-                auth_on=auth.enabled,
-                refresh_ms=int(refresh_s * 1000),
+                auth_on=self.auth.enabled,
+                refresh_ms=int(self.refresh_s * 1000),
                 path=request.url.path,
             )
             return out, (time.perf_counter() - t0) * 1000
@@ -218,20 +215,39 @@ def install_dashboard(
         body, ms = await anyio.to_thread.run_sync(work)
         timing = {"Server-Timing": f"render;dur={ms:.2f}"}
         if body is None:
-            page = env.get_template("not_found.html").render(
-                title="Not found", auth_on=auth.enabled
+            page = self.env.get_template("not_found.html").render(
+                title="Not found", auth_on=self.auth.enabled
             )
-            return html(page, 404, timing)
-        return html(body, 200, timing)
+            return self.html(page, 404, timing)
+        return self.html(body, 200, timing)
 
-    def now() -> datetime:
-        return datetime.now(UTC)
+
+def install_dashboard(
+    app: FastAPI,
+    db_path: str | Path,
+    auth: DashboardAuth,
+    *,
+    stale_after_s: float = DEFAULT_STALE_AFTER_S,
+    refresh_s: float = DEFAULT_REFRESH_S,
+) -> None:
+    """Add the login, page and static routes to ``app`` (the API's app)."""
+    pages = _Pages(auth, refresh_s)
+    read = MonitorReader(Path(db_path))
+    app.router.on_shutdown.append(read.close)
+    _install_login(app, pages)
+    _install_training_pages(app, pages, read, stale_after_s)
+    _install_rollout_pages(app, pages, read)
+    _install_static(app, pages)
+
+
+def _install_login(app: FastAPI, pages: _Pages) -> None:
+    auth = pages.auth
 
     @app.get("/login")
     async def login_form(request: Request):
         if auth.reader(request) is None:
             return RedirectResponse(_safe_next(request.query_params.get("next")), status_code=303)
-        return login_page(request)
+        return pages.login_page(request)
 
     @app.post("/login")
     async def login(request: Request):
@@ -239,14 +255,14 @@ def install_dashboard(
         async for chunk in request.stream():
             raw += chunk
             if len(raw) > 8192:  # a token form is a few hundred bytes
-                return login_page(request, "request too large", 413)
+                return pages.login_page(request, "request too large", 413)
         form = parse_qs(raw.decode(errors="replace"))
         token = (form.get("token") or [""])[0].strip()
         nxt = _safe_next((form.get("next") or ["/"])[0])
         if not auth.enabled:
             return RedirectResponse(nxt, status_code=303)
         if not auth.token_ok(token):
-            return login_page(request, "wrong token", 401, nxt)
+            return pages.login_page(request, "wrong token", 401, nxt)
         resp = RedirectResponse(nxt, status_code=303)
         resp.set_cookie(
             SESSION_COOKIE,
@@ -264,58 +280,69 @@ def install_dashboard(
         resp.delete_cookie(SESSION_COOKIE, path="/")
         return resp
 
+
+def _now() -> datetime:
+    return datetime.now(UTC)
+
+
+def _install_training_pages(
+    app: FastAPI, pages: _Pages, read: MonitorReader, stale_after_s: float
+) -> None:
     @app.get("/")
     async def trainings_index(request: Request):
-        return await render(
+        return await pages.render(
             request,
             "trainings.html",
-            lambda: views.trainings_page(read, now=now(), stale_after_s=stale_after_s),
+            lambda: views.trainings_page(read, now=_now(), stale_after_s=stale_after_s),
             "Trainings",
         )
 
     @app.get("/trainings/{training_id}")
     async def training_detail(request: Request, training_id: int):
         def build():
-            ctx = views.training_page(read, training_id, now=now(), stale_after_s=stale_after_s)
+            ctx = views.training_page(read, training_id, now=_now(), stale_after_s=stale_after_s)
             if ctx is not None:
                 ctx["history"] = views.status_history(read, "training", training_id)
             return ctx
 
-        return await render(request, "training.html", build, f"Training {training_id}")
+        return await pages.render(request, "training.html", build, f"Training {training_id}")
 
-    for kind in ("step", "eval", "baseline"):
 
-        def make(kind: str):
-            async def source_detail(request: Request, source_id: int):
-                def build():
-                    ctx = views.source_page(read, kind, source_id)
-                    if ctx is not None:
-                        ctx["history"] = views.status_history(read, kind, source_id)
-                    return ctx
+def _install_rollout_pages(app: FastAPI, pages: _Pages, read: MonitorReader) -> None:
+    def make(kind: str):
+        async def source_detail(request: Request, source_id: int):
+            def build():
+                ctx = views.source_page(read, kind, source_id)
+                if ctx is not None:
+                    ctx["history"] = views.status_history(read, kind, source_id)
+                return ctx
 
-                return await render(request, "source.html", build, f"{kind.title()} {source_id}")
+            return await pages.render(request, "source.html", build, f"{kind.title()} {source_id}")
 
-            return source_detail
+        return source_detail
 
+    for kind in SOURCE_TYPES:
         app.add_api_route(f"/{kind}s/{{source_id}}", make(kind), methods=["GET"])
 
     @app.get("/rollouts/{rollout_id}")
     async def rollout_detail(request: Request, rollout_id: int):
-        return await render(
+        return await pages.render(
             request, "rollout.html", lambda: views.rollout_page(read, rollout_id), "Rollout"
         )
 
+
+def _install_static(app: FastAPI, pages: _Pages) -> None:
     static_files = {p.name: p for p in STATIC.iterdir() if p.is_file()}
     media = {".js": "text/javascript", ".css": "text/css", ".txt": "text/plain"}
 
     @app.get("/static/{name}")
     async def static(request: Request, name: str):
-        denied = guard(request)
+        denied = pages.guard(request)
         if denied is not None:
             return denied
         path = static_files.get(name)
         if path is None:
-            return html("not found", 404)
+            return pages.html("not found", 404)
         return FileResponse(
             path,
             media_type=media.get(path.suffix, "application/octet-stream"),
