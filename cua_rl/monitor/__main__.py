@@ -22,7 +22,7 @@ from cua_rl.monitor.server.screenshots import (
 USAGE = "usage: python -m cua_rl.monitor serve --db PATH [--host H] [--port N] [--token T]"
 
 
-def main(argv: list[str] | None = None) -> int:
+def _parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="python -m cua_rl.monitor", description=__doc__)
     sub = parser.add_subparsers(dest="command", required=True)
     serve = sub.add_parser("serve", help="serve the ingest API and the dashboard reads")
@@ -66,7 +66,11 @@ def main(argv: list[str] | None = None) -> int:
         f"(default {DEFAULT_STALE_AFTER_S:.0f})",
     )
     serve.add_argument("--log-level", default="warning", help="uvicorn log level")
-    args = parser.parse_args(argv)
+    return parser
+
+
+def _check(parser: argparse.ArgumentParser, args: argparse.Namespace) -> int:
+    """The screenshot retention in bytes, after refusing values that cannot work."""
 
     if args.max_body_bytes < 1024:
         parser.error("--max-body-bytes must be at least 1024")
@@ -79,6 +83,13 @@ def main(argv: list[str] | None = None) -> int:
         )
     if args.stale_after_s <= 0:
         parser.error("--stale-after-s must be > 0")
+    return retention
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = _parser()
+    args = parser.parse_args(argv)
+    retention = _check(parser, args)
     import uvicorn
 
     from cua_rl.monitor.server.app import create_app
