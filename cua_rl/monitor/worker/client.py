@@ -19,10 +19,7 @@ from __future__ import annotations
 import asyncio
 import collections
 import json
-import os
-import tempfile
 import threading
-from dataclasses import dataclass, field
 from datetime import UTC, datetime
 from pathlib import Path
 from typing import Any
@@ -30,7 +27,6 @@ from typing import Any
 import httpx
 
 from cua_rl.aio import within
-from cua_rl.errors import ConfigError
 from cua_rl.logs import get_logger
 from cua_rl.monitor.protocol import (
     RECORD_KINDS,
@@ -38,6 +34,8 @@ from cua_rl.monitor.protocol import (
     eval_client_id,
     step_client_id,
 )
+from cua_rl.monitor.worker.settings import MonitorClientConfig, MonitorCounters
+from cua_rl.monitor.worker.spool import append_line, drop_prefix, read_lines
 from cua_rl.monitor.worker.uploader import PreparedScreenshot, ScreenshotUploader
 
 log = get_logger(__name__)
@@ -67,109 +65,6 @@ except ImportError:  # pragma: no cover - depends on the environment
 
     def _dumps(obj: Any) -> bytes:
         return json.dumps(obj, separators=(",", ":"), default=str).encode()
-
-
-@dataclass
-class MonitorClientConfig:
-    base_url: str = field(
-        default="",
-        metadata={
-            "help": "Monitor base URL, e.g. http://127.0.0.1:8765 (default: $MONITOR_BASE_URL)"
-        },
-    )
-    token: str | None = field(
-        default=None,
-        metadata={"help": "Project token sent as Bearer (default: $MONITOR_PROJECT_TOKEN)"},
-    )
-    batch_max_records: int = field(
-        default=500, metadata={"help": "Most records in one POST; larger queues are split"}
-    )
-    flush_interval_s: float = field(
-        default=0.25,
-        metadata={"help": "Longest a record waits in the queue before a (partial) batch is sent"},
-    )
-    max_queue_records: int = field(
-        default=200_000,
-        metadata={
-            "help": "Records held in memory; beyond this new records are dropped and counted"
-        },
-    )
-    request_timeout_s: float = field(default=10.0, metadata={"help": "Timeout of one POST"})
-    max_retries: int = field(
-        default=3, metadata={"help": "Retries of one batch before it is spooled"}
-    )
-    backoff_initial_s: float = field(default=0.2, metadata={"help": "First retry delay"})
-    backoff_max_s: float = field(default=5.0, metadata={"help": "Largest retry delay"})
-    replay_interval_s: float = field(
-        default=2.0,
-        metadata={
-            "help": "How often a non-empty spool is retried while the monitor is unreachable"
-        },
-    )
-    spool_path: str | None = field(
-        default=None,
-        metadata={
-            "help": "JSONL spool for batches the monitor could not take; replayed later, also by a "
-            "new client on the same path (default: a per-process file in the temp dir)"
-        },
-    )
-
-    max_screenshot_queue_bytes: int = field(
-        default=64 * 1024 * 1024,
-        metadata={
-            "help": "Bytes of screenshots waiting for upload; beyond this new ones are dropped "
-            "and counted (the observation keeps its reference)"
-        },
-    )
-
-    def __post_init__(self):
-        # FACTS §3: clients read these from the environment when not configured.
-        self.base_url = self.base_url or os.environ.get("MONITOR_BASE_URL", "")
-        if self.token is None:
-            self.token = os.environ.get("MONITOR_PROJECT_TOKEN") or None
-        if not self.base_url or not self.base_url.startswith(("http://", "https://")):
-            raise ConfigError(
-                f"monitor base_url must be an http(s) URL, got {self.base_url!r}; set "
-                "MONITOR_BASE_URL or pass base_url"
-            )
-        self.base_url = self.base_url.rstrip("/")
-        for name in ("batch_max_records", "max_queue_records", "max_screenshot_queue_bytes"):
-            if getattr(self, name) < 1:
-                raise ConfigError(f"monitor {name} must be >= 1, got {getattr(self, name)}")
-        if self.max_retries < 0:
-            raise ConfigError(f"monitor max_retries must be >= 0, got {self.max_retries}")
-        for name in (
-            "flush_interval_s",
-            "request_timeout_s",
-            "backoff_initial_s",
-            "backoff_max_s",
-            "replay_interval_s",
-        ):
-            if getattr(self, name) <= 0:
-                raise ConfigError(f"monitor {name} must be > 0, got {getattr(self, name)}")
-        if self.spool_path is None:
-            self.spool_path = os.path.join(
-                tempfile.gettempdir(), f"cua-rl-monitor-spool-{os.getpid()}.jsonl"
-            )
-
-    @classmethod
-    def from_env(cls, **overrides: Any) -> MonitorClientConfig:
-        overrides.setdefault("base_url", os.environ.get("MONITOR_BASE_URL", ""))
-        overrides.setdefault("token", os.environ.get("MONITOR_PROJECT_TOKEN") or None)
-        return cls(**overrides)
-
-
-@dataclass
-class MonitorCounters:
-    sent: int = 0
-    retried: int = 0
-    spooled: int = 0
-    replayed: int = 0
-    dropped: int = 0
-    last_error: str | None = None
-
-    def as_dict(self) -> dict[str, Any]:
-        return dict(self.__dict__)
 
 
 def _ref(name: str, value: int | str) -> dict[str, Any]:
@@ -525,7 +420,7 @@ class MonitorClient:
             return
         line = _dumps(batch) + b"\n"
         try:
-            await asyncio.to_thread(_append, self._spool, line)
+            await asyncio.to_thread(append_line, self._spool, line)
         except OSError as exc:
             self.counters.dropped += _count(batch)
             self.counters.last_error = f"spool write failed: {exc}"
@@ -540,7 +435,7 @@ class MonitorClient:
         if self._loop.time() < self._next_replay and not self._closing:
             return
         self._next_replay = self._loop.time() + self.config.replay_interval_s
-        lines = await asyncio.to_thread(_read_lines, self._spool)
+        lines = await asyncio.to_thread(read_lines, self._spool)
         done = 0
         for line in lines:
             try:
@@ -559,7 +454,7 @@ class MonitorClient:
             self.counters.replayed += self.counters.sent - sent_before
             done += 1
         # Only the replayed prefix goes; lines appended meanwhile stay, in order.
-        remaining = await asyncio.to_thread(_drop_prefix, self._spool, done)
+        remaining = await asyncio.to_thread(drop_prefix, self._spool, done)
         self._spool_pending = remaining > 0
 
 
@@ -580,29 +475,3 @@ def _split(batch: dict[str, Any]) -> tuple[dict[str, Any], dict[str, Any]]:
         else:
             target.setdefault(k, []).append(r)
     return out
-
-
-def _append(path: Path, line: bytes) -> None:
-    path.parent.mkdir(parents=True, exist_ok=True)
-    with open(path, "ab") as f:
-        f.write(line)
-        f.flush()
-        os.fsync(f.fileno())
-
-
-def _read_lines(path: Path) -> list[str]:
-    try:
-        return [ln for ln in path.read_text().splitlines() if ln.strip()]
-    except FileNotFoundError:
-        return []
-
-
-def _drop_prefix(path: Path, n: int) -> int:
-    lines = _read_lines(path)[n:]
-    if not lines:
-        path.unlink(missing_ok=True)
-        return 0
-    tmp = path.with_suffix(path.suffix + ".tmp")
-    tmp.write_text("".join(ln + "\n" for ln in lines))
-    os.replace(tmp, path)
-    return len(lines)

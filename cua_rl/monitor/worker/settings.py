@@ -1,0 +1,117 @@
+"""The monitor client's settings (``MonitorClientConfig``) and its counters.
+
+Every field is documented and checked in ``__post_init__``; ``MONITOR_BASE_URL`` and
+``MONITOR_PROJECT_TOKEN`` fill the URL and the token when they are not given.
+"""
+
+from __future__ import annotations
+
+import os
+import tempfile
+from dataclasses import dataclass, field
+from typing import Any
+
+from cua_rl.errors import ConfigError
+
+
+@dataclass
+class MonitorClientConfig:
+    base_url: str = field(
+        default="",
+        metadata={
+            "help": "Monitor base URL, e.g. http://127.0.0.1:8765 (default: $MONITOR_BASE_URL)"
+        },
+    )
+    token: str | None = field(
+        default=None,
+        metadata={"help": "Project token sent as Bearer (default: $MONITOR_PROJECT_TOKEN)"},
+    )
+    batch_max_records: int = field(
+        default=500, metadata={"help": "Most records in one POST; larger queues are split"}
+    )
+    flush_interval_s: float = field(
+        default=0.25,
+        metadata={"help": "Longest a record waits in the queue before a (partial) batch is sent"},
+    )
+    max_queue_records: int = field(
+        default=200_000,
+        metadata={
+            "help": "Records held in memory; beyond this new records are dropped and counted"
+        },
+    )
+    request_timeout_s: float = field(default=10.0, metadata={"help": "Timeout of one POST"})
+    max_retries: int = field(
+        default=3, metadata={"help": "Retries of one batch before it is spooled"}
+    )
+    backoff_initial_s: float = field(default=0.2, metadata={"help": "First retry delay"})
+    backoff_max_s: float = field(default=5.0, metadata={"help": "Largest retry delay"})
+    replay_interval_s: float = field(
+        default=2.0,
+        metadata={
+            "help": "How often a non-empty spool is retried while the monitor is unreachable"
+        },
+    )
+    spool_path: str | None = field(
+        default=None,
+        metadata={
+            "help": "JSONL spool for batches the monitor could not take; replayed later, also by a "
+            "new client on the same path (default: a per-process file in the temp dir)"
+        },
+    )
+
+    max_screenshot_queue_bytes: int = field(
+        default=64 * 1024 * 1024,
+        metadata={
+            "help": "Bytes of screenshots waiting for upload; beyond this new ones are dropped "
+            "and counted (the observation keeps its reference)"
+        },
+    )
+
+    def __post_init__(self):
+        # Clients read these from the environment when not configured.
+        self.base_url = self.base_url or os.environ.get("MONITOR_BASE_URL", "")
+        if self.token is None:
+            self.token = os.environ.get("MONITOR_PROJECT_TOKEN") or None
+        if not self.base_url or not self.base_url.startswith(("http://", "https://")):
+            raise ConfigError(
+                f"monitor base_url must be an http(s) URL, got {self.base_url!r}; set "
+                "MONITOR_BASE_URL or pass base_url"
+            )
+        self.base_url = self.base_url.rstrip("/")
+        for name in ("batch_max_records", "max_queue_records", "max_screenshot_queue_bytes"):
+            if getattr(self, name) < 1:
+                raise ConfigError(f"monitor {name} must be >= 1, got {getattr(self, name)}")
+        if self.max_retries < 0:
+            raise ConfigError(f"monitor max_retries must be >= 0, got {self.max_retries}")
+        for name in (
+            "flush_interval_s",
+            "request_timeout_s",
+            "backoff_initial_s",
+            "backoff_max_s",
+            "replay_interval_s",
+        ):
+            if getattr(self, name) <= 0:
+                raise ConfigError(f"monitor {name} must be > 0, got {getattr(self, name)}")
+        if self.spool_path is None:
+            self.spool_path = os.path.join(
+                tempfile.gettempdir(), f"cua-rl-monitor-spool-{os.getpid()}.jsonl"
+            )
+
+    @classmethod
+    def from_env(cls, **overrides: Any) -> MonitorClientConfig:
+        overrides.setdefault("base_url", os.environ.get("MONITOR_BASE_URL", ""))
+        overrides.setdefault("token", os.environ.get("MONITOR_PROJECT_TOKEN") or None)
+        return cls(**overrides)
+
+
+@dataclass
+class MonitorCounters:
+    sent: int = 0
+    retried: int = 0
+    spooled: int = 0
+    replayed: int = 0
+    dropped: int = 0
+    last_error: str | None = None
+
+    def as_dict(self) -> dict[str, Any]:
+        return dict(self.__dict__)
