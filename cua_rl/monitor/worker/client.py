@@ -213,7 +213,7 @@ class MonitorClient:
         return len(self._queue)
 
     # ------------------------------------------------------------------ training-level records
-    # Helpers for the trainer: each queues one record with the FACTS §3 client id and returns
+    # Helpers for the trainer: each queues one record with its protocol.py client id and returns
     # that id, which later records (and MonitorContext) use as the reference. ``training`` may be
     # the training's server id (int) or its client id (the run name, str).
 
