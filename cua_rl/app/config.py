@@ -16,7 +16,8 @@ from urllib.parse import urlsplit
 from areal.api.cli_args import GRPOConfig, vLLMConfig
 
 from cua_rl.app.failfast import FailFastConfig
-from cua_rl.areal.logits import LogitsConfig, check_areal_version
+from cua_rl.areal.logits import LogitsConfig
+from cua_rl.areal.support import check_areal_version
 from cua_rl.curriculum.selector import CurriculumConfig
 from cua_rl.errors import ConfigError
 from cua_rl.gateway.config import GatewayConfig, Sampling

@@ -29,6 +29,7 @@ import httpx
 from cua_rl.app.config import CUAConfig
 from cua_rl.app.failfast import RejectionWatch, advice_for
 from cua_rl.areal.hooks import TrainerHooks
+from cua_rl.areal.support import check_areal
 from cua_rl.errors import AgentError, ConfigError, CuaRlError, GymError
 from cua_rl.genv import GenvClient
 from cua_rl.logs import get_logger
@@ -547,6 +548,12 @@ def main(argv: list[str] | None = None) -> int:
         return 2
     if check:
         return run_check(config)
+    try:
+        # Every AReaL internal the run will override or wrap, looked up before it starts.
+        check_areal()
+    except ConfigError as exc:
+        print(f"AReaL error: {exc}", file=sys.stderr)
+        return 2
     signal.signal(signal.SIGTERM, _terminate_like_ctrl_c)
     signal.signal(signal.SIGUSR1, _raise_systematic)
     # A process started in the background by a non-interactive shell inherits SIGINT ignored.
