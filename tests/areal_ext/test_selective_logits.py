@@ -20,8 +20,8 @@ import pytest
 import torch
 
 from cua_rl.areal import logits as sel
-from cua_rl.areal import support
 from cua_rl.areal import logits_engine as eng
+from cua_rl.areal import support
 from cua_rl.errors import ConfigError
 
 REPO = Path(__file__).resolve().parents[2]

@@ -9,7 +9,9 @@ ROOT = Path(__file__).resolve().parents[2]
 
 
 def _checker():
-    spec = importlib.util.spec_from_file_location("import_cycles", ROOT / "scripts/import_cycles.py")
+    spec = importlib.util.spec_from_file_location(
+        "import_cycles", ROOT / "scripts/import_cycles.py"
+    )
     module = importlib.util.module_from_spec(spec)
     spec.loader.exec_module(module)
     return module
