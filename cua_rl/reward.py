@@ -28,6 +28,7 @@ from collections.abc import Callable, Iterable, Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
+from cua_rl.core.reasons import Reason
 from cua_rl.errors import ConfigError, RejectedEpisode
 
 # ---- verdict --------------------------------------------------------------------------------
@@ -93,14 +94,14 @@ def verdict_from_evaluation(answer: Any) -> Verdict:
     if not isinstance(answer, Mapping) and isinstance(raw, Mapping):
         answer = raw
     if not isinstance(answer, Mapping):
-        raise RejectedEpisode("no_verdict", f"evaluation answer is {type(answer).__name__}")
+        raise RejectedEpisode(Reason.NO_VERDICT, f"evaluation answer is {type(answer).__name__}")
     obj, where = _verdict_object(answer)
     if obj is None:
         if answer.get("success") is False:
             detail = answer.get("detail") or answer.get("error") or "evaluate reported failure"
-            raise RejectedEpisode("evaluation_failed", str(detail)[:300])
+            raise RejectedEpisode(Reason.EVALUATION_FAILED, str(detail)[:300])
         raise RejectedEpisode(
-            "no_verdict", "answer has no result / final_result / evaluation_result object"
+            Reason.NO_VERDICT, "answer has no result / final_result / evaluation_result object"
         )
     success = obj.get("success") if isinstance(obj.get("success"), bool) else None
     score = _number(obj.get("score"))
@@ -112,7 +113,7 @@ def verdict_from_evaluation(answer: Any) -> Verdict:
     cs = _checks_score(checks)
     if cs is not None:
         return Verdict(cs, None, "validators")
-    raise RejectedEpisode("no_verdict", f"{where} has no score, success or validators")
+    raise RejectedEpisode(Reason.NO_VERDICT, f"{where} has no score, success or validators")
 
 
 # ---- episode facts for shaping -------------------------------------------------------------

@@ -20,6 +20,7 @@ from dataclasses import dataclass, field
 from datetime import UTC, datetime
 from typing import Any
 
+from cua_rl.core.reasons import Reason
 from cua_rl.errors import RejectedEpisode
 
 # Action names an agent uses when the model's reply could not be turned into an action.
@@ -80,12 +81,12 @@ def load_event_log(obj: Any) -> list[dict]:
         try:
             obj = json.loads(obj)
         except ValueError as exc:
-            raise RejectedEpisode("malformed_events", f"event log is not JSON: {exc}") from exc
+            raise RejectedEpisode(Reason.MALFORMED_EVENTS, f"event log is not JSON: {exc}") from exc
     if isinstance(obj, Mapping):
         obj = obj.get("events")
     if not isinstance(obj, list):
         raise RejectedEpisode(
-            "malformed_events", "expected a list of events or an object with an 'events' list"
+            Reason.MALFORMED_EVENTS, "expected a list of events or an object with an 'events' list"
         )
     return obj
 
@@ -93,7 +94,7 @@ def load_event_log(obj: Any) -> list[dict]:
 def _step_of(ev: Mapping, i: int) -> int:
     step = ev.get("step", ev.get("turn"))
     if isinstance(step, bool) or not isinstance(step, int | float) or step != int(step):
-        raise RejectedEpisode("malformed_events", f"event {i} ({ev.get('type')}) has no step")
+        raise RejectedEpisode(Reason.MALFORMED_EVENTS, f"event {i} ({ev.get('type')}) has no step")
     return int(step)
 
 
@@ -127,7 +128,9 @@ def dedupe_events(events: Iterable[Any]) -> tuple[list[dict], int]:
     dups = 0
     for i, ev in enumerate(events):
         if not isinstance(ev, Mapping) or not isinstance(ev.get("type"), str):
-            raise RejectedEpisode("malformed_events", f"event {i} is not an object with a type")
+            raise RejectedEpisode(
+                Reason.MALFORMED_EVENTS, f"event {i} is not an object with a type"
+            )
         key = (ev["type"], str(ev.get("ts")), ev.get("step", ev.get("turn")), ev.get("actionIndex"))
         if key in seen:
             dups += 1
@@ -169,7 +172,7 @@ def image_urls_of(messages: Sequence[Any] | None) -> list[str]:
             else:
                 continue
             if not isinstance(url, str) or not url:
-                raise RejectedEpisode("malformed_events", f"image part without a URL: {kind}")
+                raise RejectedEpisode(Reason.MALFORMED_EVENTS, f"image part without a URL: {kind}")
             urls.append(url)
     return urls
 
@@ -281,7 +284,7 @@ def events_to_turns(events: Any) -> ParsedEvents:
             action = ev.get("action")
             if not isinstance(action, Mapping):
                 raise RejectedEpisode(
-                    "malformed_events", f"action_executed event {i} has no action"
+                    Reason.MALFORMED_EVENTS, f"action_executed event {i} has no action"
                 )
             actions.setdefault(step, []).append(ev)
         else:
@@ -290,7 +293,7 @@ def events_to_turns(events: Any) -> ParsedEvents:
         step_calls, step_outs = calls.get(step, []), outputs.get(step, [])
         if len(step_outs) > len(step_calls):
             raise RejectedEpisode(
-                "malformed_events",
+                Reason.MALFORMED_EVENTS,
                 f"step {step} has {len(step_outs)} outputs for {len(step_calls)} model calls",
             )
         parsed.incomplete_turns += len(step_calls) - len(step_outs)

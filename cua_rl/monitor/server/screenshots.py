@@ -18,8 +18,6 @@ was sent under. A ``screenshot`` table (migration 2) records size, type and time
 from __future__ import annotations
 
 import asyncio
-import base64
-import binascii
 import collections
 import hashlib
 import io
@@ -34,6 +32,7 @@ from typing import Any
 
 import httpx
 
+from cua_rl.core.images import decode_data_url, sniff_mime
 from cua_rl.errors import CuaRlError
 from cua_rl.logs import get_logger
 from cua_rl.monitor.server.migrations import connect
@@ -56,17 +55,6 @@ class ScreenshotError(CuaRlError, ValueError):
     def __init__(self, code: str, message: str):
         super().__init__(message)
         self.code = code
-
-
-def sniff_mime(data: bytes) -> str | None:
-    """The image type by its magic bytes; None for anything else."""
-    if data.startswith(b"\x89PNG\r\n\x1a\n"):
-        return "image/png"
-    if data.startswith(b"\xff\xd8\xff"):
-        return "image/jpeg"
-    if len(data) >= 12 and data[:4] == b"RIFF" and data[8:12] == b"WEBP":
-        return "image/webp"
-    return None
 
 
 def screenshot_uri(sha256: str) -> str:
@@ -109,16 +97,6 @@ class PreparedScreenshot:
             "source_height": self.source_height,
             "image_bytes": len(self.data),
         }
-
-
-def decode_data_url(url: str) -> bytes:
-    header, sep, payload = url.partition(",")
-    if not sep or not header.startswith("data:image/") or not header.endswith(";base64"):
-        raise ScreenshotError("not_an_image", f"not a base64 image data URL: {header[:40]!r}")
-    try:
-        return base64.b64decode(payload, validate=True)
-    except (binascii.Error, ValueError) as exc:
-        raise ScreenshotError("not_an_image", f"bad base64 in data URL: {exc}") from exc
 
 
 def prepare_screenshot(
