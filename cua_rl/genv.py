@@ -1,6 +1,6 @@
 """Client for the gym server ("genv"): one async method per endpoint, and a safe execution scope.
 
-Wire format: FACTS §1. Base URL ``{base_url}/api/v1/{gym_id}``.
+Wire format: docs/design.md, the gym server. Base URL ``{base_url}/api/v1/{gym_id}``.
 
 Leak safety is the point of this module, because the real server leaks boxes when terminate is
 skipped and has no status endpoint to find an execution later:
@@ -193,7 +193,8 @@ def _flag(v: Any, what: str, raw: Any) -> bool | None:
 
 
 def parse_evaluation(data: Any) -> EvaluationResult:
-    """Parse every evaluate shape of FACTS §1; an answer with no verdict at all is a ``GymError``.
+    """Parse every evaluate shape (docs/design.md, the gym server); an answer with no verdict
+    at all is a ``GymError``.
 
     Shapes: ``{"success", "result": {...}}``, older ``{"final_result": {"checks": [...]}}`` and
     ``{"evaluation_result": {"final_result": {...}}}``. Nothing is defaulted: a missing score

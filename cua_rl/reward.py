@@ -1,6 +1,6 @@
 """Evaluation answer -> reward, with explicit semantics, and composable shaping transforms.
 
-Semantics (DESIGN decision 5): the verdict lives in ``result`` (``score``, ``success``,
+Semantics (docs/design.md, decision 5): the verdict lives in ``result`` (``score``, ``success``,
 ``validators``), or, from older gym servers, in ``final_result`` (with ``checks``) or
 ``evaluation_result.final_result``. A numeric ``score`` wins and a real 0 stays 0; without one,
 ``success`` gives 1/0; without either, the weighted validator/check scores decide. The top-level

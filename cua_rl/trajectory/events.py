@@ -1,6 +1,6 @@
 """Agent event log -> turns: one :class:`Turn` per model call, with exactly what was sampled.
 
-The gbox-mini-agent event log (FACTS §2) interleaves ``model_call`` (the OpenAI request),
+The agent's event log (docs/design.md, the agent) interleaves ``model_call`` (the OpenAI request),
 ``model_output`` (the whole chat-completion response) and ``action_executed`` events, each with a
 1-based ``step``. A turn pairs the n-th call of a step with the n-th output of the same step and
 takes its token data from vLLM's fields only: top-level ``prompt_token_ids``,

@@ -1,9 +1,10 @@
 """Turns -> one AReaL training row, merged only where the multi-turn prefix property holds.
 
-The row is built from the ids the model saw and sampled (DESIGN decision 1). Turn t joins the
-running row when its prompt ids start with the row so far (turn t-1's prompt + output); then the
-row becomes turn t's prompt + output, and every earlier turn's output keeps its position, so its
-loss mask, logprobs and version can be laid on the final ids. When the property breaks, the break
+The row is built from the ids the model saw and sampled (docs/design.md, decision 1). Turn t
+joins the running row when its prompt ids start with the row so far (turn t-1's prompt +
+output); then the row becomes turn t's prompt + output, and every earlier turn's output keeps its
+position, so its loss mask, logprobs and version can be laid on the final ids. The row's keys,
+dtypes and shapes are the contract in ``cua_rl.core.row``, checked before a row is returned. When the property breaks, the break
 is counted and a new segment starts; the config then trains the last segment or rejects the
 episode, so a row never mixes contexts. The images of the row are those of its last prompt (an
 append-only history carries every earlier screenshot); their pad-token runs in the prompt ids must

@@ -1,4 +1,4 @@
-"""The monitor's HTTP API: ``POST /api/ingest/batch`` (FACTS §3), the dashboard's reads, the
+"""The monitor's HTTP API: ``POST /api/ingest/batch`` (docs/design.md), the dashboard's reads, the
 screenshot store (``PUT``/``GET /api/screenshots/<sha256>``) and the dashboard pages.
 
 Every error, from any layer (auth, body limit, JSON, validation, routing), has one shape:

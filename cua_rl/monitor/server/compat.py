@@ -1,6 +1,6 @@
 """The existing Training Monitor clients' dialect, read onto the seed schema.
 
-The clients that posted to the Training Monitor before this project (FACTS §3) send records the
+The clients that posted to the Training Monitor before this project (docs/design.md) send records the
 seed schema alone would refuse: a training without ``log_path`` / ``model_name``, a training
 update that names only its ``training_id``, status words outside the seed's vocabularies, an
 environment before its rollout (the rollout then names it by ``env_id``), and a few fields under

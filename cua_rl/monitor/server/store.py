@@ -6,7 +6,7 @@ observations, validations), so a record may reference one sent earlier in the sa
 record rolls the whole batch back and raises :class:`IngestValidationError` naming the array,
 the record's index and the field.
 
-Idempotency: every row gets a client id (sent, or derived: the FACTS §3 formats for entities
+Idempotency: every row gets a client id (sent, or derived: the formats of docs/design.md for entities
 that have a natural key, a content hash plus occurrence number for actions, observations,
 validations, validators and baselines sent without one). ``client_key`` maps it to the row id;
 a record whose client id is known updates only the fields it carries.

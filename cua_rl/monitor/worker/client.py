@@ -130,7 +130,7 @@ class MonitorClientConfig:
     )
 
     def __post_init__(self):
-        # FACTS §3: clients read these from the environment when not configured.
+        # As earlier clients do (docs/design.md): from the environment when not configured.
         self.base_url = self.base_url or os.environ.get("MONITOR_BASE_URL", "")
         if self.token is None:
             self.token = os.environ.get("MONITOR_PROJECT_TOKEN") or None
@@ -325,7 +325,7 @@ class MonitorClient:
         return len(self._queue)
 
     # ------------------------------------------------------------------ training-level records
-    # Helpers for the trainer: each queues one record with the FACTS §3 client id and returns
+    # Helpers for the trainer: each queues one record with its protocol client id and returns
     # that id, which later records (and MonitorContext) use as the reference. ``training`` may be
     # the training's server id (int) or its client id (the run name, str).
 
