@@ -245,6 +245,31 @@ def _action_ok(action: Mapping) -> bool:
     return True
 
 
+def _turn(step: int, index: int, call: dict, out: dict, acts: list, errors: list, span) -> Turn:
+    """One model call of a step and its answer (with the step's actions when it is the last)."""
+    messages = request_messages(call)
+    data = parse_model_output(out.get("modelOutput"))
+    return Turn(
+        step=step,
+        index=index,
+        prompt_ids=data["prompt_ids"],
+        output_ids=data["output_ids"],
+        output_logprobs=data["logprobs"],
+        finish_reason=data["finish_reason"],
+        image_urls=image_urls_of(messages),
+        messages=messages,
+        text=data["text"],
+        actions=acts,
+        action_parsed=bool(acts) and all(_action_parsed(a) for a in acts),
+        action_ok=bool(acts) and all(_action_ok(a) for a in acts),
+        errors=errors,
+        missing=data["missing"],
+        response_id=data["id"],
+        started_at=span[0],
+        ended_at=span[1],
+    )
+
+
 def events_to_turns(events: Any) -> ParsedEvents:
     """Turn an event log (list, ``{"events": [...]}`` or JSON text) into ordered turns."""
     raw = load_event_log(events)
@@ -302,31 +327,12 @@ def events_to_turns(events: Any) -> ParsedEvents:
             key=lambda e: e.get("actionIndex") if isinstance(e.get("actionIndex"), int) else 0,
         )
         for k, (call, out) in enumerate(zip(step_calls, step_outs, strict=False)):
-            messages = request_messages(call)
-            data = parse_model_output(out.get("modelOutput"))
             # Actions belong to the step's last model call: earlier calls of a step were retries.
             last = k == len(step_outs) - 1
             acts = [dict(e["action"]) for e in step_actions] if last else []
-            turn = Turn(
-                step=step,
-                index=len(parsed.turns),
-                prompt_ids=data["prompt_ids"],
-                output_ids=data["output_ids"],
-                output_logprobs=data["logprobs"],
-                finish_reason=data["finish_reason"],
-                image_urls=image_urls_of(messages),
-                messages=messages,
-                text=data["text"],
-                actions=acts,
-                action_parsed=bool(acts) and all(_action_parsed(a) for a in acts),
-                action_ok=bool(acts) and all(_action_ok(a) for a in acts),
-                errors=list(step_errors.get(step, [])) if last else [],
-                missing=data["missing"],
-                response_id=data["id"],
-                started_at=spans[step][0] if step in spans else None,
-                ended_at=spans[step][1] if step in spans else None,
-            )
-            parsed.turns.append(turn)
+            errors = list(step_errors.get(step, [])) if last else []
+            span = spans.get(step, (None, None))
+            parsed.turns.append(_turn(step, len(parsed.turns), call, out, acts, errors, span))
             for a in acts:
                 if a.get("name") == "finished":
                     content = (a.get("args") or {}).get("content")
