@@ -154,32 +154,33 @@ class RewardTransform:
         return f"{type(self).__name__}({params})"
 
 
-class ParseErrorPenalty(RewardTransform):
+class _CountPenalty(RewardTransform):
+    """Subtract ``penalty`` per occurrence of one of the episode's counts (``fact``), capped at
+    ``max_total``."""
+
+    fact = ""
+
+    def __init__(self, penalty: float = 0.1, max_total: float | None = None):
+        self.penalty = _nonneg(f"{self.name}.penalty", penalty)
+        self.max_total = None if max_total is None else _nonneg("max_total", max_total)
+
+    def __call__(self, reward, facts):
+        cut = self.penalty * getattr(facts, self.fact)
+        return reward - (cut if self.max_total is None else min(cut, self.max_total))
+
+
+class ParseErrorPenalty(_CountPenalty):
     """Subtract ``penalty`` per reply without a parsable action (capped at ``max_total``)."""
 
     name = "parse_error_penalty"
-
-    def __init__(self, penalty: float = 0.1, max_total: float | None = None):
-        self.penalty = _nonneg("parse_error_penalty.penalty", penalty)
-        self.max_total = None if max_total is None else _nonneg("max_total", max_total)
-
-    def __call__(self, reward, facts):
-        cut = self.penalty * facts.parse_errors
-        return reward - (cut if self.max_total is None else min(cut, self.max_total))
+    fact = "parse_errors"
 
 
-class InvalidActionPenalty(RewardTransform):
+class InvalidActionPenalty(_CountPenalty):
     """Subtract ``penalty`` per action the environment refused (capped at ``max_total``)."""
 
     name = "invalid_action_penalty"
-
-    def __init__(self, penalty: float = 0.1, max_total: float | None = None):
-        self.penalty = _nonneg("invalid_action_penalty.penalty", penalty)
-        self.max_total = None if max_total is None else _nonneg("max_total", max_total)
-
-    def __call__(self, reward, facts):
-        cut = self.penalty * facts.invalid_actions
-        return reward - (cut if self.max_total is None else min(cut, self.max_total))
+    fact = "invalid_actions"
 
 
 class StepCost(RewardTransform):

@@ -114,10 +114,20 @@ def summary(db_path: Path) -> list[str]:
         db.close()
 
 
+def launcher_parser(prog: str, description: str, config: str, run_dir: str):
+    """The arguments the demo and the learning launcher share: the config, the run's folder,
+    train.py's own overrides."""
+    parser = argparse.ArgumentParser(prog=prog, description=description)
+    parser.add_argument("--config", default=config)
+    parser.add_argument("--run-dir", default="", help=f"default {run_dir}")
+    parser.add_argument("overrides", nargs="*", help="extra key=value overrides for train.py")
+    return parser
+
+
 def parse_args(argv: list[str] | None) -> argparse.Namespace:
-    parser = argparse.ArgumentParser(prog="python -m cua_rl.app.demo", description=__doc__)
-    parser.add_argument("--config", default="configs/local.yaml")
-    parser.add_argument("--run-dir", default="", help="default runs/demo-<time>")
+    parser = launcher_parser(
+        "python -m cua_rl.app.demo", __doc__, "configs/local.yaml", "runs/demo-<time>"
+    )
     parser.add_argument(
         "--model",
         default="qwen2-vl-bpe",
@@ -141,7 +151,6 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
         help="no live progress lines (a caller prints its own); the end still says where "
         "things are, and a failure shows the end of logs/train.log",
     )
-    parser.add_argument("overrides", nargs="*", help="extra key=value overrides for train.py")
     return parser.parse_args(argv)
 
 

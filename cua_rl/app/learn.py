@@ -156,9 +156,9 @@ def report(result: RunResult, target: float, window: int) -> dict:
 
 
 def parse_args(argv: list[str] | None) -> argparse.Namespace:
-    parser = argparse.ArgumentParser(prog="python -m cua_rl.app.learn", description=__doc__)
-    parser.add_argument("--config", default="configs/learn.yaml")
-    parser.add_argument("--run-dir", default="", help="default runs/learn-<time>")
+    parser = demo.launcher_parser(
+        "python -m cua_rl.app.learn", __doc__, "configs/learn.yaml", "runs/learn-<time>"
+    )
     parser.add_argument(
         "--offpolicyness",
         type=int,
@@ -185,7 +185,6 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
         default=0.0,
         help="seconds the local agent waits after each action (the demo's option)",
     )
-    parser.add_argument("overrides", nargs="*", help="extra key=value overrides for train.py")
     args = parser.parse_args(argv)
     if args.steps is not None and args.steps < 1:
         parser.error("--steps must be at least 1")
