@@ -1,4 +1,4 @@
-"""Client and run driver for gbox-mini-agent (FACTS §2).
+"""Client and run driver for gbox-mini-agent (docs/design.md, the agent).
 
 ``MiniAgentClient`` has one async method per endpoint and raises :class:`AgentError` for transport
 failures and bad answers; "404 = none yet" endpoints return empty results instead. Events arrive

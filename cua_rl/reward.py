@@ -1,6 +1,6 @@
 """Evaluation answer -> reward, with explicit semantics, and composable shaping transforms.
 
-Semantics (DESIGN decision 5): the verdict lives in ``result`` (``score``, ``success``,
+Semantics (docs/design.md, decision 5): the verdict lives in ``result`` (``score``, ``success``,
 ``validators``), or, from older gym servers, in ``final_result`` (with ``checks``) or
 ``evaluation_result.final_result``. A numeric ``score`` wins and a real 0 stays 0; without one,
 ``success`` gives 1/0; without either, the weighted validator/check scores decide. The top-level
@@ -28,6 +28,7 @@ from collections.abc import Callable, Iterable, Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
+from cua_rl.core.reasons import Reason
 from cua_rl.errors import ConfigError, RejectedEpisode
 
 # ---- verdict --------------------------------------------------------------------------------
@@ -93,14 +94,14 @@ def verdict_from_evaluation(answer: Any) -> Verdict:
     if not isinstance(answer, Mapping) and isinstance(raw, Mapping):
         answer = raw
     if not isinstance(answer, Mapping):
-        raise RejectedEpisode("no_verdict", f"evaluation answer is {type(answer).__name__}")
+        raise RejectedEpisode(Reason.NO_VERDICT, f"evaluation answer is {type(answer).__name__}")
     obj, where = _verdict_object(answer)
     if obj is None:
         if answer.get("success") is False:
             detail = answer.get("detail") or answer.get("error") or "evaluate reported failure"
-            raise RejectedEpisode("evaluation_failed", str(detail)[:300])
+            raise RejectedEpisode(Reason.EVALUATION_FAILED, str(detail)[:300])
         raise RejectedEpisode(
-            "no_verdict", "answer has no result / final_result / evaluation_result object"
+            Reason.NO_VERDICT, "answer has no result / final_result / evaluation_result object"
         )
     success = obj.get("success") if isinstance(obj.get("success"), bool) else None
     score = _number(obj.get("score"))
@@ -112,7 +113,7 @@ def verdict_from_evaluation(answer: Any) -> Verdict:
     cs = _checks_score(checks)
     if cs is not None:
         return Verdict(cs, None, "validators")
-    raise RejectedEpisode("no_verdict", f"{where} has no score, success or validators")
+    raise RejectedEpisode(Reason.NO_VERDICT, f"{where} has no score, success or validators")
 
 
 # ---- episode facts for shaping -------------------------------------------------------------
@@ -153,32 +154,33 @@ class RewardTransform:
         return f"{type(self).__name__}({params})"
 
 
-class ParseErrorPenalty(RewardTransform):
+class _CountPenalty(RewardTransform):
+    """Subtract ``penalty`` per occurrence of one of the episode's counts (``fact``), capped at
+    ``max_total``."""
+
+    fact = ""
+
+    def __init__(self, penalty: float = 0.1, max_total: float | None = None):
+        self.penalty = _nonneg(f"{self.name}.penalty", penalty)
+        self.max_total = None if max_total is None else _nonneg("max_total", max_total)
+
+    def __call__(self, reward, facts):
+        cut = self.penalty * getattr(facts, self.fact)
+        return reward - (cut if self.max_total is None else min(cut, self.max_total))
+
+
+class ParseErrorPenalty(_CountPenalty):
     """Subtract ``penalty`` per reply without a parsable action (capped at ``max_total``)."""
 
     name = "parse_error_penalty"
-
-    def __init__(self, penalty: float = 0.1, max_total: float | None = None):
-        self.penalty = _nonneg("parse_error_penalty.penalty", penalty)
-        self.max_total = None if max_total is None else _nonneg("max_total", max_total)
-
-    def __call__(self, reward, facts):
-        cut = self.penalty * facts.parse_errors
-        return reward - (cut if self.max_total is None else min(cut, self.max_total))
+    fact = "parse_errors"
 
 
-class InvalidActionPenalty(RewardTransform):
+class InvalidActionPenalty(_CountPenalty):
     """Subtract ``penalty`` per action the environment refused (capped at ``max_total``)."""
 
     name = "invalid_action_penalty"
-
-    def __init__(self, penalty: float = 0.1, max_total: float | None = None):
-        self.penalty = _nonneg("invalid_action_penalty.penalty", penalty)
-        self.max_total = None if max_total is None else _nonneg("max_total", max_total)
-
-    def __call__(self, reward, facts):
-        cut = self.penalty * facts.invalid_actions
-        return reward - (cut if self.max_total is None else min(cut, self.max_total))
+    fact = "invalid_actions"
 
 
 class StepCost(RewardTransform):

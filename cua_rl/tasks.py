@@ -1,6 +1,6 @@
 """Task sources, normalisation, selection and dataset rows.
 
-Gym tasks arrive in several shapes (FACTS §1); ``normalize_task`` folds them into one ``Task``.
+Gym tasks arrive in several shapes (docs/design.md); ``normalize_task`` folds them into one ``Task``.
 Sources are the gym server (through ``GenvClient``), a JSON / JSONL file, or an inline list.
 Selection mirrors what the predecessor's users rely on, but deterministically: tasks are first
 put in a canonical order (by id) so the source's ordering never changes a split, then split by
@@ -63,7 +63,7 @@ def _digits(*texts: str | None) -> int | None:
 
 
 def normalize_task(obj: Any) -> Task:
-    """One task object in any FACTS §1 shape -> ``Task``. A task without an id is a ``ConfigError``."""
+    """One task object in any shape the gym sends -> ``Task``; no id is a ``ConfigError``."""
     if not isinstance(obj, dict):
         raise ConfigError(
             f"a task must be a JSON object, got {type(obj).__name__}: {str(obj)[:100]}"

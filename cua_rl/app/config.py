@@ -16,7 +16,8 @@ from urllib.parse import urlsplit
 from areal.api.cli_args import GRPOConfig, vLLMConfig
 
 from cua_rl.app.failfast import FailFastConfig
-from cua_rl.areal.logits import LogitsConfig, check_areal_version
+from cua_rl.areal.logits import LogitsConfig
+from cua_rl.areal.support import check_areal_version
 from cua_rl.curriculum.selector import CurriculumConfig
 from cua_rl.errors import ConfigError
 from cua_rl.gateway.config import GatewayConfig, Sampling
@@ -206,6 +207,20 @@ class CUAConfig(GRPOConfig):
             )
         if self.endpoint.mode == "gateway":
             self._validate_gateway()
+        self._validate_model_endpoint()
+        self.validate_curriculum()
+        if self.monitor.enabled and not (self.monitor.base_url or self.monitor.db_path):
+            import os
+
+            if not os.environ.get("MONITOR_BASE_URL"):
+                raise ConfigError(
+                    "monitor.enabled is true but neither monitor.base_url, $MONITOR_BASE_URL nor "
+                    "monitor.db_path is set: point it at a monitor, give an SQLite path for the "
+                    "embedded one, or set monitor.enabled=false"
+                )
+
+    def _validate_model_endpoint(self) -> None:
+        """Direct mode's constraints, the screenshot hosts' reach, the external endpoint's URL."""
         if (
             self.endpoint.mode == "direct"
             and self.agent.model_options.get("constrain") == "regex"
@@ -243,16 +258,6 @@ class CUAConfig(GRPOConfig):
                 raise ConfigError(
                     f"endpoint.base_url={self.endpoint.base_url!r} must be an http(s) OpenAI "
                     "base URL ending in /v1, or empty for the engine's own servers"
-                )
-        self.validate_curriculum()
-        if self.monitor.enabled and not (self.monitor.base_url or self.monitor.db_path):
-            import os
-
-            if not os.environ.get("MONITOR_BASE_URL"):
-                raise ConfigError(
-                    "monitor.enabled is true but neither monitor.base_url, $MONITOR_BASE_URL nor "
-                    "monitor.db_path is set: point it at a monitor, give an SQLite path for the "
-                    "embedded one, or set monitor.enabled=false"
                 )
 
     def _validate_gateway(self) -> None:

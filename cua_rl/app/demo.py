@@ -112,10 +112,20 @@ def summary(db_path: Path) -> list[str]:
         db.close()
 
 
-def main(argv: list[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(prog="python -m cua_rl.app.demo", description=__doc__)
-    parser.add_argument("--config", default="configs/local.yaml")
-    parser.add_argument("--run-dir", default="", help="default runs/demo-<time>")
+def launcher_parser(prog: str, description: str, config: str, run_dir: str):
+    """The arguments the demo and the learning launcher share: the config, the run's folder,
+    train.py's own overrides."""
+    parser = argparse.ArgumentParser(prog=prog, description=description)
+    parser.add_argument("--config", default=config)
+    parser.add_argument("--run-dir", default="", help=f"default {run_dir}")
+    parser.add_argument("overrides", nargs="*", help="extra key=value overrides for train.py")
+    return parser
+
+
+def parse_args(argv: list[str] | None) -> argparse.Namespace:
+    parser = launcher_parser(
+        "python -m cua_rl.app.demo", __doc__, "configs/local.yaml", "runs/demo-<time>"
+    )
     parser.add_argument(
         "--model",
         default="qwen2-vl-bpe",
@@ -139,8 +149,118 @@ def main(argv: list[str] | None = None) -> int:
         help="no live progress lines (a caller prints its own); the end still says where "
         "things are, and a failure shows the end of logs/train.log",
     )
-    parser.add_argument("overrides", nargs="*", help="extra key=value overrides for train.py")
-    args = parser.parse_args(argv)
+    return parser.parse_args(argv)
+
+
+def start_services(args, db_path: Path, log_dir: Path, children: list[Child]) -> dict[str, str]:
+    """The monitor, the local gym and the local agent, each a child process; their URLs."""
+    py = sys.executable
+    mon_port = free_port()
+    serve = ["-m", "cua_rl.monitor", "serve", "--db", str(db_path), "--port", str(mon_port)]
+    children.append(Child("monitor", [py, *serve], log_dir))
+    monitor_url = f"http://127.0.0.1:{mon_port}"
+    wait_http(f"{monitor_url}/healthz", 60)
+    print(f"[demo] monitor  {monitor_url} -> {_shown(db_path)}", flush=True)
+    print(f"[demo] dashboard: open {monitor_url}/ to watch the training live", flush=True)
+
+    gym_cmd = [py, "-m", "cua_rl.sim", "gym", "--port", "0"]
+    gym = Child("gym", [*gym_cmd, "--create-latency", str(args.box_startup)], log_dir)
+    children.append(gym)
+    # The ready line names the genv base (.../api/v1/sim); the config wants the server URL.
+    gym_url = gym.wait_for_line("ready ", 60).split("/api/v1/")[0]
+    print(f"[demo] gym      {gym_url}", flush=True)
+
+    agent_cmd = [py, "-m", "cua_rl.sim", "agent", "--port", "0"]
+    agent = Child("agent", [*agent_cmd, "--step-latency", str(args.step_latency)], log_dir)
+    children.append(agent)
+    agent_url = agent.wait_for_line("ready ", 60)
+    print(f"[demo] agent    {agent_url}", flush=True)
+    return {"monitor": monitor_url, "gym": gym_url, "agent": agent_url}
+
+
+def run_trainer(cmd: list[str], train_log: Path, progress: DemoProgress) -> int:
+    """train.py in its own session, its output in ``train_log``, progress ticking meanwhile."""
+    with open(train_log, "wb") as log_file:
+        proc = subprocess.Popen(
+            cmd, cwd=ROOT, stdout=log_file, stderr=subprocess.STDOUT, start_new_session=True
+        )
+        try:
+            while proc.poll() is None:
+                progress.tick()
+                time.sleep(1.0)
+            rc = proc.wait()
+            time.sleep(0.5)  # the monitor commits the last records just before the exit
+            progress.tick()
+            return rc
+        except KeyboardInterrupt:
+            # train.py stops on SIGTERM as on Ctrl-C (AReaL stops its workers and vLLM, the
+            # training is recorded cancelled); SIGINT could be ignored by inheritance.
+            proc.send_signal(signal.SIGTERM)
+            try:
+                proc.wait(120)
+            except subprocess.TimeoutExpired:
+                pass
+            raise
+        finally:
+            progress.close()
+            if proc.poll() is None:
+                os.killpg(proc.pid, signal.SIGKILL)
+                proc.wait(10)
+
+
+def train(args, run_dir: Path, log_dir: Path, db_path: Path, children: list[Child]) -> int:
+    print(f"[demo] building the tiny {args.model} (cached after the first run)", flush=True)
+    from cua_rl.testing.models import ensure_model
+
+    model_dir = ensure_model(args.model)
+    urls = start_services(args, db_path, log_dir, children)
+    cmd = [
+        sys.executable,
+        "-m",
+        "examples.cua_agent.train",
+        "--config",
+        args.config,
+        f"actor.path={model_dir}",
+        f"gym.base_url={urls['gym']}",
+        f"agent.base_url={urls['agent']}",
+        f"monitor.base_url={urls['monitor']}",
+        f"cluster.fileroot={run_dir / 'areal'}",
+        f"cluster.name_resolve.nfs_record_root={run_dir / 'name_resolve'}",
+        *args.overrides,
+    ]
+    train_log = log_dir / "train.log"
+    print(f"[demo] training (output in {_shown(train_log)}): {' '.join(cmd[1:3])} ...", flush=True)
+    # The trainer's and AReaL's workers' output stays in the log; the terminal shows
+    # progress read from the monitor's database.
+    progress = DemoProgress(db_path, io.StringIO() if args.quiet else None, prefix="[demo] ")
+    rc = run_trainer(cmd, train_log, progress)
+    if rc != 0:
+        tail = train_log.read_text(errors="replace").splitlines()[-40:]
+        print(f"[demo] the trainer exited {rc}; the end of {_shown(train_log)}:", flush=True)
+        print("\n".join(tail), flush=True)
+    return rc
+
+
+def print_end(rc: int, seconds: float, run_dir: Path, log_dir: Path, db_path: Path) -> None:
+    print(f"[demo] finished with exit code {rc} in {seconds:.0f}s", flush=True)
+    print(f"[demo] monitor database: {_shown(db_path)}", flush=True)
+    print(
+        f"[demo] logs: {_shown(log_dir)} (train.log, monitor.log, gym.log, agent.log; "
+        f"AReaL's workers: {_shown(run_dir / 'areal' / 'logs')})",
+        flush=True,
+    )
+    for line in summary(db_path):
+        print(f"[demo] {line}", flush=True)
+    if db_path.exists():
+        print(
+            "[demo] browse this run again: python -m cua_rl.monitor serve --db "
+            f"{_shown(db_path)} --port 8765   (then open http://127.0.0.1:8765/)",
+            flush=True,
+        )
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = parse_args(argv)
 
     def interrupt(signum, frame):
         raise KeyboardInterrupt(signal.Signals(signum).name)
@@ -154,101 +274,11 @@ def main(argv: list[str] | None = None) -> int:
     log_dir = run_dir / "logs"
     log_dir.mkdir(parents=True, exist_ok=True)
     db_path = run_dir / "monitor.db"
-    py = sys.executable
     children: list[Child] = []
     rc = 1
     t0 = time.monotonic()
     try:
-        print(f"[demo] building the tiny {args.model} (cached after the first run)", flush=True)
-        from cua_rl.testing.models import ensure_model
-
-        model_dir = ensure_model(args.model)
-
-        mon_port = free_port()
-        children.append(
-            Child(
-                "monitor",
-                [
-                    py,
-                    "-m",
-                    "cua_rl.monitor",
-                    "serve",
-                    "--db",
-                    str(db_path),
-                    "--port",
-                    str(mon_port),
-                ],
-                log_dir,
-            )
-        )
-        monitor_url = f"http://127.0.0.1:{mon_port}"
-        wait_http(f"{monitor_url}/healthz", 60)
-        print(f"[demo] monitor  {monitor_url} -> {_shown(db_path)}", flush=True)
-        print(f"[demo] dashboard: open {monitor_url}/ to watch the training live", flush=True)
-
-        gym_cmd = [py, "-m", "cua_rl.sim", "gym", "--port", "0"]
-        gym = Child("gym", [*gym_cmd, "--create-latency", str(args.box_startup)], log_dir)
-        children.append(gym)
-        # The ready line names the genv base (.../api/v1/sim); the config wants the server URL.
-        gym_url = gym.wait_for_line("ready ", 60).split("/api/v1/")[0]
-        print(f"[demo] gym      {gym_url}", flush=True)
-
-        agent_cmd = [py, "-m", "cua_rl.sim", "agent", "--port", "0"]
-        agent = Child("agent", [*agent_cmd, "--step-latency", str(args.step_latency)], log_dir)
-        children.append(agent)
-        agent_url = agent.wait_for_line("ready ", 60)
-        print(f"[demo] agent    {agent_url}", flush=True)
-
-        cmd = [
-            py,
-            "-m",
-            "examples.cua_agent.train",
-            "--config",
-            args.config,
-            f"actor.path={model_dir}",
-            f"gym.base_url={gym_url}",
-            f"agent.base_url={agent_url}",
-            f"monitor.base_url={monitor_url}",
-            f"cluster.fileroot={run_dir / 'areal'}",
-            f"cluster.name_resolve.nfs_record_root={run_dir / 'name_resolve'}",
-            *args.overrides,
-        ]
-        train_log = log_dir / "train.log"
-        print(
-            f"[demo] training (output in {_shown(train_log)}): {' '.join(cmd[1:3])} ...", flush=True
-        )
-        # The trainer's and AReaL's workers' output stays in the log; the terminal shows
-        # progress read from the monitor's database.
-        progress = DemoProgress(db_path, io.StringIO() if args.quiet else None, prefix="[demo] ")
-        with open(train_log, "wb") as log_file:
-            proc = subprocess.Popen(
-                cmd, cwd=ROOT, stdout=log_file, stderr=subprocess.STDOUT, start_new_session=True
-            )
-            try:
-                while proc.poll() is None:
-                    progress.tick()
-                    time.sleep(1.0)
-                rc = proc.wait()
-                time.sleep(0.5)  # the monitor commits the last records just before the exit
-                progress.tick()
-            except KeyboardInterrupt:
-                # train.py stops on SIGTERM as on Ctrl-C (AReaL stops its workers and vLLM, the
-                # training is recorded cancelled); SIGINT could be ignored by inheritance.
-                proc.send_signal(signal.SIGTERM)
-                try:
-                    rc = proc.wait(120)
-                except subprocess.TimeoutExpired:
-                    pass
-                raise
-            finally:
-                progress.close()
-                if proc.poll() is None:
-                    os.killpg(proc.pid, signal.SIGKILL)
-                    proc.wait(10)
-        if rc != 0:
-            tail = train_log.read_text(errors="replace").splitlines()[-40:]
-            print(f"[demo] the trainer exited {rc}; the end of {_shown(train_log)}:", flush=True)
-            print("\n".join(tail), flush=True)
+        rc = train(args, run_dir, log_dir, db_path, children)
     except KeyboardInterrupt:
         print("\n[demo] interrupted", flush=True)
         rc = 130
@@ -258,21 +288,7 @@ def main(argv: list[str] | None = None) -> int:
     finally:
         for child in reversed(children):
             child.stop()
-        print(f"[demo] finished with exit code {rc} in {time.monotonic() - t0:.0f}s", flush=True)
-        print(f"[demo] monitor database: {_shown(db_path)}", flush=True)
-        print(
-            f"[demo] logs: {_shown(log_dir)} (train.log, monitor.log, gym.log, agent.log; "
-            f"AReaL's workers: {_shown(run_dir / 'areal' / 'logs')})",
-            flush=True,
-        )
-        for line in summary(db_path):
-            print(f"[demo] {line}", flush=True)
-        if db_path.exists():
-            print(
-                "[demo] browse this run again: python -m cua_rl.monitor serve --db "
-                f"{_shown(db_path)} --port 8765   (then open http://127.0.0.1:8765/)",
-                flush=True,
-            )
+        print_end(rc, time.monotonic() - t0, run_dir, log_dir, db_path)
     return rc
 
 

@@ -19,27 +19,32 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
 
+from cua_rl.core.reasons import AGENT_PREFIX, Reason, gateway_reason
 from cua_rl.errors import ConfigError
 from cua_rl.logs import get_logger
 
 log = get_logger("cua_rl.app.failfast")
 
+_IMAGE_HOSTS = (
+    "the screenshots come from a host that is not allowed: add it to "
+    "trajectory.allowed_image_hosts (and agent.screenshot_hosts)"
+)
 # What to do about the rejection reasons a misconfiguration causes; others get the generic line.
 ADVICE = {
-    "missing_tokens": "the agent's model outputs carry no token ids or logprobs: use "
+    Reason.MISSING_TOKENS: "the agent's model outputs carry no token ids or logprobs: use "
     "endpoint.mode=gateway (the default), or patch the agent and set agent.model_options.logprobs=true",
-    "gateway_unreachable": "the agent cannot reach the rollout gateway: set gateway.bind_host "
+    Reason.GATEWAY_UNREACHABLE: "the agent cannot reach the rollout gateway: set gateway.bind_host "
     "(0.0.0.0 when the agent runs on another machine) and gateway.public_host to an address "
     "the agent's machine can reach",
-    "gym_error": "the gym server fails every execution: check gym.base_url, gym.gym_id and the "
+    Reason.GYM_ERROR: "the gym server fails every execution: check gym.base_url, gym.gym_id and the "
     "gym's own logs (python -m examples.cua_agent.train --check tests the services)",
-    "image_url_refused": "the screenshots come from a host that is not allowed: add it to "
-    "trajectory.allowed_image_hosts (and agent.screenshot_hosts)",
-    "gateway_image_url_refused": "the screenshots come from a host that is not allowed: add it to "
-    "trajectory.allowed_image_hosts (and agent.screenshot_hosts)",
-    "gateway_sampling_mismatch": "the agent asks for sampling settings other than the trainer's "
+    Reason.IMAGE_URL_REFUSED: _IMAGE_HOSTS,
+    gateway_reason(Reason.IMAGE_URL_REFUSED): _IMAGE_HOSTS,
+    gateway_reason(
+        "sampling_mismatch"
+    ): "the agent asks for sampling settings other than the trainer's "
     "and gateway.sampling_mismatch=error: align the agent or set it to override",
-    "prefix_break": "every episode breaks the multi-turn prefix: use endpoint.mode=gateway, or "
+    Reason.PREFIX_BREAK: "every episode breaks the multi-turn prefix: use endpoint.mode=gateway, or "
     "trajectory.prefix_break_policy=last_segment",
 }
 
@@ -47,9 +52,9 @@ ADVICE = {
 def advice_for(reason: str) -> str:
     if reason in ADVICE:
         return ADVICE[reason]
-    if reason.startswith("agent_"):
+    if reason.startswith(AGENT_PREFIX):
         return (
-            f"every agent run ends {reason[len('agent_') :]!r}: read the agent's log and the "
+            f"every agent run ends {reason.removeprefix(AGENT_PREFIX)!r}: read the agent's log and the "
             "rollout log (logs/rollout*.log) for its error events"
         )
     return "read the rollout log (logs/rollout*.log) for the episodes' errors"

@@ -155,10 +155,10 @@ def report(result: RunResult, target: float, window: int) -> dict:
     return summary
 
 
-def main(argv: list[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(prog="python -m cua_rl.app.learn", description=__doc__)
-    parser.add_argument("--config", default="configs/learn.yaml")
-    parser.add_argument("--run-dir", default="", help="default runs/learn-<time>")
+def parse_args(argv: list[str] | None) -> argparse.Namespace:
+    parser = demo.launcher_parser(
+        "python -m cua_rl.app.learn", __doc__, "configs/learn.yaml", "runs/learn-<time>"
+    )
     parser.add_argument(
         "--offpolicyness",
         type=int,
@@ -185,7 +185,6 @@ def main(argv: list[str] | None = None) -> int:
         default=0.0,
         help="seconds the local agent waits after each action (the demo's option)",
     )
-    parser.add_argument("overrides", nargs="*", help="extra key=value overrides for train.py")
     args = parser.parse_args(argv)
     if args.steps is not None and args.steps < 1:
         parser.error("--steps must be at least 1")
@@ -193,7 +192,23 @@ def main(argv: list[str] | None = None) -> int:
         parser.error("--target must be a success rate in (0, 1]")
     if args.window < 1:
         parser.error("--window must be at least 1")
+    return args
 
+
+def print_table(summaries: list[dict]) -> None:
+    print("[learn] label                      exit   wall  first  last  target reached at")
+    for s in summaries:
+        first = f"{s['first_mean']:.2f}" if "first_mean" in s else "  - "
+        last = f"{s['last_mean']:.2f}" if "last_mean" in s else "  - "
+        reached = s["reached_at_step"] if s["reached_at_step"] is not None else "never"
+        print(
+            f"[learn] {s['label']:<26} {s['exit_code']:>4} {s['wall_s']:>5.0f}s  "
+            f"{first}  {last}  step {reached}"
+        )
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = parse_args(argv)
     stamp = datetime.now().strftime("%Y%m%d-%H%M%S")
     base = (ROOT / (args.run_dir or f"runs/learn-{stamp}")).resolve()
     offs = args.offpolicyness or [None]
@@ -225,15 +240,7 @@ def main(argv: list[str] | None = None) -> int:
 
     summaries = [report(r, args.target, args.window) for r in results]
     if len(results) > 1:
-        print("[learn] label                      exit   wall  first  last  target reached at")
-        for s in summaries:
-            first = f"{s['first_mean']:.2f}" if "first_mean" in s else "  - "
-            last = f"{s['last_mean']:.2f}" if "last_mean" in s else "  - "
-            reached = s["reached_at_step"] if s["reached_at_step"] is not None else "never"
-            print(
-                f"[learn] {s['label']:<26} {s['exit_code']:>4} {s['wall_s']:>5.0f}s  "
-                f"{first}  {last}  step {reached}"
-            )
+        print_table(summaries)
         curves = {r.label: r.points for r in results if r.points}
         if curves:
             png = plot_curves(curves, base / "success.png", target=args.target)

@@ -20,21 +20,22 @@ import logging
 import os
 import signal
 import sys
-from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-import httpx
-
+from cua_rl.app.check import fetch_tasks, run_check
 from cua_rl.app.config import CUAConfig
-from cua_rl.app.failfast import RejectionWatch, advice_for
+from cua_rl.app.endpoint import MonitorEndpoint
+from cua_rl.app.failfast import RejectionWatch
+from cua_rl.app.signals import SystematicRejection, Terminated, stop_systematic, stopping
+from cua_rl.app.signals import install as install_signals
 from cua_rl.areal.hooks import TrainerHooks
-from cua_rl.errors import AgentError, ConfigError, CuaRlError, GymError
-from cua_rl.genv import GenvClient
+from cua_rl.areal.support import check_areal
+from cua_rl.errors import ConfigError
 from cua_rl.logs import get_logger
 from cua_rl.monitor.worker.training import TrainingMonitor
 from cua_rl.rollout.groups import GROUP_SIZE_ENV, ZERO_VARIANCE_TOL_ENV
-from cua_rl.tasks import Task, build_datasets, load_tasks, select_tasks
+from cua_rl.tasks import build_datasets
 
 log = get_logger("cua_rl.train")
 
@@ -66,215 +67,6 @@ def load_config(argv: list[str]) -> CUAConfig:
 
     config, _ = load_expr_config(argv, CUAConfig)
     return config
-
-
-# ---------------------------------------------------------------------------- tasks
-
-
-async def fetch_tasks(config: CUAConfig) -> list[Task]:
-    async with httpx.AsyncClient(timeout=httpx.Timeout(60.0, connect=10.0)) as http:
-        client = None
-        if config.gym.source.kind == "gym":
-            client = GenvClient(
-                config.gym.base_url, config.gym.gym_id, client=http, timeouts=config.gym.timeouts
-            )
-        return await load_tasks(config.gym.source, client)
-
-
-# ---------------------------------------------------------------------------- --check
-
-
-@dataclass
-class CheckResult:
-    name: str
-    ok: bool
-    detail: str
-
-    def line(self) -> str:
-        return f"{'ok  ' if self.ok else 'FAIL'} {self.name:<8} {self.detail}"
-
-
-def _reason(exc: BaseException) -> str:
-    if isinstance(exc, httpx.ConnectError):
-        return f"unreachable ({exc})"
-    if isinstance(exc, httpx.TimeoutException):
-        return "timed out"
-    return f"{type(exc).__name__}: {exc}"
-
-
-async def check_services(config: CUAConfig, *, timeout: float = 10.0) -> list[CheckResult]:
-    results: list[CheckResult] = []
-    async with httpx.AsyncClient(timeout=timeout) as http:
-        # Gym: list and select tasks, so a bad selection shows here too.
-        try:
-            tasks = await fetch_tasks(config)
-            split = select_tasks(tasks, config.gym.selection)
-            results.append(
-                CheckResult(
-                    "gym",
-                    True,
-                    f"{config.gym.base_url or config.gym.source.kind}: {len(tasks)} tasks, "
-                    f"{len(split.train)} train / {len(split.eval)} eval after selection",
-                )
-            )
-        except (GymError, CuaRlError, httpx.HTTPError, OSError) as exc:
-            results.append(CheckResult("gym", False, f"{config.gym.base_url}: {_reason(exc)}"))
-
-        # Agent: no health endpoint is known; any HTTP answer to a run lookup proves it serves.
-        agent_url = config.agent.base_url.rstrip("/")
-        try:
-            resp = await http.get(f"{agent_url}/runs/cua-rl-check")
-            ok = resp.status_code in (200, 404)
-            detail = f"{agent_url}: answers (HTTP {resp.status_code})"
-            results.append(CheckResult("agent", ok, detail if ok else f"{detail}, unexpected"))
-        except (httpx.HTTPError, AgentError) as exc:
-            results.append(CheckResult("agent", False, f"{agent_url or '(unset)'}: {_reason(exc)}"))
-
-        if config.endpoint.mode == "gateway":
-            results.append(gateway_check(config))
-
-        # Model endpoint: an external one must serve the model; the engine's own are started later.
-        if config.endpoint.base_url:
-            url = config.endpoint.base_url.rstrip("/")
-            try:
-                resp = await http.get(f"{url}/models")
-                resp.raise_for_status()
-                names = [m.get("id") for m in resp.json().get("data", [])]
-                want = config.endpoint.model_name or config.model_path()
-                ok = not want or want in names
-                detail = f"{url}: serves {names}" + ("" if ok else f", not {want!r}")
-                results.append(CheckResult("model", ok, detail))
-            except (httpx.HTTPError, ValueError) as exc:
-                results.append(CheckResult("model", False, f"{url}: {_reason(exc)}"))
-        else:
-            path = config.model_path()
-            ok = bool(path) and (not path.startswith(("/", ".")) or Path(path).exists())
-            results.append(
-                CheckResult(
-                    "model",
-                    ok,
-                    f"engine servers started by the trainer from {path!r}"
-                    + ("" if ok else " (path does not exist)"),
-                )
-            )
-
-        # Monitor: a URL must answer with the token; an embedded one must open its database.
-        base = config.monitor.base_url or os.environ.get("MONITOR_BASE_URL", "")
-        if not config.monitor.enabled:
-            results.append(CheckResult("monitor", True, "disabled"))
-        elif base:
-            token = config.monitor.token or os.environ.get("MONITOR_PROJECT_TOKEN", "")
-            headers = {"Authorization": f"Bearer {token}"} if token else {}
-            try:
-                resp = await http.get(f"{base.rstrip('/')}/api/trainings?limit=1", headers=headers)
-                ok = resp.status_code == 200
-                why = "token refused" if resp.status_code == 401 else f"HTTP {resp.status_code}"
-                results.append(CheckResult("monitor", ok, f"{base}: {'ok' if ok else why}"))
-            except httpx.HTTPError as exc:
-                results.append(CheckResult("monitor", False, f"{base}: {_reason(exc)}"))
-        else:
-            try:
-                from cua_rl.monitor.server.store import MonitorStore
-
-                Path(config.monitor.db_path).parent.mkdir(parents=True, exist_ok=True)
-                MonitorStore(config.monitor.db_path).close()
-                results.append(
-                    CheckResult("monitor", True, f"embedded, database {config.monitor.db_path}")
-                )
-            except Exception as exc:
-                results.append(
-                    CheckResult("monitor", False, f"{config.monitor.db_path}: {_reason(exc)}")
-                )
-    return results
-
-
-_LOOPBACK = ("127.0.0.1", "localhost", "::1")
-
-
-def gateway_check(config: CUAConfig) -> CheckResult:
-    """The gateway starts with the rollout workers; what can be checked now is whether the agent
-    will be able to reach the address it is told."""
-    from urllib.parse import urlsplit
-
-    g = config.gateway
-    told = g.public_host or (
-        "the worker's IP" if g.bind_host in ("0.0.0.0", "::", "") else g.bind_host
-    )
-    detail = (
-        f"each rollout worker listens on {g.bind_host}:{g.bind_port or 'a free port'}, "
-        f"the agent is told {told}"
-    )
-    agent_host = (urlsplit(config.agent.base_url).hostname or "").lower()
-    local_agent = agent_host in _LOOPBACK
-    reachable = local_agent or (g.bind_host not in _LOOPBACK and told not in _LOOPBACK)
-    if not reachable:
-        detail += (
-            f"; the agent at {agent_host} runs elsewhere and cannot reach a loopback gateway: "
-            "set gateway.bind_host=0.0.0.0 (and gateway.public_host to an address it can reach)"
-        )
-    return CheckResult("gateway", reachable, detail)
-
-
-def run_check(config: CUAConfig) -> int:
-    print(f"ok   config   {config.experiment_name}/{config.trial_name} is valid")
-    results = asyncio.run(check_services(config))
-    for r in results:
-        print(r.line())
-    failed = [r.name for r in results if not r.ok]
-    if failed:
-        print(f"unreachable or misconfigured: {', '.join(failed)}")
-        return 1
-    return 0
-
-
-# ---------------------------------------------------------------------------- the monitor
-
-
-class MonitorEndpoint:
-    """The monitor URL for this run: the configured one, or an embedded server on a SQLite file."""
-
-    def __init__(self, config: CUAConfig):
-        self.config = config
-        self.server = None
-        self.store = None
-        self.url = ""
-
-    def __enter__(self) -> MonitorEndpoint:
-        m = self.config.monitor
-        if not m.enabled:
-            return self
-        self.url = m.base_url or os.environ.get("MONITOR_BASE_URL", "")
-        if not self.url and m.db_path:
-            from cua_rl.monitor.server.app import create_app
-            from cua_rl.monitor.server.store import MonitorStore
-            from cua_rl.serving import ThreadedServer
-
-            Path(m.db_path).parent.mkdir(parents=True, exist_ok=True)
-            self.store = MonitorStore(m.db_path)
-            self.server = ThreadedServer(
-                create_app(self.store, token=m.token or None), name="monitor"
-            ).start()
-            self.url = self.server.url
-            log.info("embedded monitor on %s, database %s", self.url, m.db_path)
-        return self
-
-    def __exit__(self, *exc: object) -> None:
-        if self.server is not None:
-            self.server.stop()
-        if self.store is not None:
-            self.store.close()
-
-    def client_config(self, spool_dir: Path):
-        if not self.url:
-            return None
-        from cua_rl.monitor.worker.client import MonitorClientConfig
-
-        m = self.config.monitor
-        return MonitorClientConfig(
-            base_url=self.url,
-            token=m.token or os.environ.get("MONITOR_PROJECT_TOKEN") or None,
-            spool_path=m.spool_path or str(spool_dir / "monitor-spool.jsonl"),
-        )
 
 
 # ---------------------------------------------------------------------------- training
@@ -376,15 +168,14 @@ def run_training(config: CUAConfig) -> int:
         flush=True,
     )
 
-    watch = RejectionWatch(log_dir / "outcomes", config.failfast, _stop_systematic).start()
-    with MonitorEndpoint(config) as endpoint, _stopping(watch):
+    watch = RejectionWatch(log_dir / "outcomes", config.failfast, stop_systematic).start()
+    with MonitorEndpoint(config) as endpoint, stopping(watch):
         monitor = TrainingMonitor(endpoint.client_config(log_dir), config.run_name)
         monitor.start()
         monitor.training_started(config=config, total_steps=n_steps, log_path=str(log_dir))
         monitor.tasks(
             [{**r, "split": "train"} for r in train_ds] + [{**r, "split": "eval"} for r in eval_ds]
         )
-        sampler = None
         hooks = TrainerHooks(
             monitor,
             total_steps=n_steps,
@@ -392,25 +183,53 @@ def run_training(config: CUAConfig) -> int:
             eval_tasks=len(eval_ds),
             learning_rate=config.actor.optimizer.lr if config.actor.optimizer else None,
         )
+        run = _Run(config, train_ds, eval_ds, n_steps, log_dir, endpoint, monitor, hooks)
         try:
-            sampler = curriculum_sampler(config, train_ds, endpoint, log_dir)
+            run.train()
+        except BaseException as exc:
+            monitor.step_failed(hooks.current_step, exc)
+            monitor.training_failed(exc)
+            monitor.close()
+            raise
+        monitor.training_finished()
+        monitor.close()
+        _report(config, hooks, endpoint, monitor, log_dir)
+    return 0
+
+
+class _Run:
+    """The trainer's part of a run, once its monitor records are open."""
+
+    def __init__(self, config, train_ds, eval_ds, n_steps, log_dir, endpoint, monitor, hooks):
+        self.config, self.train_ds, self.eval_ds = config, train_ds, eval_ds
+        self.n_steps, self.log_dir, self.endpoint = n_steps, log_dir, endpoint
+        self.monitor, self.hooks = monitor, hooks
+
+    def settings(self) -> dict[str, Any]:
+        return {
+            phase: self.config.workflow_settings(
+                monitor_base_url=self.endpoint.url,
+                phase=phase,
+                total_steps=self.n_steps,
+                outcome_dir=str(self.log_dir / "outcomes"),
+            )
+            for phase in ("train", "eval", "baseline")
+        }
+
+    def train(self) -> None:
+        config, eval_ds = self.config, self.eval_ds
+        sampler = None
+        try:
+            sampler = curriculum_sampler(config, self.train_ds, self.endpoint, self.log_dir)
             if sampler is not None:
-                hooks.step_stats = sampler.pop_step_stats
+                self.hooks.step_stats = sampler.pop_step_stats
             prepare_platform(config)
-            settings = {
-                phase: config.workflow_settings(
-                    monitor_base_url=endpoint.url,
-                    phase=phase,
-                    total_steps=n_steps,
-                    outcome_dir=str(log_dir / "outcomes"),
-                )
-                for phase in ("train", "eval", "baseline")
-            }
+            settings = self.settings()
             valid = eval_ds if len(eval_ds) else None
-            with make_trainer(config, train_ds, valid, sampler) as trainer:
-                hooks.attach(trainer)
+            with make_trainer(config, self.train_ds, valid, sampler) as trainer:
+                self.hooks.attach(trainer)
                 if config.evaluator.eval_before_train:
-                    run_baseline(trainer, config, monitor, settings["baseline"], len(eval_ds))
+                    run_baseline(trainer, config, self.monitor, settings["baseline"], len(eval_ds))
                 trainer.train(
                     workflow=config.workflow,
                     workflow_kwargs={"settings": settings["train"]},
@@ -418,79 +237,20 @@ def run_training(config: CUAConfig) -> int:
                     eval_workflow_kwargs={"settings": settings["eval"]},
                     dynamic_filter_fn=config.group_filter(),
                 )
-        except BaseException as exc:
-            monitor.step_failed(hooks.current_step, exc)
-            monitor.training_failed(exc)
-            monitor.close()
-            raise
         finally:
             if sampler is not None:
                 sampler.close()
-        monitor.training_finished()
-        monitor.close()
-        previous = None
-        for step, stats in hooks.committed:
-            print(f"step {step}: {summarise(stats, since=previous)}", flush=True)
-            previous = step
-        where = endpoint.url if endpoint.server is None else config.monitor.db_path
-        print(f"monitor: {where or 'disabled'}; logs: {log_dir}", flush=True)
-        if monitor.counters:
-            print(f"monitor client: {monitor.counters}", flush=True)
-    return 0
 
 
-class SystematicRejection(KeyboardInterrupt):
-    """Every recent episode was rejected for one reason: stopping is the only useful thing left.
-    Raised where Ctrl-C would be, so AReaL stops its workers and servers the same way."""
-
-    is_failure = True
-
-    def __init__(self, reason: str, window: int):
-        super().__init__(reason)
-        self.reason, self.window = reason, window
-
-    def __str__(self) -> str:
-        return (
-            f"the last {self.window} episodes were all rejected {self.reason!r}: "
-            f"{advice_for(self.reason)} (failfast.window={self.window}; 0 turns the check off)"
-        )
-
-
-_tripped: list[tuple[str, int]] = []
-
-
-def _stop_systematic(reason: str, window: int) -> None:
-    # Called on the watch's thread: the main thread is inside AReaL, so interrupt it the way
-    # SIGTERM does; the handler raises there.
-    _tripped.append((reason, window))
-    os.kill(os.getpid(), signal.SIGUSR1)
-
-
-def _raise_systematic(signum: int, frame: Any) -> None:
-    reason, window = _tripped[-1] if _tripped else ("unknown", 0)
-    raise SystematicRejection(reason, window)
-
-
-class _stopping:
-    def __init__(self, watch: RejectionWatch):
-        self.watch = watch
-
-    def __enter__(self):
-        return self.watch
-
-    def __exit__(self, *exc):
-        self.watch.stop()
-
-
-class Terminated(KeyboardInterrupt):
-    """SIGTERM, raised where Ctrl-C would be: AReaL stops its workers and inference servers on
-    an interrupt but not on SIGTERM, and a batch scheduler ends jobs with SIGTERM."""
-
-
-def _terminate_like_ctrl_c(signum: int, frame: Any) -> None:
-    # A second SIGTERM during the clean-up takes the default action: the operator insists.
-    signal.signal(signal.SIGTERM, signal.SIG_DFL)
-    raise Terminated(signal.Signals(signum).name)
+def _report(config, hooks, endpoint, monitor, log_dir: Path) -> None:
+    previous = None
+    for step, stats in hooks.committed:
+        print(f"step {step}: {summarise(stats, since=previous)}", flush=True)
+        previous = step
+    where = endpoint.url if endpoint.server is None else config.monitor.db_path
+    print(f"monitor: {where or 'disabled'}; logs: {log_dir}", flush=True)
+    if monitor.counters:
+        print(f"monitor client: {monitor.counters}", flush=True)
 
 
 def summarise(stats: dict[str, float], since: int | None = None) -> str:
@@ -547,10 +307,13 @@ def main(argv: list[str] | None = None) -> int:
         return 2
     if check:
         return run_check(config)
-    signal.signal(signal.SIGTERM, _terminate_like_ctrl_c)
-    signal.signal(signal.SIGUSR1, _raise_systematic)
-    # A process started in the background by a non-interactive shell inherits SIGINT ignored.
-    signal.signal(signal.SIGINT, signal.default_int_handler)
+    try:
+        # Every AReaL internal the run will override or wrap, looked up before it starts.
+        check_areal()
+    except ConfigError as exc:
+        print(f"AReaL error: {exc}", file=sys.stderr)
+        return 2
+    install_signals()
     try:
         return run_training(config)
     except SystematicRejection as exc:

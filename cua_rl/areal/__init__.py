@@ -5,6 +5,8 @@
 - ``ports``: AReaL's free-port draw made independent of the training seed.
 - ``hooks``: ``TrainerHooks``, the monitor's hooks on the trainer's step phases and evals.
 - ``curriculum_trainer``: ``PPOTrainer`` with the curriculum as its train sampler.
+- ``support``: the AReaL release supported and every AReaL internal relied on (overridden,
+  wrapped, replaced), with ``check_areal``, which the launcher runs before training.
 
 Apart from this package, ``cua_rl.cpu`` is the harness that lets AReaL run without a GPU.
 """

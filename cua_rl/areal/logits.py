@@ -8,15 +8,9 @@ used. docs/logits.md explains the design and the measurements.
 from __future__ import annotations
 
 from dataclasses import dataclass, field
-from importlib.metadata import PackageNotFoundError, version
 
+from cua_rl.areal.support import SUPPORTED_AREAL, check_areal_version
 from cua_rl.errors import ConfigError
-
-# The AReaL release whose FSDPEngine methods logits_engine's overrides mirror (fsdp_engine.py:
-# forward_backward_batch, forward_batch, _prepare_mb_inputs, _compute_logprobs[_entropy],
-# _get_vocab_min_max_logits) and whose PPOTrainer._create_train_engine it extends. Another
-# release needs them re-read.
-SUPPORTED_AREAL = "1.0.4"
 
 
 @dataclass
@@ -35,25 +29,6 @@ class LogitsConfig:
     def __post_init__(self) -> None:
         if not isinstance(self.selective, bool):
             raise ConfigError(f"logits.selective must be true or false, not {self.selective!r}")
-
-
-def areal_version() -> str:
-    try:
-        return version("areal")
-    except PackageNotFoundError:
-        return "not installed"
-
-
-def check_areal_version() -> None:
-    """Refuse to run the overrides on an AReaL release they were not written against."""
-    found = areal_version()
-    if found != SUPPORTED_AREAL:
-        raise ConfigError(
-            f"logits.selective overrides FSDPEngine methods of AReaL {SUPPORTED_AREAL}, and "
-            f"AReaL {found} is installed: set logits.selective=false, or check "
-            "cua_rl/areal/logits_engine.py against the new fsdp_engine.py and update "
-            "SUPPORTED_AREAL in cua_rl/areal/logits.py"
-        )
 
 
 def trainer_class(config: LogitsConfig, base: type | None = None) -> type:

@@ -43,7 +43,7 @@ from areal.engine.fsdp_engine import FSDPPPOActor
 from areal.utils.environ import is_single_controller
 from areal.utils.functional import gather_logprobs, gather_logprobs_entropy
 
-from cua_rl.areal.logits import SUPPORTED_AREAL, check_areal_version
+from cua_rl.areal.support import SUPPORTED_AREAL, check_areal_version
 from cua_rl.errors import CuaRlError
 from cua_rl.logs import get_logger
 

@@ -78,23 +78,7 @@ def enable_cpu_training(
         raise ConfigError(
             f"vLLM interpreter {vllm_python} does not exist: run `make venv-vllm` or set {ENV_VLLM_PYTHON}"
         )
-    if any(c in vllm_python for c in ",="):
-        # AReaL passes env_vars to workers as "K=V,K=V" and splits on both characters.
-        raise ConfigError(f"vLLM interpreter path {vllm_python!r} contains ',' or '=': move it")
-    if not str(config.rollout.backend).startswith("vllm:"):
-        raise ConfigError(
-            f"rollout.backend={config.rollout.backend!r}: on CPU only the vLLM CPU build runs; use 'vllm:d1'"
-        )
-    if not str(config.actor.backend).startswith("fsdp:"):
-        raise ConfigError(
-            f"actor.backend={config.actor.backend!r}: on CPU use 'fsdp:d1' (megatron/archon need CUDA)"
-        )
-    if config.actor.use_lora:
-        raise ConfigError(
-            "actor.use_lora=true: LoRA weight sync is not served on CPU; set actor.use_lora=false"
-        )
-    if getattr(config.scheduler, "type", None) != "local":
-        raise ConfigError(f"scheduler.type={config.scheduler.type!r}: set scheduler.type=local")
+    _refuse_what_cpu_cannot_run(config, vllm_python)
 
     def setattr_logged(obj: Any, name: str, value: Any, where: str) -> None:
         old = getattr(obj, name)
@@ -150,6 +134,26 @@ def enable_cpu_training(
         # torch_memory_saver offload is CUDA-only.
         setattr_logged(config, "enable_offload", False, "config")
     return changes
+
+
+def _refuse_what_cpu_cannot_run(config: Any, vllm_python: str) -> None:
+    if any(c in vllm_python for c in ",="):
+        # AReaL passes env_vars to workers as "K=V,K=V" and splits on both characters.
+        raise ConfigError(f"vLLM interpreter path {vllm_python!r} contains ',' or '=': move it")
+    if not str(config.rollout.backend).startswith("vllm:"):
+        raise ConfigError(
+            f"rollout.backend={config.rollout.backend!r}: on CPU only the vLLM CPU build runs; use 'vllm:d1'"
+        )
+    if not str(config.actor.backend).startswith("fsdp:"):
+        raise ConfigError(
+            f"actor.backend={config.actor.backend!r}: on CPU use 'fsdp:d1' (megatron/archon need CUDA)"
+        )
+    if config.actor.use_lora:
+        raise ConfigError(
+            "actor.use_lora=true: LoRA weight sync is not served on CPU; set actor.use_lora=false"
+        )
+    if getattr(config.scheduler, "type", None) != "local":
+        raise ConfigError(f"scheduler.type={config.scheduler.type!r}: set scheduler.type=local")
 
 
 def server_command(args: dict[str, Any], vllm_python: str | None = None) -> list[str]:

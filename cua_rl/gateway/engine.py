@@ -3,7 +3,7 @@
 AReaL 1.0.4's ``RemoteInfEngine.agenerate`` waits while the rollout is paused for a weight
 update, re-submits ``prompt + output so far`` when the server aborts a request for an update, and
 tags tokens with the engine's version. For a VLM on vLLM it sends chat messages instead of ids,
-re-sends the same messages after an abort and appends the second answer to the first (FACTS §7),
+re-sends the same messages after an abort and appends the second answer to the first (docs/design.md: vLLM),
 so it cannot be used for GUI episodes. This module keeps its semantics and sends ids: vLLM's
 tokens-in endpoint (``POST /inference/v1/generate``, served with ``--enable-scale-out``) takes
 the ids with one pad per image plus the images, expands the pads itself and returns the expanded

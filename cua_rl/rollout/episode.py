@@ -12,6 +12,7 @@ import time
 from dataclasses import dataclass, field
 from typing import Any
 
+from cua_rl.core import reasons
 from cua_rl.gateway.capture import EpisodeCapture
 from cua_rl.genv import EvaluationResult
 from cua_rl.mini_agent import RunResult
@@ -86,8 +87,8 @@ def gateway_reason(capture: EpisodeCapture | None, run_reason: str) -> str | Non
     if capture is None:
         return None
     if capture.errors:
-        return f"gateway_{capture.errors[-1].code}"
+        return reasons.gateway_reason(capture.errors[-1].code)
     if not capture.turns and run_reason in ("model_error", "step_timeout", "timeout"):
         # The agent never got through: the advertised gateway URL is not reachable from it.
-        return "gateway_unreachable"
+        return reasons.Reason.GATEWAY_UNREACHABLE
     return None

@@ -23,6 +23,7 @@ from typing import Any
 from areal import workflow_context
 from areal.api.workflow_api import RolloutWorkflow
 
+from cua_rl.core.reasons import AGENT_PREFIX, Reason, agent_reason
 from cua_rl.errors import ConfigError, CuaRlError, GymError, RejectedEpisode
 from cua_rl.gateway import AReaLEngineView, SessionSpec, gateway_for
 from cua_rl.logs import get_logger
@@ -227,8 +228,8 @@ class CUAAgentWorkflow(RolloutWorkflow):
             await self._act(episode, recorder)
         except RejectedEpisode as exc:
             self.close_model_endpoint(episode)
-            sharper = gateway_reason(episode.capture, exc.reason.removeprefix("agent_"))
-            if exc.reason.startswith("agent_") and sharper:
+            sharper = gateway_reason(episode.capture, exc.reason.removeprefix(AGENT_PREFIX))
+            if exc.reason.startswith(AGENT_PREFIX) and sharper:
                 raise RejectedEpisode(sharper, exc.detail) from exc
             raise
         finally:
@@ -245,7 +246,7 @@ class CUAAgentWorkflow(RolloutWorkflow):
         await self.record_episode(episode, recorder)
         result = episode.conversion
         if result.row is None:
-            raise RejectedEpisode(result.reason or "rejected", result.detail)
+            raise RejectedEpisode(result.reason or Reason.REJECTED, result.detail)
         await recorder.complete(
             reward=episode.reward.reward,
             task_success=int(episode.reward.success),
@@ -269,7 +270,7 @@ class CUAAgentWorkflow(RolloutWorkflow):
                 summary = episode.run.summary
                 if summary.status != "completed":
                     raise RejectedEpisode(
-                        f"agent_{summary.reason or summary.status}",
+                        agent_reason(summary.reason or summary.status),
                         f"run {summary.run_id} ended {summary.status}: {summary.errors[-3:]}",
                     )
                 async with Phase(episode, "evaluate_s"):
@@ -281,7 +282,7 @@ class CUAAgentWorkflow(RolloutWorkflow):
             episode.timings["env_terminate_s"] = time.monotonic() - t_term
         except GymError as exc:
             await recorder.environment("error", status_message=str(exc)[:500])
-            raise RejectedEpisode("gym_error", str(exc)) from exc
+            raise RejectedEpisode(Reason.GYM_ERROR, str(exc)) from exc
         except BaseException:
             await recorder.environment("terminated")
             raise

@@ -1,4 +1,4 @@
-"""A local gbox-mini-agent: the same HTTP API and event format (FACTS §2), run against the sim gym.
+"""A local gbox-mini-agent: the same HTTP API and event format (docs/design.md), run against the sim gym.
 
 Each ``POST /runs`` starts an asyncio task on the server's loop; every run shares one
 ``httpx.AsyncClient``, so parallel runs only meet in the gym and the model server. A step is:

@@ -1,7 +1,7 @@
 """A local gym server that speaks the genv protocol over the simulated phone.
 
 ``python -m cua_rl.sim gym --host 127.0.0.1 --port N [--gym-id sim]`` serves the genv endpoints
-(FACTS §1: same paths, bodies and answer shapes) plus the sim-only endpoints documented in
+(docs/design.md: same paths, bodies and answer shapes) plus the sim-only endpoints documented in
 docs/conventions.md (screenshots, actions, execution listing, fault injection, health).
 
 Design:

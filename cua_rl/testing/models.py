@@ -5,7 +5,7 @@ and for the VLMs the processor) that both transformers and vLLM load:
 
 - ``build_tiny_qwen2_vl(dst, tokenizer="bpe")``: Qwen2-VL (vision + text) with a byte-level BPE
   tokenizer that has merges. Under sampling the multi-turn prefix property breaks with it
-  (FACTS §4), which is what the prefix-break tests need.
+  (docs/design.md, vLLM), which is what the prefix-break tests need.
 - ``build_tiny_qwen2_vl(dst, tokenizer="byte")``: the same with a byte-only tokenizer (no merges):
   every printable ASCII character is one token, so ASCII-constrained sampling keeps the prefix
   property across turns.

@@ -15,6 +15,7 @@ Pipeline, as the workflow calls it::
 
 from __future__ import annotations
 
+from cua_rl.core.row import ROW_FIELDS, ROW_KEYS, validate_row
 from cua_rl.errors import RejectedEpisode
 from cua_rl.trajectory.config import TrajectoryConfig
 from cua_rl.trajectory.events import ParsedEvents, Turn, events_to_turns, load_event_log
@@ -25,7 +26,6 @@ from cua_rl.trajectory.images import (
     process_images,
 )
 from cua_rl.trajectory.row import (
-    ROW_KEYS,
     ConversionResult,
     Segment,
     convert_turns,
@@ -63,7 +63,9 @@ def convert_events(
 
 
 __all__ = [
+    "ROW_FIELDS",
     "ROW_KEYS",
+    "validate_row",
     "ConversionResult",
     "ParsedEvents",
     "Segment",

@@ -1,6 +1,6 @@
 """Agent event log -> turns: one :class:`Turn` per model call, with exactly what was sampled.
 
-The gbox-mini-agent event log (FACTS §2) interleaves ``model_call`` (the OpenAI request),
+The agent's event log (docs/design.md, the agent) interleaves ``model_call`` (the OpenAI request),
 ``model_output`` (the whole chat-completion response) and ``action_executed`` events, each with a
 1-based ``step``. A turn pairs the n-th call of a step with the n-th output of the same step and
 takes its token data from vLLM's fields only: top-level ``prompt_token_ids``,
@@ -20,6 +20,7 @@ from dataclasses import dataclass, field
 from datetime import UTC, datetime
 from typing import Any
 
+from cua_rl.core.reasons import Reason
 from cua_rl.errors import RejectedEpisode
 
 # Action names an agent uses when the model's reply could not be turned into an action.
@@ -80,12 +81,12 @@ def load_event_log(obj: Any) -> list[dict]:
         try:
             obj = json.loads(obj)
         except ValueError as exc:
-            raise RejectedEpisode("malformed_events", f"event log is not JSON: {exc}") from exc
+            raise RejectedEpisode(Reason.MALFORMED_EVENTS, f"event log is not JSON: {exc}") from exc
     if isinstance(obj, Mapping):
         obj = obj.get("events")
     if not isinstance(obj, list):
         raise RejectedEpisode(
-            "malformed_events", "expected a list of events or an object with an 'events' list"
+            Reason.MALFORMED_EVENTS, "expected a list of events or an object with an 'events' list"
         )
     return obj
 
@@ -93,7 +94,7 @@ def load_event_log(obj: Any) -> list[dict]:
 def _step_of(ev: Mapping, i: int) -> int:
     step = ev.get("step", ev.get("turn"))
     if isinstance(step, bool) or not isinstance(step, int | float) or step != int(step):
-        raise RejectedEpisode("malformed_events", f"event {i} ({ev.get('type')}) has no step")
+        raise RejectedEpisode(Reason.MALFORMED_EVENTS, f"event {i} ({ev.get('type')}) has no step")
     return int(step)
 
 
@@ -127,7 +128,9 @@ def dedupe_events(events: Iterable[Any]) -> tuple[list[dict], int]:
     dups = 0
     for i, ev in enumerate(events):
         if not isinstance(ev, Mapping) or not isinstance(ev.get("type"), str):
-            raise RejectedEpisode("malformed_events", f"event {i} is not an object with a type")
+            raise RejectedEpisode(
+                Reason.MALFORMED_EVENTS, f"event {i} is not an object with a type"
+            )
         key = (ev["type"], str(ev.get("ts")), ev.get("step", ev.get("turn")), ev.get("actionIndex"))
         if key in seen:
             dups += 1
@@ -169,7 +172,7 @@ def image_urls_of(messages: Sequence[Any] | None) -> list[str]:
             else:
                 continue
             if not isinstance(url, str) or not url:
-                raise RejectedEpisode("malformed_events", f"image part without a URL: {kind}")
+                raise RejectedEpisode(Reason.MALFORMED_EVENTS, f"image part without a URL: {kind}")
             urls.append(url)
     return urls
 
@@ -242,6 +245,31 @@ def _action_ok(action: Mapping) -> bool:
     return True
 
 
+def _turn(step: int, index: int, call: dict, out: dict, acts: list, errors: list, span) -> Turn:
+    """One model call of a step and its answer (with the step's actions when it is the last)."""
+    messages = request_messages(call)
+    data = parse_model_output(out.get("modelOutput"))
+    return Turn(
+        step=step,
+        index=index,
+        prompt_ids=data["prompt_ids"],
+        output_ids=data["output_ids"],
+        output_logprobs=data["logprobs"],
+        finish_reason=data["finish_reason"],
+        image_urls=image_urls_of(messages),
+        messages=messages,
+        text=data["text"],
+        actions=acts,
+        action_parsed=bool(acts) and all(_action_parsed(a) for a in acts),
+        action_ok=bool(acts) and all(_action_ok(a) for a in acts),
+        errors=errors,
+        missing=data["missing"],
+        response_id=data["id"],
+        started_at=span[0],
+        ended_at=span[1],
+    )
+
+
 def events_to_turns(events: Any) -> ParsedEvents:
     """Turn an event log (list, ``{"events": [...]}`` or JSON text) into ordered turns."""
     raw = load_event_log(events)
@@ -281,7 +309,7 @@ def events_to_turns(events: Any) -> ParsedEvents:
             action = ev.get("action")
             if not isinstance(action, Mapping):
                 raise RejectedEpisode(
-                    "malformed_events", f"action_executed event {i} has no action"
+                    Reason.MALFORMED_EVENTS, f"action_executed event {i} has no action"
                 )
             actions.setdefault(step, []).append(ev)
         else:
@@ -290,7 +318,7 @@ def events_to_turns(events: Any) -> ParsedEvents:
         step_calls, step_outs = calls.get(step, []), outputs.get(step, [])
         if len(step_outs) > len(step_calls):
             raise RejectedEpisode(
-                "malformed_events",
+                Reason.MALFORMED_EVENTS,
                 f"step {step} has {len(step_outs)} outputs for {len(step_calls)} model calls",
             )
         parsed.incomplete_turns += len(step_calls) - len(step_outs)
@@ -299,31 +327,12 @@ def events_to_turns(events: Any) -> ParsedEvents:
             key=lambda e: e.get("actionIndex") if isinstance(e.get("actionIndex"), int) else 0,
         )
         for k, (call, out) in enumerate(zip(step_calls, step_outs, strict=False)):
-            messages = request_messages(call)
-            data = parse_model_output(out.get("modelOutput"))
             # Actions belong to the step's last model call: earlier calls of a step were retries.
             last = k == len(step_outs) - 1
             acts = [dict(e["action"]) for e in step_actions] if last else []
-            turn = Turn(
-                step=step,
-                index=len(parsed.turns),
-                prompt_ids=data["prompt_ids"],
-                output_ids=data["output_ids"],
-                output_logprobs=data["logprobs"],
-                finish_reason=data["finish_reason"],
-                image_urls=image_urls_of(messages),
-                messages=messages,
-                text=data["text"],
-                actions=acts,
-                action_parsed=bool(acts) and all(_action_parsed(a) for a in acts),
-                action_ok=bool(acts) and all(_action_ok(a) for a in acts),
-                errors=list(step_errors.get(step, [])) if last else [],
-                missing=data["missing"],
-                response_id=data["id"],
-                started_at=spans[step][0] if step in spans else None,
-                ended_at=spans[step][1] if step in spans else None,
-            )
-            parsed.turns.append(turn)
+            errors = list(step_errors.get(step, [])) if last else []
+            span = spans.get(step, (None, None))
+            parsed.turns.append(_turn(step, len(parsed.turns), call, out, acts, errors, span))
             for a in acts:
                 if a.get("name") == "finished":
                     content = (a.get("args") or {}).get("content")

@@ -11,58 +11,22 @@ from its grid so the row builder can check it against the prompt ids vLLM return
 from __future__ import annotations
 
 import asyncio
-import base64
-import binascii
 import io
 import itertools
 from collections.abc import Iterable, Mapping, Sequence
-from urllib.parse import urlsplit
 
 import httpx
 
+from cua_rl.core import images as core_images
+from cua_rl.core.images import check_image_url
+from cua_rl.core.reasons import Reason
 from cua_rl.errors import RejectedEpisode
 from cua_rl.trajectory.config import TrajectoryConfig
 
 
-def check_image_url(url: str, config: TrajectoryConfig) -> str:
-    """Return ``"data"`` or ``"http"``; refuse (RejectedEpisode) anything the config does not allow."""
-    if url.startswith("data:"):
-        return "data"
-    try:
-        parts = urlsplit(url)
-    except ValueError as exc:
-        raise RejectedEpisode("image_url_refused", f"unparsable image URL: {exc}") from exc
-    allowed_schemes = ("https", "http") if config.allow_http else ("https",)
-    if parts.scheme not in allowed_schemes:
-        raise RejectedEpisode(
-            "image_url_refused",
-            f"scheme {parts.scheme!r} not allowed for images (allowed: {', '.join(allowed_schemes)})",
-        )
-    host = (parts.hostname or "").lower()
-    if host not in {h.lower() for h in config.allowed_image_hosts}:
-        raise RejectedEpisode(
-            "image_url_refused",
-            f"image host {host!r} is not in allowed_image_hosts {list(config.allowed_image_hosts)}",
-        )
-    return "http"
-
-
 def decode_data_url(url: str, config: TrajectoryConfig) -> bytes:
-    header, sep, payload = url.partition(",")
-    if not sep or not header.startswith("data:image/"):
-        raise RejectedEpisode("image_decode_failed", f"not an image data URL: {header[:40]!r}")
-    # Base64 expands 3 bytes to 4: refuse oversize payloads before decoding them.
-    if len(payload) * 3 // 4 > config.max_image_bytes:
-        raise RejectedEpisode(
-            "image_too_large",
-            f"data URL of ~{len(payload) * 3 // 4} bytes > {config.max_image_bytes}",
-        )
-    if not header.endswith(";base64"):
-        raise RejectedEpisode("image_decode_failed", "only base64 image data URLs are supported")
-    try:
-        return base64.b64decode(payload, validate=True)
-    except (binascii.Error, ValueError) as exc:
-        raise RejectedEpisode("image_decode_failed", f"bad base64 in data URL: {exc}") from exc
+    """A data URL's bytes, within the config's ``max_image_bytes``."""
+    return core_images.decode_data_url(url, config.max_image_bytes)
 
 
 async def fetch_one(client: httpx.AsyncClient, url: str, config: TrajectoryConfig) -> bytes:
@@ -71,12 +35,12 @@ async def fetch_one(client: httpx.AsyncClient, url: str, config: TrajectoryConfi
             async with client.stream("GET", url, follow_redirects=False) as resp:
                 if resp.status_code != 200:
                     raise RejectedEpisode(
-                        "image_fetch_failed", f"GET {url} answered {resp.status_code}"
+                        Reason.IMAGE_FETCH_FAILED, f"GET {url} answered {resp.status_code}"
                     )
                 declared = resp.headers.get("content-length")
                 if declared and declared.isdigit() and int(declared) > config.max_image_bytes:
                     raise RejectedEpisode(
-                        "image_too_large",
+                        Reason.IMAGE_TOO_LARGE,
                         f"{url} declares {declared} bytes > {config.max_image_bytes}",
                     )
                 buf = bytearray()
@@ -84,15 +48,15 @@ async def fetch_one(client: httpx.AsyncClient, url: str, config: TrajectoryConfi
                     buf += chunk
                     if len(buf) > config.max_image_bytes:
                         raise RejectedEpisode(
-                            "image_too_large", f"{url} exceeds {config.max_image_bytes} bytes"
+                            Reason.IMAGE_TOO_LARGE, f"{url} exceeds {config.max_image_bytes} bytes"
                         )
                 return bytes(buf)
     except TimeoutError as exc:
         raise RejectedEpisode(
-            "image_fetch_timeout", f"{url} took over {config.image_fetch_timeout_s}s"
+            Reason.IMAGE_FETCH_TIMEOUT, f"{url} took over {config.image_fetch_timeout_s}s"
         ) from exc
     except httpx.HTTPError as exc:
-        raise RejectedEpisode("image_fetch_failed", f"GET {url}: {exc!r}") from exc
+        raise RejectedEpisode(Reason.IMAGE_FETCH_FAILED, f"GET {url}: {exc!r}") from exc
 
 
 async def fetch_images(
@@ -146,12 +110,12 @@ def iter_images(urls: Iterable[str], fetched: Mapping[str, bytes], config: Traje
         elif check_image_url(url, config) == "data":
             raw = decode_data_url(url, config)
         else:
-            raise RejectedEpisode("image_not_fetched", f"{url} was not fetched")
+            raise RejectedEpisode(Reason.IMAGE_NOT_FETCHED, f"{url} was not fetched")
         try:
             img = Image.open(io.BytesIO(raw))
             img.load()
         except (UnidentifiedImageError, OSError, ValueError) as exc:
-            raise RejectedEpisode("image_decode_failed", f"{url[:60]}: {exc}") from exc
+            raise RejectedEpisode(Reason.IMAGE_DECODE_FAILED, f"{url[:60]}: {exc}") from exc
         yield img.convert("RGB")
 
 
@@ -174,7 +138,9 @@ def image_token_ids(processor) -> tuple[int, int | None]:
         vid = tok.convert_tokens_to_ids("<|video_pad|>")
         video_id = vid if isinstance(vid, int) and vid != tok.unk_token_id else None
     if not isinstance(image_id, int) or image_id < 0:
-        raise RejectedEpisode("processor_unsupported", "the tokenizer has no <|image_pad|> token")
+        raise RejectedEpisode(
+            Reason.PROCESSOR_UNSUPPORTED, "the tokenizer has no <|image_pad|> token"
+        )
     return image_id, video_id
 
 

@@ -1,9 +1,10 @@
 """Turns -> one AReaL training row, merged only where the multi-turn prefix property holds.
 
-The row is built from the ids the model saw and sampled (DESIGN decision 1). Turn t joins the
-running row when its prompt ids start with the row so far (turn t-1's prompt + output); then the
-row becomes turn t's prompt + output, and every earlier turn's output keeps its position, so its
-loss mask, logprobs and version can be laid on the final ids. When the property breaks, the break
+The row is built from the ids the model saw and sampled (docs/design.md, decision 1). Turn t
+joins the running row when its prompt ids start with the row so far (turn t-1's prompt +
+output); then the row becomes turn t's prompt + output, and every earlier turn's output keeps its
+position, so its loss mask, logprobs and version can be laid on the final ids. The row's keys,
+dtypes and shapes are the contract in ``cua_rl.core.row``, checked before a row is returned. When the property breaks, the break
 is counted and a new segment starts; the config then trains the last segment or rejects the
 episode, so a row never mixes contexts. The images of the row are those of its last prompt (an
 append-only history carries every earlier screenshot); their pad-token runs in the prompt ids must
@@ -19,6 +20,8 @@ from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field, replace
 from typing import Any
 
+from cua_rl.core.reasons import Reason
+from cua_rl.core.row import validate_row
 from cua_rl.errors import RejectedEpisode
 from cua_rl.trajectory.config import TrajectoryConfig
 from cua_rl.trajectory.events import Turn
@@ -28,17 +31,6 @@ from cua_rl.trajectory.images import (
     load_images,
     process_images,
     tokenizer_of,
-)
-
-ROW_KEYS = (
-    "input_ids",
-    "loss_mask",
-    "logprobs",
-    "versions",
-    "attention_mask",
-    "rewards",
-    "mm_token_type_ids",
-    "multi_modal_input",
 )
 
 
@@ -67,7 +59,7 @@ class ConversionResult:
 
     def raise_if_rejected(self) -> dict[str, Any]:
         if self.row is None:
-            raise RejectedEpisode(self.reason or "rejected", self.detail)
+            raise RejectedEpisode(self.reason or Reason.REJECTED, self.detail)
         return self.row
 
 
@@ -113,7 +105,7 @@ def _retokenize(turn: Turn, processor, images) -> None:
     Only reachable when the config says the trainer recomputes logprobs (validated there).
     """
     if not turn.messages:
-        raise RejectedEpisode("missing_tokens", f"turn {turn.index}: no request to retokenize")
+        raise RejectedEpisode(Reason.MISSING_TOKENS, f"turn {turn.index}: no request to retokenize")
     tok = tokenizer_of(processor)
     text = processor.apply_chat_template(turn.messages, tokenize=False, add_generation_prompt=True)
     enc = processor(text=[text], images=list(images) or None, return_tensors="pt")
@@ -122,7 +114,9 @@ def _retokenize(turn: Turn, processor, images) -> None:
     if turn.finish_reason == "stop" and tok.eos_token_id is not None:
         out = out + [tok.eos_token_id]
     if not out:
-        raise RejectedEpisode("missing_tokens", f"turn {turn.index}: no reply text to retokenize")
+        raise RejectedEpisode(
+            Reason.MISSING_TOKENS, f"turn {turn.index}: no reply text to retokenize"
+        )
     turn.output_ids = [int(t) for t in out]
     turn.output_logprobs = [0.0] * len(out)
 
@@ -161,10 +155,8 @@ def convert_turns(
 
 
 def _convert(turns, processor, reward, version, config, fetched, stats) -> dict[str, Any]:
-    import torch
-
     if not turns:
-        raise RejectedEpisode("no_turns", "the event log has no completed model call")
+        raise RejectedEpisode(Reason.NO_TURNS, "the event log has no completed model call")
     if isinstance(version, int):
         versions_per_turn = [version] * len(turns)
     else:
@@ -175,7 +167,7 @@ def _convert(turns, processor, reward, version, config, fetched, stats) -> dict[
     if missing and config.missing_tokens_policy == "reject":
         t = missing[0]
         raise RejectedEpisode(
-            "missing_tokens",
+            Reason.MISSING_TOKENS,
             f"{len(missing)} turn(s) lack token data (turn {t.index}: {t.missing}); the agent "
             "must request logprobs and return_token_ids",
         )
@@ -192,7 +184,9 @@ def _convert(turns, processor, reward, version, config, fetched, stats) -> dict[
     stats["prefix_breaks"] = breaks
     stats["segments"] = len(segments)
     if breaks and config.prefix_break_policy == "reject":
-        raise RejectedEpisode("prefix_break", f"{breaks} prefix break(s) in {len(turns)} turns")
+        raise RejectedEpisode(
+            Reason.PREFIX_BREAK, f"{breaks} prefix break(s) in {len(turns)} turns"
+        )
     seg = segments[-1]
     last = seg.turns[-1]
     ids = seg.ids
@@ -200,37 +194,46 @@ def _convert(turns, processor, reward, version, config, fetched, stats) -> dict[
     stats["trained_turns"] = len(seg.turns)
     stats["row_len"] = len(ids)
     if config.max_row_tokens and len(ids) > config.max_row_tokens:
-        raise RejectedEpisode("row_too_long", f"{len(ids)} tokens > {config.max_row_tokens}")
+        raise RejectedEpisode(Reason.ROW_TOO_LONG, f"{len(ids)} tokens > {config.max_row_tokens}")
 
     image_id, video_id = image_token_ids(processor)
     for start, end, _ in seg.spans:
         sampled = ids[start:end]
         if image_id in sampled or (video_id is not None and video_id in sampled):
             raise RejectedEpisode(
-                "image_token_in_output", "the model sampled an image/video pad token"
+                Reason.IMAGE_TOKEN_IN_OUTPUT, "the model sampled an image/video pad token"
             )
     if video_id is not None and video_id in ids[:prompt_len]:
-        raise RejectedEpisode("video_unsupported", "the prompt holds video tokens")
+        raise RejectedEpisode(Reason.VIDEO_UNSUPPORTED, "the prompt holds video tokens")
 
     urls = last.image_urls
     if len(urls) > config.max_images:
         raise RejectedEpisode(
-            "too_many_images", f"{len(urls)} images > max_images {config.max_images}"
+            Reason.TOO_MANY_IMAGES, f"{len(urls)} images > max_images {config.max_images}"
         )
     runs = pad_runs(ids[:prompt_len], image_id)
     if len(runs) != len(urls):
         raise RejectedEpisode(
-            "image_count_mismatch",
+            Reason.IMAGE_COUNT_MISMATCH,
             f"prompt ids hold {len(runs)} image pad runs but the request has {len(urls)} images",
         )
     pixel_values, grid, per_image = process_images(processor, iter_images(urls, fetched, config))
     if per_image != runs:
         bad = next(i for i, (a, b) in enumerate(zip(per_image, runs, strict=True)) if a != b)
         raise RejectedEpisode(
-            "image_pad_mismatch",
+            Reason.IMAGE_PAD_MISMATCH,
             f"image {bad}: processor needs {per_image[bad]} pad tokens, prompt ids hold {runs[bad]}",
         )
     stats["images"] = len(per_image)
+
+    row = _assemble(seg, ids, version_of, reward, image_id, pixel_values, grid)
+    stats["trained_tokens"] = int(row["loss_mask"].sum())
+    return row
+
+
+def _assemble(seg, ids, version_of, reward, image_id, pixel_values, grid) -> dict[str, Any]:
+    """The row's tensors (the contract in ``cua_rl.core.row``), validated."""
+    import torch
 
     n = len(ids)
     loss_mask = [0] * n
@@ -246,9 +249,8 @@ def _convert(turns, processor, reward, version, config, fetched, stats) -> dict[
             loss_mask[start + k] = 1
             logprobs[start + k] = lp[k]
             versions[start + k] = per_token[k] if per_token is not None else v
-    stats["trained_tokens"] = sum(loss_mask)
     input_ids = torch.tensor(ids, dtype=torch.long).unsqueeze(0)
-    return {
+    row = {
         "input_ids": input_ids,
         "loss_mask": torch.tensor(loss_mask, dtype=torch.int32).unsqueeze(0),
         "logprobs": torch.tensor(logprobs, dtype=torch.float32).unsqueeze(0),
@@ -258,6 +260,8 @@ def _convert(turns, processor, reward, version, config, fetched, stats) -> dict[
         "mm_token_type_ids": (input_ids == image_id).to(torch.long),
         "multi_modal_input": [{"pixel_values": pixel_values, "image_grid_thw": grid}],
     }
+    validate_row(row)
+    return row
 
 
 def image_urls_needed(turns: Sequence[Turn], config: TrajectoryConfig | None = None) -> list[str]:

@@ -93,7 +93,8 @@ def test_check_reports_a_refused_monitor_token(tmp_path, capsys):
 
 
 def test_check_refuses_a_loopback_gateway_for_a_remote_agent(tmp_path, capsys):
-    from cua_rl.app.train import gateway_check, load_config
+    from cua_rl.app.check import gateway_check
+    from cua_rl.app.train import load_config
 
     config = load_config(
         [

@@ -429,7 +429,7 @@ async def test_bpe_episodes_sampled_freely_keep_every_turn_in_one_exact_row(
         assert sum(len(t.output_ids) for t in capture.turns) == stats["trained_tokens"]
         gap = trained_gap(model, result.row)
         assert gap.max().item() < 1e-3, gap.max().item()
-    # Unconstrained BPE sampling did produce what re-tokenising would change (FACTS §4): the
+    # Unconstrained BPE sampling did produce what re-tokenising would change (docs/design.md, vLLM): the
     # check above is not vacuous.
     tok = wf.processor.tokenizer
     changed = sum(

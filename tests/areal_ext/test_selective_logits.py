@@ -21,6 +21,7 @@ import torch
 
 from cua_rl.areal import logits as sel
 from cua_rl.areal import logits_engine as eng
+from cua_rl.areal import support
 from cua_rl.errors import ConfigError
 
 REPO = Path(__file__).resolve().parents[2]
@@ -85,8 +86,8 @@ def test_a_trainer_subclass_gets_selective_logits_in_front():
 
 
 def test_another_areal_release_is_refused(monkeypatch):
-    assert sel.areal_version() == sel.SUPPORTED_AREAL
-    monkeypatch.setattr(sel, "areal_version", lambda: "1.0.5")
+    assert support.areal_version() == support.SUPPORTED_AREAL
+    monkeypatch.setattr(support, "areal_version", lambda: "1.0.5")
     with pytest.raises(ConfigError, match="logits.selective=false"):
         sel.trainer_class(sel.LogitsConfig())
     # Switched off, nothing of ours runs and the release does not matter.

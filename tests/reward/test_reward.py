@@ -16,7 +16,7 @@ from cua_rl.reward import (
 
 
 def _answer(**result_overrides):
-    """A current genv evaluate answer (FACTS §1) with a failed task by default."""
+    """A current genv evaluate answer (docs/design.md, the gym server) with a failed task by default."""
     result = {
         "score": 0.0,
         "success": False,

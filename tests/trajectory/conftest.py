@@ -46,7 +46,7 @@ def _event(**overrides) -> dict:
 
 
 def _model_output(prompt_ids, token_ids, logprobs=None, *, finish="stop", text="tap(1,2)"):
-    """A vLLM chat-completion response with token ids and logprobs (FACTS §4)."""
+    """A vLLM chat-completion response with token ids and logprobs (docs/design.md, vLLM)."""
     choice = {
         "index": 0,
         "message": {"role": "assistant", "content": text},

@@ -1,0 +1,167 @@
+"""``train.py --check``: the config is valid and every service it names answers, one line each.
+
+Nothing trains: the gym lists and selects its tasks (so a bad selection shows here too), the
+agent answers a run lookup, the model endpoint serves the model (or the engine's path exists),
+the monitor accepts the token or its embedded database opens, and the gateway's address is one
+the agent can reach. The exit status is 1 when any check fails.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import os
+from dataclasses import dataclass
+from pathlib import Path
+from urllib.parse import urlsplit
+
+import httpx
+
+from cua_rl.app.config import CUAConfig
+from cua_rl.errors import AgentError, CuaRlError, GymError
+from cua_rl.genv import GenvClient
+from cua_rl.tasks import Task, load_tasks, select_tasks
+
+_LOOPBACK = ("127.0.0.1", "localhost", "::1")
+
+
+@dataclass
+class CheckResult:
+    name: str
+    ok: bool
+    detail: str
+
+    def line(self) -> str:
+        return f"{'ok  ' if self.ok else 'FAIL'} {self.name:<8} {self.detail}"
+
+
+def _reason(exc: BaseException) -> str:
+    if isinstance(exc, httpx.ConnectError):
+        return f"unreachable ({exc})"
+    if isinstance(exc, httpx.TimeoutException):
+        return "timed out"
+    return f"{type(exc).__name__}: {exc}"
+
+
+async def fetch_tasks(config: CUAConfig) -> list[Task]:
+    async with httpx.AsyncClient(timeout=httpx.Timeout(60.0, connect=10.0)) as http:
+        client = None
+        if config.gym.source.kind == "gym":
+            client = GenvClient(
+                config.gym.base_url, config.gym.gym_id, client=http, timeouts=config.gym.timeouts
+            )
+        return await load_tasks(config.gym.source, client)
+
+
+async def check_gym(config: CUAConfig) -> CheckResult:
+    try:
+        tasks = await fetch_tasks(config)
+        split = select_tasks(tasks, config.gym.selection)
+    except (GymError, CuaRlError, httpx.HTTPError, OSError) as exc:
+        return CheckResult("gym", False, f"{config.gym.base_url}: {_reason(exc)}")
+    return CheckResult(
+        "gym",
+        True,
+        f"{config.gym.base_url or config.gym.source.kind}: {len(tasks)} tasks, "
+        f"{len(split.train)} train / {len(split.eval)} eval after selection",
+    )
+
+
+async def check_agent(config: CUAConfig, http: httpx.AsyncClient) -> CheckResult:
+    # No health endpoint is known; any HTTP answer to a run lookup proves it serves.
+    agent_url = config.agent.base_url.rstrip("/")
+    try:
+        resp = await http.get(f"{agent_url}/runs/cua-rl-check")
+    except (httpx.HTTPError, AgentError) as exc:
+        return CheckResult("agent", False, f"{agent_url or '(unset)'}: {_reason(exc)}")
+    ok = resp.status_code in (200, 404)
+    detail = f"{agent_url}: answers (HTTP {resp.status_code})"
+    return CheckResult("agent", ok, detail if ok else f"{detail}, unexpected")
+
+
+async def check_model(config: CUAConfig, http: httpx.AsyncClient) -> CheckResult:
+    # An external endpoint must serve the model; the engine's own servers are started later.
+    if not config.endpoint.base_url:
+        path = config.model_path()
+        ok = bool(path) and (not path.startswith(("/", ".")) or Path(path).exists())
+        detail = f"engine servers started by the trainer from {path!r}"
+        return CheckResult("model", ok, detail + ("" if ok else " (path does not exist)"))
+    url = config.endpoint.base_url.rstrip("/")
+    try:
+        resp = await http.get(f"{url}/models")
+        resp.raise_for_status()
+        names = [m.get("id") for m in resp.json().get("data", [])]
+    except (httpx.HTTPError, ValueError) as exc:
+        return CheckResult("model", False, f"{url}: {_reason(exc)}")
+    want = config.endpoint.model_name or config.model_path()
+    ok = not want or want in names
+    return CheckResult("model", ok, f"{url}: serves {names}" + ("" if ok else f", not {want!r}"))
+
+
+async def check_monitor(config: CUAConfig, http: httpx.AsyncClient) -> CheckResult:
+    # A URL must answer with the token; an embedded monitor must open its database.
+    base = config.monitor.base_url or os.environ.get("MONITOR_BASE_URL", "")
+    if not config.monitor.enabled:
+        return CheckResult("monitor", True, "disabled")
+    if base:
+        token = config.monitor.token or os.environ.get("MONITOR_PROJECT_TOKEN", "")
+        headers = {"Authorization": f"Bearer {token}"} if token else {}
+        try:
+            resp = await http.get(f"{base.rstrip('/')}/api/trainings?limit=1", headers=headers)
+        except httpx.HTTPError as exc:
+            return CheckResult("monitor", False, f"{base}: {_reason(exc)}")
+        ok = resp.status_code == 200
+        why = "token refused" if resp.status_code == 401 else f"HTTP {resp.status_code}"
+        return CheckResult("monitor", ok, f"{base}: {'ok' if ok else why}")
+    try:
+        from cua_rl.monitor.server.store import MonitorStore
+
+        Path(config.monitor.db_path).parent.mkdir(parents=True, exist_ok=True)
+        MonitorStore(config.monitor.db_path).close()
+    except Exception as exc:
+        return CheckResult("monitor", False, f"{config.monitor.db_path}: {_reason(exc)}")
+    return CheckResult("monitor", True, f"embedded, database {config.monitor.db_path}")
+
+
+def gateway_check(config: CUAConfig) -> CheckResult:
+    """The gateway starts with the rollout workers; what can be checked now is whether the agent
+    will be able to reach the address it is told."""
+    g = config.gateway
+    told = g.public_host or (
+        "the worker's IP" if g.bind_host in ("0.0.0.0", "::", "") else g.bind_host
+    )
+    detail = (
+        f"each rollout worker listens on {g.bind_host}:{g.bind_port or 'a free port'}, "
+        f"the agent is told {told}"
+    )
+    agent_host = (urlsplit(config.agent.base_url).hostname or "").lower()
+    local_agent = agent_host in _LOOPBACK
+    reachable = local_agent or (g.bind_host not in _LOOPBACK and told not in _LOOPBACK)
+    if not reachable:
+        detail += (
+            f"; the agent at {agent_host} runs elsewhere and cannot reach a loopback gateway: "
+            "set gateway.bind_host=0.0.0.0 (and gateway.public_host to an address it can reach)"
+        )
+    return CheckResult("gateway", reachable, detail)
+
+
+async def check_services(config: CUAConfig, *, timeout: float = 10.0) -> list[CheckResult]:
+    results = [await check_gym(config)]
+    async with httpx.AsyncClient(timeout=timeout) as http:
+        results.append(await check_agent(config, http))
+        if config.endpoint.mode == "gateway":
+            results.append(gateway_check(config))
+        results.append(await check_model(config, http))
+        results.append(await check_monitor(config, http))
+    return results
+
+
+def run_check(config: CUAConfig) -> int:
+    print(f"ok   config   {config.experiment_name}/{config.trial_name} is valid")
+    results = asyncio.run(check_services(config))
+    for r in results:
+        print(r.line())
+    failed = [r.name for r in results if not r.ok]
+    if failed:
+        print(f"unreachable or misconfigured: {', '.join(failed)}")
+        return 1
+    return 0

@@ -1,0 +1,9 @@
+"""What several packages share, written once.
+
+- ``reasons``: the rejection reasons, a documented ``StrEnum`` (docs/rejections.md).
+- ``images``: image data URLs, type sniffing and the image URL policy (allowed hosts, sizes)
+  that the trajectory converter, the gateway and the monitor's screenshots apply alike.
+- ``row``: the training row's contract (keys, dtypes, shapes) and its validator.
+
+Nothing here imports AReaL, vLLM or another ``cua_rl`` package but ``cua_rl.errors``.
+"""
