@@ -72,6 +72,31 @@ class GatewayConfig:
         default=600.0,
         metadata={"help": "Longest one generation request to the model server may take."},
     )
+    max_aborts: int = field(
+        default=16,
+        metadata={
+            "help": "Most times in a row the model server may abort one call without sampling a "
+            "token while the rollout is not paused (a server that aborts everything would "
+            "otherwise be asked forever); then the agent gets 502."
+        },
+    )
+    max_pause_wait_s: float = field(
+        default=3600.0,
+        metadata={
+            "help": "Longest one call waits for a paused rollout (weight update, then the save "
+            "and evaluation the trainer runs before resuming); then the agent gets 503 "
+            "'pause_timeout' and the error records the time waited. Keep it above the longest "
+            "save + evaluation of your run."
+        },
+    )
+    stream_keepalive_s: float = field(
+        default=15.0,
+        metadata={
+            "help": "A streamed call opens its event stream at once and sends an SSE comment "
+            "this often while it waits (for a pause, the model), so idle-connection timeouts "
+            "of clients and proxies do not cut it."
+        },
+    )
     retries: int = field(
         default=3,
         metadata={
@@ -106,6 +131,11 @@ class GatewayConfig:
             raise ConfigError("gateway.max_body_bytes and gateway.max_images must be positive")
         if self.request_timeout_s <= 0 or self.retries < 0:
             raise ConfigError("gateway.request_timeout_s must be positive and gateway.retries >= 0")
+        if self.max_aborts < 1 or self.max_pause_wait_s <= 0 or self.stream_keepalive_s <= 0:
+            raise ConfigError(
+                "gateway.max_aborts must be >= 1; gateway.max_pause_wait_s and "
+                "gateway.stream_keepalive_s positive"
+            )
 
 
 @dataclass
@@ -132,12 +162,20 @@ class Sampling:
             greedy=bool(g.greedy),
         )
 
+    def distribution(self) -> dict[str, float | int]:
+        """The settings that shape the sampled distribution, in the servers' spelling: greedy is
+        temperature 0, and any top_k <= 0 (or unset) is -1, "no truncation". Every request
+        shape and every comparison with what the agent asked goes through this one rule."""
+        return {
+            "temperature": 0.0 if self.greedy else float(self.temperature),
+            "top_p": float(self.top_p),
+            "top_k": int(self.top_k) if self.top_k and self.top_k > 0 else -1,
+        }
+
     def vllm_params(self, max_tokens: int) -> dict:
         """vLLM ``SamplingParams`` JSON; ``logprobs: 0`` returns the sampled token's logprob."""
         params = {
-            "temperature": 0.0 if self.greedy else self.temperature,
-            "top_p": self.top_p,
-            "top_k": self.top_k if self.top_k and self.top_k > 0 else -1,
+            **self.distribution(),
             "max_tokens": max_tokens,
             "min_tokens": min(self.min_new_tokens, max_tokens),
             "logprobs": 0,

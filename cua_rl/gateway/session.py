@@ -11,9 +11,11 @@ episode are served one at a time, in arrival order.
 from __future__ import annotations
 
 import asyncio
+import functools
 import math
 import time
 import uuid
+from collections.abc import Awaitable, Callable
 from dataclasses import dataclass, replace
 from typing import Any
 
@@ -23,7 +25,7 @@ from cua_rl.errors import CuaRlError, ModelServerError, RejectedEpisode
 from cua_rl.gateway.backends import VLLMText, backend_named
 from cua_rl.gateway.capture import CapturedTurn, EpisodeCapture, GatewayError
 from cua_rl.gateway.config import GatewayConfig, Sampling
-from cua_rl.gateway.engine import EngineView, TokensInUnavailable, generate
+from cua_rl.gateway.engine import EngineView, TokensInUnavailable, WaitFailed, generate
 from cua_rl.gateway.render import (
     BadRequest,
     Conversation,
@@ -73,6 +75,28 @@ FOREIGN_KEYS = (
 VISION_TOKENS = ("<|image_pad|>", "<|video_pad|>", "<|vision_start|>", "<|vision_end|>")
 
 
+@functools.cache
+def _byte_decoder() -> dict[str, int]:
+    """Byte-level BPE spells each byte as one printable character; this maps them back."""
+    printable = [*range(33, 127), *range(161, 173), *range(174, 256)]
+    spelled = dict(zip(printable, printable, strict=True))
+    extra = 256
+    for b in range(256):
+        if b not in spelled:
+            spelled[b], extra = extra, extra + 1
+    return {chr(c): b for b, c in spelled.items()}
+
+
+def token_bytes(tokenizer, token_id: int) -> bytes:
+    """A token's own bytes (a piece of a UTF-8 character stays that piece, as OpenAI gives it);
+    tokenizers that are not byte-level fall back to the decoded text's UTF-8."""
+    piece = tokenizer.convert_ids_to_tokens(token_id)
+    decoder = _byte_decoder()
+    if isinstance(piece, str) and piece and all(ch in decoder for ch in piece):
+        return bytes(decoder[ch] for ch in piece)
+    return tokenizer.decode([token_id]).encode("utf-8")
+
+
 def vision_token_ids(tokenizer) -> frozenset[int]:
     ids = set()
     for token in VISION_TOKENS:
@@ -93,11 +117,8 @@ class GatewayFailure(CuaRlError):
 
 
 def trainer_values(sampling: Sampling) -> dict[str, Any]:
-    temperature = 0.0 if sampling.greedy else sampling.temperature
     return {
-        "temperature": temperature,
-        "top_p": sampling.top_p,
-        "top_k": sampling.top_k if sampling.top_k and sampling.top_k > 0 else -1,
+        **sampling.distribution(),
         "max_tokens": sampling.max_new_tokens,
         "max_completion_tokens": sampling.max_new_tokens,
     }
@@ -119,6 +140,30 @@ def sampling_differences(body: dict, sampling: Sampling) -> tuple[dict, dict]:
         if not isinstance(value, int | float) or not math.isclose(float(value), float(want[key])):
             overridden[key] = value
     return asked, overridden
+
+
+class ClientGone(CuaRlError):
+    """The client disconnected before its answer: nothing was committed."""
+
+
+def _retrieve(task: asyncio.Task) -> None:
+    # A generation nobody waits for any more may still fail; its error is not news.
+    if not task.cancelled():
+        task.exception()
+
+
+@dataclass
+class Sampled:
+    """One generation, not yet committed (its client may never receive it)."""
+
+    template: list[dict]
+    key: tuple
+    images: list[Image]
+    segment: int
+    prompt: Any
+    gen: Any
+    asked: dict
+    overridden: dict
 
 
 @dataclass
@@ -155,25 +200,88 @@ class EpisodeSession:
         self._server: str | None = None
         self._lock: asyncio.Lock | None = None
         self.inflight: set[asyncio.Task] = set()
+        self._pending: tuple[str, asyncio.Task] | None = None  # a call whose client left
+        self._last: tuple[str, dict] | None = None  # the last answered call: key, answer
 
-    async def chat(self, body: Any, client: httpx.AsyncClient) -> dict:
-        if self._lock is None:
-            self._lock = asyncio.Lock()
-        async with self._lock:
-            try:
-                return await self._chat(body, client)
-            except GatewayFailure as exc:
-                self.capture.errors.append(GatewayError(exc.code, str(exc), exc.status))
-                raise
-
-    async def _chat(self, body: Any, client: httpx.AsyncClient) -> dict:
+    async def chat(
+        self,
+        body: Any,
+        client: httpx.AsyncClient,
+        *,
+        key: str = "",
+        gone: Callable[[], Awaitable[Any]] | None = None,
+    ) -> dict:
+        """Answer one call. ``key`` identifies the request's bytes: an identical re-send of the
+        last answered call gets the stored reply, and one of a call whose client left gets that
+        call's generation (not a second one). ``gone`` completes when the client disconnects:
+        the call then commits nothing and its generation is kept for a re-send."""
         if self.closed:
             raise GatewayFailure(
                 f"episode {self.episode_id} is closed", status=404, code="episode_closed"
             )
+        if self._lock is None:
+            self._lock = asyncio.Lock()
+        async with self._lock:
+            if key and self._last is not None and self._last[0] == key:
+                self.capture.resends += 1
+                return self._last[1]
+            call = self._pending
+            if key and call is not None and call[0] == key:
+                self.capture.resends += 1
+            else:
+                self._drop_pending()
+                call = self._pending = (key, asyncio.create_task(self._sample(body, client)))
+                call[1].add_done_callback(_retrieve)
+            await self._until_done(call[1], gone)
+            self._pending = None
+            if call[1].cancelled():
+                raise GatewayFailure(
+                    f"episode {self.episode_id} ended during the call",
+                    status=404,
+                    code="episode_closed",
+                )
+            try:
+                sampled = call[1].result()
+            except GatewayFailure as exc:
+                self.capture.errors.append(GatewayError(exc.code, str(exc), exc.status))
+                raise
+            answer = self._commit(sampled, body)
+            self._last = (key, answer)
+            return answer
+
+    async def _until_done(
+        self, task: asyncio.Task, gone: Callable[[], Awaitable[Any]] | None
+    ) -> None:
+        """Wait for the generation, or for the client to leave (``ClientGone``; the generation
+        goes on for a re-send). A cancelled handler (a stream the client closed) counts too."""
+        waiter = asyncio.ensure_future(gone()) if gone is not None else None
+        try:
+            done, _ = await asyncio.wait(
+                {task} | ({waiter} if waiter else set()), return_when=asyncio.FIRST_COMPLETED
+            )
+        except asyncio.CancelledError:
+            if not self.closed:
+                self.capture.disconnects += 1
+            raise
+        finally:
+            if waiter is not None:
+                waiter.cancel()
+        if task not in done:
+            self.capture.disconnects += 1
+            raise ClientGone(f"the client of episode {self.episode_id} disconnected")
+
+    def _drop_pending(self) -> None:
+        """A different call came (or the episode ended): the generation nobody received is
+        discarded, never committed."""
+        if self._pending is not None:
+            self.capture.discarded += 1
+            self._pending[1].cancel()
+            self._pending = None
+
+    async def _sample(self, body: Any, client: httpx.AsyncClient) -> Sampled:
         if not isinstance(body, dict):
             raise GatewayFailure("the body must be a JSON object", status=400, code="invalid_json")
-        if int(body.get("n") or 1) != 1:
+        if body.get("n") not in (None, 1):
             raise GatewayFailure(
                 "n must be 1: one sample per call", status=400, code="unsupported_n"
             )
@@ -222,6 +330,9 @@ class EpisodeSession:
                 gen = await self._generate(client, prompt.send_ids, images, template)
         except BadRequest as exc:
             raise GatewayFailure(str(exc), status=400, code=exc.code) from exc
+        except WaitFailed as exc:
+            status = 502 if exc.code == "abort_loop" else 503
+            raise GatewayFailure(str(exc), status=status, code=exc.code, kind="api_error") from exc
         except ModelServerError as exc:
             raise GatewayFailure(
                 str(exc), status=502, code="model_server_error", kind="api_error"
@@ -233,8 +344,13 @@ class EpisodeSession:
                 gen.versions[:-1],
             )
             gen.finish_reason, gen.cut = "stop", 1
+        return Sampled(template, key, images, prompt.segment, prompt, gen, asked, overridden)
+
+    def _commit(self, s: Sampled, body: dict) -> dict:
+        """The call was received: its turn joins the conversation and the capture."""
+        gen = s.gen
         text = self.tokenizer.decode(gen.output_ids, skip_special_tokens=True)
-        self.conversation.commit(template, key, gen.prompt_ids, gen.output_ids, text)
+        self.conversation.commit(s.template, s.key, gen.prompt_ids, gen.output_ids, text)
         turn = CapturedTurn(
             index=len(self.capture.turns),
             response_id=f"chatcmpl-{uuid.uuid4().hex}",
@@ -244,12 +360,12 @@ class EpisodeSession:
             versions=gen.versions,
             finish_reason=gen.finish_reason,
             text=text,
-            images=images,
-            segment=prompt.segment,
-            extended=extends_stored(prompt, gen.prompt_ids),
+            images=s.images,
+            segment=s.segment,
+            extended=extends_stored(s.prompt, gen.prompt_ids),
             backend=self.backend.name,
-            asked=asked,
-            overridden=overridden,
+            asked=s.asked,
+            overridden=s.overridden,
             aborts=gen.aborts,
             retries=gen.retries,
             cut=gen.cut,
@@ -280,6 +396,8 @@ class EpisodeSession:
             retries=self.config.retries,
             backend=self.backend,
             messages=template,
+            max_aborts=self.config.max_aborts,
+            max_pause_wait_s=self.config.max_pause_wait_s,
         )
 
     def _pad_counts(self, images: list[Image]) -> list[int]:
@@ -317,9 +435,9 @@ class EpisodeSession:
             choice["logprobs"] = {
                 "content": [
                     {
-                        "token": (tok := self.tokenizer.decode([t])),
+                        "token": self.tokenizer.decode([t]),
                         "logprob": lp,
-                        "bytes": list(tok.encode("utf-8")),
+                        "bytes": list(token_bytes(self.tokenizer, t)),
                         "top_logprobs": [],
                     }
                     for t, lp in zip(turn.output_ids, turn.logprobs, strict=True)
@@ -344,6 +462,11 @@ class EpisodeSession:
 
     def close(self) -> EpisodeCapture:
         self.closed = True
+        if self._pending is not None:
+            task = self._pending[1]
+            self.capture.discarded += 1
+            self._pending = None
+            task.get_loop().call_soon_threadsafe(task.cancel)
         for task in list(self.inflight):
             loop = task.get_loop()
             loop.call_soon_threadsafe(task.cancel)
