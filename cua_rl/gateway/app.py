@@ -22,7 +22,7 @@ from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse, Response, StreamingResponse
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
-from cua_rl.gateway.session import ClientGone, EpisodeSession, GatewayFailure
+from cua_rl.gateway.session import ClientGone, Clients, EpisodeSession, GatewayFailure
 
 
 def _error_body(message: str, code: str | None, kind: str = "invalid_request_error") -> dict:
@@ -104,6 +104,15 @@ def _stream(call: Awaitable[dict], keepalive_s: float) -> AsyncIterator[str]:
     return events()
 
 
+def pooled(max_connections: int) -> httpx.AsyncClient:
+    """One episode has at most one call in flight: a pool of one connection per concurrent
+    episode never makes a call queue. No pool timeout: a call waits for a connection rather
+    than failing after httpx's default 5 s (its own time limits still apply)."""
+    n = max_connections or None
+    limits = httpx.Limits(max_connections=n, max_keepalive_connections=n or 256)
+    return httpx.AsyncClient(limits=limits, timeout=httpx.Timeout(60.0, pool=None))
+
+
 def create_app(
     lookup: Callable[[str], EpisodeSession | None],
     *,
@@ -111,17 +120,22 @@ def create_app(
     models: Callable[[str], list[str]],
     client_factory: Callable[[], httpx.AsyncClient] | None = None,
     keepalive_s: float = 15.0,
+    max_connections: int = 0,
 ) -> FastAPI:
-    """``lookup(episode_id)`` finds an open episode; the app owns the model-server client."""
+    """``lookup(episode_id)`` finds an open episode; the app owns the model-server and image
+    clients, one pool each (``max_connections`` each, 0: unbounded, as AReaL's own client)."""
     state: dict[str, httpx.AsyncClient] = {}
 
     @asynccontextmanager
     async def lifespan(app):
-        state["client"] = (client_factory or httpx.AsyncClient)()
+        state["clients"] = Clients(
+            (client_factory or (lambda: pooled(max_connections)))(), pooled(max_connections)
+        )
         try:
             yield
         finally:
-            await state["client"].aclose()
+            await state["clients"].model.aclose()
+            await state["clients"].images.aclose()
 
     app = FastAPI(title="cua-rl rollout gateway", lifespan=lifespan)
 
@@ -147,7 +161,7 @@ def create_app(
             return openai_error(400, f"the body is not JSON: {exc}", "invalid_json")
         # An SDK's retry re-sends the same bytes: the hash tells a re-send from a new call.
         key = hashlib.sha256(raw).hexdigest()
-        call = session.chat(body, state["client"], key=key, gone=lambda: _disconnected(request))
+        call = session.chat(body, state["clients"], key=key, gone=lambda: _disconnected(request))
         if isinstance(body, dict) and body.get("stream"):
             return StreamingResponse(_stream(call, keepalive_s), media_type="text/event-stream")
         task = asyncio.current_task()

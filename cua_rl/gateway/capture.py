@@ -71,6 +71,7 @@ class EpisodeCapture:
     resends: int = 0  # identical re-sends answered without sampling again
     disconnects: int = 0  # calls whose client left before the answer (nothing committed)
     discarded: int = 0  # generations no client received (never committed)
+    fetches: int = 0  # image URLs fetched (once per distinct image, re-signed URLs included)
 
     def stats(self) -> dict[str, float]:
         """Per-episode counters for AReaL's stats (means across episodes)."""
@@ -98,6 +99,7 @@ class EpisodeCapture:
             "gateway/resends": float(self.resends),
             "gateway/disconnects": float(self.disconnects),
             "gateway/discarded_generations": float(self.discarded),
+            "gateway/image_fetches": float(self.fetches),
         }
 
     def images(self) -> dict[str, bytes]:

@@ -24,7 +24,7 @@ import httpx
 from cua_rl.errors import CuaRlError, ModelServerError, RejectedEpisode
 from cua_rl.gateway.backends import VLLMText, backend_named
 from cua_rl.gateway.capture import CapturedTurn, EpisodeCapture, GatewayError
-from cua_rl.gateway.config import GatewayConfig, Sampling
+from cua_rl.gateway.config import GatewayConfig, Sampling, top_k_neutral
 from cua_rl.gateway.engine import EngineView, TokensInUnavailable, WaitFailed, generate
 from cua_rl.gateway.render import (
     BadRequest,
@@ -32,6 +32,7 @@ from cua_rl.gateway.render import (
     Image,
     expand_pads,
     extends_stored,
+    image_identity,
     image_sources,
     normalize,
 )
@@ -135,7 +136,7 @@ def sampling_differences(body: dict, sampling: Sampling) -> tuple[dict, dict]:
         if key not in want:
             overridden[key] = value
             continue
-        if key == "top_k" and isinstance(value, int | float) and value <= 0 and want[key] == -1:
+        if key == "top_k" and isinstance(value, int) and top_k_neutral(value) and want[key] == -1:
             continue
         if not isinstance(value, int | float) or not math.isclose(float(value), float(want[key])):
             overridden[key] = value
@@ -150,6 +151,14 @@ def _retrieve(task: asyncio.Task) -> None:
     # A generation nobody waits for any more may still fail; its error is not news.
     if not task.cancelled():
         task.exception()
+
+
+@dataclass
+class Clients:
+    """Separate pools: image fetches never queue behind (or time out on) generations."""
+
+    model: httpx.AsyncClient
+    images: httpx.AsyncClient
 
 
 @dataclass
@@ -195,7 +204,8 @@ class EpisodeSession:
         )
         self.backend = backend_named(config.resolved_backend())
         self.closed = False
-        self._images: dict[str, Image] = {}
+        self._images: dict[str, Image] = {}  # by image_identity of the agent's URL
+        self._by_hash: dict[str, Image] = {}
         self._pads: dict[str, int] = {}  # image hash -> its pad count (backends that need it)
         self._server: str | None = None
         self._lock: asyncio.Lock | None = None
@@ -206,7 +216,7 @@ class EpisodeSession:
     async def chat(
         self,
         body: Any,
-        client: httpx.AsyncClient,
+        clients: Clients,
         *,
         key: str = "",
         gone: Callable[[], Awaitable[Any]] | None = None,
@@ -230,7 +240,7 @@ class EpisodeSession:
                 self.capture.resends += 1
             else:
                 self._drop_pending()
-                call = self._pending = (key, asyncio.create_task(self._sample(body, client)))
+                call = self._pending = (key, asyncio.create_task(self._sample(body, clients)))
                 call[1].add_done_callback(_retrieve)
             await self._until_done(call[1], gone)
             self._pending = None
@@ -278,7 +288,7 @@ class EpisodeSession:
             self._pending[1].cancel()
             self._pending = None
 
-    async def _sample(self, body: Any, client: httpx.AsyncClient) -> Sampled:
+    async def _sample(self, body: Any, clients: Clients) -> Sampled:
         if not isinstance(body, dict):
             raise GatewayFailure("the body must be a JSON object", status=400, code="invalid_json")
         if body.get("n") not in (None, 1):
@@ -294,8 +304,8 @@ class EpisodeSession:
                 code="sampling_mismatch",
             )
         try:
-            await self._resolve_images(body.get("messages"), client)
-            template, images, key = normalize(body.get("messages"), self._images)
+            known = await self._resolve_images(body.get("messages"), clients.images)
+            template, images, key = normalize(body.get("messages"), known)
         except BadRequest as exc:
             raise GatewayFailure(str(exc), status=400, code=exc.code) from exc
         except RejectedEpisode as exc:
@@ -323,11 +333,11 @@ class EpisodeSession:
                 ) from exc
         try:
             try:
-                gen = await self._generate(client, prompt.send_ids, images, template)
+                gen = await self._generate(clients.model, prompt.send_ids, images, template)
             except TokensInUnavailable as exc:
                 log.warning("%s; episode %s goes on with text in", exc, self.episode_id)
                 self.backend = VLLMText()
-                gen = await self._generate(client, prompt.send_ids, images, template)
+                gen = await self._generate(clients.model, prompt.send_ids, images, template)
         except BadRequest as exc:
             raise GatewayFailure(str(exc), status=400, code=exc.code) from exc
         except WaitFailed as exc:
@@ -350,7 +360,7 @@ class EpisodeSession:
         """The call was received: its turn joins the conversation and the capture."""
         gen = s.gen
         text = self.tokenizer.decode(gen.output_ids, skip_special_tokens=True)
-        self.conversation.commit(s.template, s.key, gen.prompt_ids, gen.output_ids, text)
+        self.conversation.commit(s.template, s.key, gen.prompt_ids, gen.output_ids, text, s.segment)
         turn = CapturedTurn(
             index=len(self.capture.turns),
             response_id=f"chatcmpl-{uuid.uuid4().hex}",
@@ -378,11 +388,22 @@ class EpisodeSession:
 
     async def _generate(self, client, send_ids, images, template):
         ids = send_ids
-        if not self.backend.expands_pads:
-            pad_id, _ = image_token_ids(self.spec.processor)
+        pad_id, _ = image_token_ids(self.spec.processor)
+        counts: list[int] = []
+        if images and (not self.backend.expands_pads or self.sampling.max_tokens > 0):
             # Image processing off the event loop: other episodes' calls share it.
             counts = await asyncio.to_thread(self._pad_counts, images)
+        if not self.backend.expands_pads:
             ids = expand_pads(send_ids, pad_id, counts)
+        # The prompt as the model sees it (every image's pads) counts against max_tokens.
+        room = self.sampling.room(len(send_ids) - len(images) + sum(counts))
+        if room <= 0:
+            raise GatewayFailure(
+                f"the prompt fills gconfig.max_tokens={self.sampling.max_tokens}: no room to "
+                "sample (shorten the history, or raise gconfig.max_tokens)",
+                status=400,
+                code="context_length_exceeded",
+            )
         return await generate(
             client,
             self.spec.engine,
@@ -390,7 +411,7 @@ class EpisodeSession:
             ids,
             images,
             self.sampling,
-            max_tokens=self.sampling.max_new_tokens,
+            max_tokens=room,
             model=self.spec.model_name,
             timeout_s=self.config.request_timeout_s,
             retries=self.config.retries,
@@ -410,19 +431,28 @@ class EpisodeSession:
             self._pads.update(zip(keys, counts, strict=True))
         return [self._pads[img.sha256] for img in images]
 
-    async def _resolve_images(self, messages: Any, client: httpx.AsyncClient) -> None:
+    async def _resolve_images(self, messages: Any, client: httpx.AsyncClient) -> dict:
+        """This call's images by the URL the agent wrote: each distinct image is fetched once
+        per episode (by ``image_identity``: re-signed URLs included) and held once (by hash)."""
         if not isinstance(messages, list):
-            return
-        sources = [s for s in dict.fromkeys(image_sources(messages)) if s not in self._images]
+            return {}
+        urls = list(dict.fromkeys(image_sources(messages)))
+        ids = {src: image_identity(src) for src in urls}
+        new = [src for src in urls if ids[src] not in self._images]
         policy = self.spec.images
         # Every URL is checked before the first fetch: a refused host costs no request.
-        kinds = {src: check_image_url(src, policy) for src in sources}
-        for src in sources:
+        kinds = {src: check_image_url(src, policy) for src in new}
+        for src in new:
+            if ids[src] in self._images:  # the same image twice in one call
+                continue
             if kinds[src] == "data":
                 data = decode_data_url(src, policy)
             else:
                 data = await fetch_one(client, src, policy)
-            self._images[src] = Image.of(data, src)
+                self.capture.fetches += 1
+            image = Image.of(data, src)
+            self._images[ids[src]] = self._by_hash.setdefault(image.sha256, image)
+        return {src: self._images[ids[src]] for src in urls}
 
     def answer(self, turn: CapturedTurn, body: dict) -> dict:
         choice: dict[str, Any] = {
