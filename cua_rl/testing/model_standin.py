@@ -26,12 +26,23 @@ class ModelStandIn:
     ):
         self.output_ids, self.latency_s, self.mode, self.hold = output_ids, latency_s, mode, hold
         self.calls = 0
+        self.last: dict = {}  # the last request body
+        self._arrived = threading.Condition()
         self.app = FastAPI(title="model stand-in")
         self.app.post("/inference/v1/generate")(self.generate)
 
+    def wait_calls(self, n: int, timeout: float = 300.0) -> None:
+        """Block until ``n`` calls arrived (``timeout`` only guards a test against a hang)."""
+        with self._arrived:
+            if not self._arrived.wait_for(lambda: self.calls >= n, timeout):
+                raise TimeoutError(f"{self.calls} of {n} calls arrived")
+
     async def generate(self, request: Request) -> dict:
         body = await request.json()
-        self.calls += 1
+        with self._arrived:
+            self.calls += 1
+            self.last = body
+            self._arrived.notify_all()
         if self.hold is not None:
             await asyncio.to_thread(self.hold.wait)
         if self.latency_s:
