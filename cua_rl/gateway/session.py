@@ -175,6 +175,26 @@ class Sampled:
     overridden: dict
 
 
+def refuse_tools(body: dict) -> None:
+    """Function calling is not served yet: a request that relies on it is refused, never
+    answered as if its tools were not there (the schema would not reach the prompt)."""
+    if body.get("tools"):
+        raise GatewayFailure(
+            "this gateway does not render 'tools' or parse tool calls yet: send the actions as "
+            "text",
+            status=400,
+            code="tools_unsupported",
+        )
+    for i, msg in enumerate(body.get("messages") or []):
+        if isinstance(msg, dict) and (msg.get("tool_calls") or msg.get("role") == "tool"):
+            raise GatewayFailure(
+                f"messages[{i}] holds a tool call or a tool result, which this gateway does not "
+                "render yet",
+                status=400,
+                code="tools_unsupported",
+            )
+
+
 @dataclass
 class SessionSpec:
     """What the workflow knows when it opens an episode."""
@@ -295,6 +315,7 @@ class EpisodeSession:
             raise GatewayFailure(
                 "n must be 1: one sample per call", status=400, code="unsupported_n"
             )
+        refuse_tools(body)
         asked, overridden = sampling_differences(body, self.spec.sampling)
         if overridden and self.config.sampling_mismatch == "error":
             raise GatewayFailure(

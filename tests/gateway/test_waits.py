@@ -138,3 +138,24 @@ def _not_utf8(raw: bytes) -> bool:
     except UnicodeDecodeError:
         return True
     return False
+
+
+async def test_tools_are_refused_rather_than_dropped(standin_episode):
+    standin = ModelStandIn()
+    gw, episode, url, _ = standin_episode(standin)
+    tool = {"type": "function", "function": {"name": "tap", "parameters": {"type": "object"}}}
+    history = [
+        user("x"),
+        {"role": "assistant", "content": None, "tool_calls": [{"id": "c", "type": "function"}]},
+        {"role": "tool", "tool_call_id": "c", "content": "ok"},
+    ]
+    async with httpx.AsyncClient(timeout=60) as http:
+        with_tools = await http.post(
+            f"{url}/chat/completions", json={"messages": [user("x")], "tools": [tool]}
+        )
+        tool_history = await http.post(f"{url}/chat/completions", json={"messages": history})
+        plain = await http.post(f"{url}/chat/completions", json={"messages": [user("x")]})
+    assert with_tools.status_code == tool_history.status_code == 400
+    assert _error(with_tools)["code"] == _error(tool_history)["code"] == "tools_unsupported"
+    assert plain.status_code == 200 and standin.calls == 1
+    gw.close(episode)
