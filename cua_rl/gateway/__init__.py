@@ -1,4 +1,4 @@
-"""The rollout gateway: the OpenAI endpoint each episode hands its agent (DESIGN decision 8).
+"""The rollout gateway: the OpenAI endpoint each episode hands its agent.
 
 The trainer owns every model call. Each episode opens a session on its worker's gateway and
 gives the agent ``http://HOST:PORT/episodes/<rollout_uuid>/v1`` as its model base URL. The

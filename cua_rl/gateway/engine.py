@@ -3,12 +3,15 @@
 AReaL 1.0.4's ``RemoteInfEngine.agenerate`` waits while the rollout is paused for a weight
 update, re-submits ``prompt + output so far`` when the server aborts a request for an update, and
 tags tokens with the engine's version. For a VLM on vLLM it sends chat messages instead of ids,
-re-sends the same messages after an abort and appends the second answer to the first (FACTS §7),
+re-sends the same messages after an abort and appends the second answer to the first,
 so it cannot be used for GUI episodes. This module keeps its semantics and sends ids: vLLM's
 tokens-in endpoint (``POST /inference/v1/generate``, served with ``--enable-scale-out``) takes
 the ids with one pad per image plus the images, expands the pads itself and returns the expanded
 prompt, the sampled ids, their logprobs and which weight version sampled which tokens. Other
 servers' requests are in ``backends`` (SGLang's ``/generate``; text in as a fallback).
+
+Every wait is bounded: the pause by ``gateway.max_pause_wait_s`` (or at once when the engine
+reports the update failed), aborts with no token and no pause by ``gateway.max_aborts``.
 
 Versions: ``cua_rl.cpu.vllm_server`` labels each weight load with its AReaL version, so the
 server's spans are exact; a server that does not (label ``default``) gets AReaL's own rule, the

@@ -2,7 +2,7 @@
 
 The agent resends its whole message history every turn. Re-rendering that history through the
 chat template and tokenizing it again would change the model's own earlier outputs (BPE merges,
-partial UTF-8, dropped special tokens: FACTS §4), so the gateway keeps the exact ids of the
+partial UTF-8, dropped special tokens), so the gateway keeps the exact ids of the
 conversation so far (the last prompt as the server expanded it, plus the sampled ids) and, when a
 request extends the previous one (the same messages plus the reply it was given), renders and
 tokenizes only what is new: the template's closing of the assistant turn and the new messages.

@@ -49,7 +49,7 @@ from cua_rl.trajectory.images import (
 
 log = get_logger("cua_rl.gateway.session")
 
-# Request keys that change what is sampled. The trainer owns them (DESIGN decision 8).
+# Request keys that change what is sampled. The trainer owns them.
 TRAINER_KEYS = ("temperature", "top_p", "top_k", "max_tokens", "max_completion_tokens")
 # Keys the trainer never sets: present and non-empty, they are overridden (dropped).
 FOREIGN_KEYS = (
