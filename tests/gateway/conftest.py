@@ -23,6 +23,8 @@ class FakeEngine:
         self.paused = threading.Event()
         self.chosen = 0
         self.failure: str | None = None  # why the weight update in progress failed
+        self.waited = threading.Event()  # a call found the rollout paused
+
 
     def update_failure(self) -> str | None:
         return self.failure
@@ -31,7 +33,10 @@ class FakeEngine:
         return self.version
 
     def is_paused(self) -> bool:
-        return self.paused.is_set()
+        if self.paused.is_set():
+            self.waited.set()
+            return True
+        return False
 
     def choose_server(self) -> str:
         self.chosen += 1
