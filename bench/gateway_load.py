@@ -71,20 +71,6 @@ def serve_standin(latency: float) -> None:
         sys.stdin.readline()
 
 
-class Engine:
-    def __init__(self, address: str):
-        self.address = address
-
-    def get_version(self) -> int:
-        return 0
-
-    def is_paused(self) -> bool:
-        return False
-
-    def choose_server(self) -> str:
-        return self.address
-
-
 def rss_bytes() -> int:
     with open("/proc/self/statm") as f:
         return int(f.read().split()[1]) * os.sysconf("SC_PAGE_SIZE")
@@ -94,6 +80,7 @@ def serve_gateway(standin: str, episodes: int) -> None:
     from transformers import AutoProcessor
 
     from cua_rl.gateway import Gateway, GatewayConfig, Sampling, SessionSpec
+    from cua_rl.testing.model_standin import StaticEngine
     from cua_rl.testing.models import ensure_model
     from cua_rl.trajectory.config import TrajectoryConfig
 
@@ -101,7 +88,9 @@ def serve_gateway(standin: str, episodes: int) -> None:
     gw = Gateway(GatewayConfig(max_connections=episodes)).start()
     images = TrajectoryConfig(allow_http=True, allowed_image_hosts=("127.0.0.1",))
     sampling = Sampling(max_new_tokens=16, max_tokens=32768)
-    spec = SessionSpec(Engine(standin.removeprefix("http://")), sampling, processor, "p", images)
+    spec = SessionSpec(
+        StaticEngine(standin.removeprefix("http://")), sampling, processor, "p", images
+    )
     before = rss_bytes()
     start = os.times()
     urls = [gw.open(f"ep{i}", spec) for i in range(episodes)]

@@ -15,6 +15,22 @@ import threading
 from fastapi import FastAPI, Request
 
 
+class StaticEngine:
+    """What the gateway reads of AReaL's engine, for benches: one server, never paused."""
+
+    def __init__(self, address: str):
+        self.address = address
+
+    def get_version(self) -> int:
+        return 0
+
+    def is_paused(self) -> bool:
+        return False
+
+    def choose_server(self) -> str:
+        return self.address
+
+
 class ModelStandIn:
     def __init__(
         self,
