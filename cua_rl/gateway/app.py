@@ -22,7 +22,8 @@ from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse, Response, StreamingResponse
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
-from cua_rl.gateway.session import ClientGone, Clients, EpisodeSession, GatewayFailure
+from cua_rl.gateway.requests import GatewayFailure
+from cua_rl.gateway.session import ClientGone, Clients, EpisodeSession
 
 
 def _error_body(message: str, code: str | None, kind: str = "invalid_request_error") -> dict:

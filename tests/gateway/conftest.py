@@ -25,7 +25,6 @@ class FakeEngine:
         self.failure: str | None = None  # why the weight update in progress failed
         self.waited = threading.Event()  # a call found the rollout paused
 
-
     def update_failure(self) -> str | None:
         return self.failure
 

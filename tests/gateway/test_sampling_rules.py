@@ -9,7 +9,7 @@ from areal.api.cli_args import EvaluatorConfig, GenerationHyperparameters, Saver
 from cua_rl.errors import ConfigError
 from cua_rl.gateway.backends import SGLangTokens
 from cua_rl.gateway.config import Sampling, check_trainer_sampling, pause_warning
-from cua_rl.gateway.session import sampling_differences
+from cua_rl.gateway.requests import sampling_differences
 
 NAMES = {"experiment_name": "e", "trial_name": "t", "fileroot": "f"}
 

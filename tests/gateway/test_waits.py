@@ -9,7 +9,7 @@ import httpx
 import pytest
 
 from cua_rl.gateway import Gateway, GatewayConfig, Sampling, SessionSpec
-from cua_rl.gateway.session import token_bytes
+from cua_rl.gateway.requests import token_bytes
 from cua_rl.serving import ThreadedServer
 from cua_rl.testing.model_standin import ModelStandIn
 from cua_rl.trajectory.config import TrajectoryConfig
