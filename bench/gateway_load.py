@@ -43,8 +43,8 @@ def _percentile(values: list[float], q: float) -> float:
 def screenshot(episode: int, turn: int) -> bytes:
     from PIL import Image
 
-    rng = random.Random(episode * 1000 + turn)
-    img = Image.frombytes("RGB", (128, 96), bytes(rng.getrandbits(8) for _ in range(128 * 96 * 3)))
+    noise = random.Random(episode * 1000 + turn).randbytes(128 * 96 * 3)
+    img = Image.frombytes("RGB", (128, 96), noise)
     buf = io.BytesIO()
     img.save(buf, "PNG")
     return buf.getvalue()
