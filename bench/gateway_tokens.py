@@ -35,20 +35,7 @@ ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
 
-class Engine:
-    """What the workflow and the gateway read of AReaL's engine: one server, never paused."""
-
-    def __init__(self, address: str):
-        self.address = address
-
-    def get_version(self) -> int:
-        return 0
-
-    def is_paused(self) -> bool:
-        return False
-
-    def choose_server(self) -> str:
-        return self.address
+from cua_rl.testing.model_standin import StaticEngine as Engine  # noqa: E402
 
 
 def _percentile(values: list[float], q: float) -> float:

@@ -20,7 +20,13 @@ from cua_rl.areal.logits import LogitsConfig
 from cua_rl.areal.support import check_areal_version
 from cua_rl.curriculum.selector import CurriculumConfig
 from cua_rl.errors import ConfigError
-from cua_rl.gateway.config import GatewayConfig, Sampling
+from cua_rl.gateway.config import (
+    GatewayConfig,
+    Sampling,
+    check_trainer_sampling,
+    pause_warning,
+)
+from cua_rl.logs import get_logger
 from cua_rl.reward import RewardConfig
 from cua_rl.rollout.groups import COMPLETE_GROUPS, COMPLETE_VARIED_GROUPS
 from cua_rl.rollout.settings import (
@@ -34,6 +40,8 @@ from cua_rl.trajectory.config import TrajectoryConfig
 LOGPROBS_MODES = ("processed_logprobs", "raw_logprobs", "processed_logits", "raw_logits")
 ENDPOINT_MODES = ("gateway", "direct")
 DEFAULT_WORKFLOW = "examples.cua_agent.workflow.CUAAgentWorkflow"
+
+log = get_logger("cua_rl.app.config")
 
 
 @dataclass
@@ -276,6 +284,14 @@ class CUAConfig(GRPOConfig):
                 f"gateway.backend={self.gateway.backend!r} but rollout.backend is "
                 f"{self.rollout.backend!r}: set gateway.backend=auto"
             )
+        check_trainer_sampling(self.gconfig, use_lora=bool(getattr(self.actor, "use_lora", False)))
+        if not self.gateway.max_connections:
+            self.gateway.max_connections = self.rollout.max_concurrent_rollouts or 0
+        warning = pause_warning(
+            self.saver, self.evaluator, self.agent.max_step_time_s, self.gateway.max_pause_wait_s
+        )
+        if warning:
+            log.warning(warning)
         if backend == "sglang":
             return  # SGLang returns logprobs after temperature by default; nothing else to set
         if not self.vllm.enable_scale_out and self.gateway.backend == "vllm":

@@ -1,4 +1,4 @@
-"""The rollout gateway: each episode's OpenAI endpoint for its agent (docs/design.md, decision 8).
+"""The rollout gateway: the OpenAI endpoint each episode hands its agent.
 
 The trainer owns every model call. Each episode opens a session on its worker's gateway and
 gives the agent ``http://HOST:PORT/episodes/<rollout_uuid>/v1`` as its model base URL. The
@@ -10,7 +10,8 @@ images the row is then built from.
     config.py   bind / advertised address, limits, sampling-mismatch policy; ``Sampling``
     render.py   messages -> prompt ids, extending the stored conversation (pure)
     engine.py   one call through the engine: pause, abort and retry handling, versions
-    session.py  one episode: checks, images, overrides, capture, the OpenAI answer
+    requests.py what a request may ask: the trainer's sampling, tools, token bytes
+    session.py  one episode: re-sends, images, capture, the OpenAI answer
     capture.py  what an episode captured, and its turns for the row builder
     app.py      the HTTP routes and OpenAI-shaped errors
     server.py   the per-process gateway and its episode registry

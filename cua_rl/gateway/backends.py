@@ -101,9 +101,7 @@ class SGLangTokens:
         model: str,
     ) -> dict:
         params: dict[str, Any] = {
-            "temperature": 0.0 if sampling.greedy else sampling.temperature,
-            "top_p": sampling.top_p,
-            "top_k": sampling.top_k if sampling.top_k and sampling.top_k > 0 else -1,
+            **sampling.distribution(),
             "max_new_tokens": max_tokens,
             "min_new_tokens": min(sampling.min_new_tokens, max_tokens),
             "skip_special_tokens": False,

@@ -68,6 +68,10 @@ class EpisodeCapture:
     opened_at: float = field(default_factory=time.time)
     turns: list[CapturedTurn] = field(default_factory=list)
     errors: list[GatewayError] = field(default_factory=list)
+    resends: int = 0  # identical re-sends answered without sampling again
+    disconnects: int = 0  # calls whose client left before the answer (nothing committed)
+    discarded: int = 0  # generations no client received (never committed)
+    fetches: int = 0  # image URLs fetched (once per distinct image, re-signed URLs included)
 
     def stats(self) -> dict[str, float]:
         """Per-episode counters for AReaL's stats (means across episodes)."""
@@ -90,6 +94,12 @@ class EpisodeCapture:
             ),
             "gateway/not_extended": float(sum(1 for t in turns if not t.extended)),
             "gateway/text_in_calls": float(sum(1 for t in turns if t.backend == "text")),
+            # An SDK re-sends the identical request after its own timeout: answered from the
+            # call already running or answered, never sampled twice or taken for an edit.
+            "gateway/resends": float(self.resends),
+            "gateway/disconnects": float(self.disconnects),
+            "gateway/discarded_generations": float(self.discarded),
+            "gateway/image_fetches": float(self.fetches),
         }
 
     def images(self) -> dict[str, bytes]:

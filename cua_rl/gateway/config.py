@@ -72,6 +72,39 @@ class GatewayConfig:
         default=600.0,
         metadata={"help": "Longest one generation request to the model server may take."},
     )
+    max_aborts: int = field(
+        default=16,
+        metadata={
+            "help": "Most times in a row the model server may abort one call without sampling a "
+            "token while the rollout is not paused (a server that aborts everything would "
+            "otherwise be asked forever); then the agent gets 502."
+        },
+    )
+    max_pause_wait_s: float = field(
+        default=3600.0,
+        metadata={
+            "help": "Longest one call waits for a paused rollout (weight update, then the save "
+            "and evaluation the trainer runs before resuming); then the agent gets 503 "
+            "'pause_timeout' and the error records the time waited. Keep it above the longest "
+            "save + evaluation of your run."
+        },
+    )
+    max_connections: int = field(
+        default=0,
+        metadata={
+            "help": "Connections in each of the gateway's two pools (generations, image "
+            "fetches). 0: rollout.max_concurrent_rollouts when the training config sets it "
+            "(one call in flight per episode), else unbounded."
+        },
+    )
+    stream_keepalive_s: float = field(
+        default=15.0,
+        metadata={
+            "help": "A streamed call opens its event stream at once and sends an SSE comment "
+            "this often while it waits (for a pause, the model), so idle-connection timeouts "
+            "of clients and proxies do not cut it."
+        },
+    )
     retries: int = field(
         default=3,
         metadata={
@@ -102,10 +135,26 @@ class GatewayConfig:
                 f"gateway.public_host={self.public_host!r} must be a bare host name or IP "
                 "(no scheme, port or path); set gateway.public_port for the port"
             )
+        if self.max_connections < 0:
+            raise ConfigError("gateway.max_connections must be >= 0 (0: sized from the rollout)")
         if self.max_body_bytes <= 0 or self.max_images <= 0:
             raise ConfigError("gateway.max_body_bytes and gateway.max_images must be positive")
         if self.request_timeout_s <= 0 or self.retries < 0:
             raise ConfigError("gateway.request_timeout_s must be positive and gateway.retries >= 0")
+        if self.max_aborts < 1 or self.max_pause_wait_s <= 0 or self.stream_keepalive_s <= 0:
+            raise ConfigError(
+                "gateway.max_aborts must be >= 1; gateway.max_pause_wait_s and "
+                "gateway.stream_keepalive_s positive"
+            )
+
+
+# AReaL's default top_k (1e8): larger than any vocabulary, so no truncation.
+AREAL_NEUTRAL_TOP_K = 10**8
+
+
+def top_k_neutral(top_k: int | None) -> bool:
+    """Whether top_k leaves the distribution whole: unset, <= 0, or AReaL's default."""
+    return top_k is None or top_k <= 0 or top_k >= AREAL_NEUTRAL_TOP_K
 
 
 @dataclass
@@ -119,6 +168,13 @@ class Sampling:
     min_new_tokens: int = 0
     stop_token_ids: list[int] = field(default_factory=list)
     greedy: bool = False
+    max_tokens: int = 0  # prompt + reply, as gconfig.max_tokens; 0: no cap
+
+    def room(self, prompt_len: int) -> int:
+        """New tokens one call may sample: AReaL's rule, max_new_tokens within max_tokens."""
+        if self.max_tokens <= 0:
+            return self.max_new_tokens
+        return min(self.max_new_tokens, self.max_tokens - prompt_len)
 
     @classmethod
     def from_gconfig(cls, g) -> Sampling:
@@ -130,14 +186,23 @@ class Sampling:
             min_new_tokens=int(g.min_new_tokens or 0),
             stop_token_ids=list(g.stop_token_ids or []),
             greedy=bool(g.greedy),
+            max_tokens=int(getattr(g, "max_tokens", 0) or 0),
         )
+
+    def distribution(self) -> dict[str, float | int]:
+        """The settings that shape the sampled distribution, in the servers' spelling: greedy is
+        temperature 0, and a neutral top_k (``top_k_neutral``) is -1, "no truncation". Every request
+        shape and every comparison with what the agent asked goes through this one rule."""
+        return {
+            "temperature": 0.0 if self.greedy else float(self.temperature),
+            "top_p": float(self.top_p),
+            "top_k": -1 if top_k_neutral(self.top_k) else int(self.top_k),
+        }
 
     def vllm_params(self, max_tokens: int) -> dict:
         """vLLM ``SamplingParams`` JSON; ``logprobs: 0`` returns the sampled token's logprob."""
         params = {
-            "temperature": 0.0 if self.greedy else self.temperature,
-            "top_p": self.top_p,
-            "top_k": self.top_k if self.top_k and self.top_k > 0 else -1,
+            **self.distribution(),
             "max_tokens": max_tokens,
             "min_tokens": min(self.min_new_tokens, max_tokens),
             "logprobs": 0,
@@ -145,3 +210,38 @@ class Sampling:
         if self.stop_token_ids:
             params["stop_token_ids"] = list(self.stop_token_ids)
         return params
+
+
+def check_trainer_sampling(gconfig, *, use_lora: bool) -> None:
+    """What gateway mode cannot sample faithfully for the trainer, refused with the fix."""
+    if use_lora:
+        raise ConfigError(
+            "endpoint.mode=gateway samples the served base model: it does not select the "
+            "versioned LoRA adapter, so the rows would not be the policy's. Set "
+            "actor.use_lora=false, or endpoint.mode=direct"
+        )
+    if float(gconfig.top_p) < 1.0 or not top_k_neutral(gconfig.top_k):
+        raise ConfigError(
+            f"gconfig.top_p={gconfig.top_p} / top_k={gconfig.top_k} truncate the distribution "
+            "the server samples from (and its logprobs), but the actor's recompute applies the "
+            "temperature only, so the PPO ratios would compare two distributions: set "
+            "gconfig.top_p=1.0 and gconfig.top_k=-1"
+        )
+
+
+def pause_warning(saver, evaluator, step_time_s: float | None, pause_wait_s: float) -> str | None:
+    """AReaL keeps the rollout paused from a weight update until that step's save and
+    evaluation end; a model call arriving then waits for all of it. Returns a warning when the
+    agent's step time may not cover that (the step then fails as if the gateway were down)."""
+    timers = [t for t in (saver, evaluator) if t is not None]
+    if not any(getattr(t, f, None) for t in timers for f in ("freq_epochs", "freq_steps")):
+        return None
+    if step_time_s is None or step_time_s >= pause_wait_s:
+        return None
+    return (
+        f"saver/evaluator run while the rollout is paused, and a model call arriving then waits "
+        f"for the weight update, the save and the evaluation; agent.max_step_time_s="
+        f"{step_time_s:g} fails the agent's step if they take longer. Set "
+        f"agent.max_step_time_s above the longest save + evaluation (gateway.max_pause_wait_s="
+        f"{pause_wait_s:g} bounds the wait), or save and evaluate less often"
+    )

@@ -3,12 +3,15 @@
 AReaL 1.0.4's ``RemoteInfEngine.agenerate`` waits while the rollout is paused for a weight
 update, re-submits ``prompt + output so far`` when the server aborts a request for an update, and
 tags tokens with the engine's version. For a VLM on vLLM it sends chat messages instead of ids,
-re-sends the same messages after an abort and appends the second answer to the first (docs/design.md: vLLM),
+re-sends the same messages after an abort and appends the second answer to the first,
 so it cannot be used for GUI episodes. This module keeps its semantics and sends ids: vLLM's
 tokens-in endpoint (``POST /inference/v1/generate``, served with ``--enable-scale-out``) takes
 the ids with one pad per image plus the images, expands the pads itself and returns the expanded
 prompt, the sampled ids, their logprobs and which weight version sampled which tokens. Other
 servers' requests are in ``backends`` (SGLang's ``/generate``; text in as a fallback).
+
+Every wait is bounded: the pause by ``gateway.max_pause_wait_s`` (or at once when the engine
+reports the update failed), aborts with no token and no pause by ``gateway.max_aborts``.
 
 Versions: ``cua_rl.cpu.vllm_server`` labels each weight load with its AReaL version, so the
 server's spans are exact; a server that does not (label ``default``) gets AReaL's own rule, the
@@ -39,14 +42,51 @@ class TokensInUnavailable(ModelServerError):
     """The server has no tokens-in endpoint (404/405): the session falls back to text in."""
 
 
+class WaitFailed(ModelServerError):
+    """A call the gateway stopped waiting for: ``code`` names why (``pause_timeout``: the pause
+    outlasted ``gateway.max_pause_wait_s``; ``weight_update_failed``; ``abort_loop``: the server
+    aborted it ``gateway.max_aborts`` times in a row with no pause and no token)."""
+
+    def __init__(self, message: str, code: str, waited_s: float = 0.0):
+        super().__init__(message)
+        self.code, self.waited_s = code, waited_s
+
+
 class EngineView(Protocol):
-    """What the gateway needs of AReaL's inference engine (thread-safe reads)."""
+    """What the gateway needs of AReaL's inference engine (thread-safe reads). An engine may
+    also offer ``update_failure() -> str | None``: the reason the weight update in progress
+    failed, so calls waiting for it fail with that reason instead of waiting out their bound."""
 
     def get_version(self) -> int: ...
 
     def is_paused(self) -> bool: ...
 
     def choose_server(self) -> str: ...
+
+
+async def wait_while_paused(engine: EngineView, limit_s: float) -> float:
+    """Wait for the rollout to resume; the seconds waited. Fails past ``limit_s`` or as soon as
+    the engine reports the weight update failed."""
+    t0 = time.monotonic()
+    failure = getattr(engine, "update_failure", None)
+    while engine.is_paused():
+        waited = time.monotonic() - t0
+        reason = failure() if failure else None
+        if reason:
+            raise WaitFailed(
+                f"the weight update failed while this call waited {waited:.1f} s: {reason}",
+                "weight_update_failed",
+                waited,
+            )
+        if waited > limit_s:
+            raise WaitFailed(
+                f"the rollout stayed paused {waited:.1f} s, past gateway.max_pause_wait_s="
+                f"{limit_s:g} (weight update, save and evaluation); raise it if they take longer",
+                "pause_timeout",
+                waited,
+            )
+        await asyncio.sleep(PAUSE_POLL_S)
+    return time.monotonic() - t0
 
 
 class AReaLEngineView:
@@ -115,6 +155,8 @@ async def generate(
     retries: int,
     backend: Any = None,
     messages: list[dict] | None = None,
+    max_aborts: int = 16,
+    max_pause_wait_s: float = 3600.0,
 ) -> Generation:
     """Sample up to ``max_tokens`` after ``ids``; an abort or a dropped connection re-submits
     the prompt plus what was sampled so far, after any weight update in progress. ``backend``
@@ -126,14 +168,15 @@ async def generate(
     out: list[int] = []
     lps: list[float] = []
     versions: list[int] = []
-    aborts = failures = 0
+    aborts = failures = idle_aborts = 0
     paused_s = 0.0
     finish = "abort"
     while finish == "abort" and len(out) < max_tokens:
-        t_wait = time.monotonic()
-        while engine.is_paused():
-            await asyncio.sleep(PAUSE_POLL_S)
-        paused_s += time.monotonic() - t_wait
+        try:
+            paused_s += await wait_while_paused(engine, max_pause_wait_s - paused_s)
+        except WaitFailed as exc:
+            exc.waited_s += paused_s
+            raise
         if not backend.tokens_in and out:
             gen, out, lps, versions = None, [], [], []
         body = backend.body(ids + out, images, messages, sampling, max_tokens - len(out), model)
@@ -187,6 +230,17 @@ async def generate(
         versions += spans_to_versions(parsed.spans, len(parsed.output_ids), engine.get_version())
         if finish == "abort":
             aborts += 1
+            # An abort with no token and no pause is not a weight update: a server aborting
+            # everything (overloaded, shutting down) must not be asked forever.
+            idle = not parsed.output_ids and not engine.is_paused()
+            idle_aborts = idle_aborts + 1 if idle else 0
+            if idle_aborts >= max_aborts:
+                raise WaitFailed(
+                    f"model server {server} aborted the call {idle_aborts} times in a row with "
+                    "no token sampled and no weight update in progress",
+                    "abort_loop",
+                    paused_s,
+                )
     gen.output_ids, gen.logprobs, gen.versions = out, lps, versions
     # An abort that left no room is a call that ran out of tokens.
     gen.finish_reason = "length" if finish == "abort" else finish

@@ -2,7 +2,7 @@
 
 The agent resends its whole message history every turn. Re-rendering that history through the
 chat template and tokenizing it again would change the model's own earlier outputs (BPE merges,
-partial UTF-8, dropped special tokens: docs/design.md, vLLM), so the gateway keeps the exact ids of the
+partial UTF-8, dropped special tokens), so the gateway keeps the exact ids of the
 conversation so far (the last prompt as the server expanded it, plus the sampled ids) and, when a
 request extends the previous one (the same messages plus the reply it was given), renders and
 tokenizes only what is new: the template's closing of the assistant turn and the new messages.
@@ -74,6 +74,31 @@ def image_source(part: Mapping[str, Any]) -> str | None:
         url = part.get("url") or part.get("image")
         return url if isinstance(url, str) else None
     return None
+
+
+# Query parameters that sign or date a URL (S3, GCS, CloudFront, Azure SAS) rather than name its
+# object: a screenshot re-signed each turn is still the same screenshot.
+_SIGNING = frozenset(
+    "signature expires key-pair-id policy awsaccesskeyid sig se st sp sv sr spr srt ss skoid "
+    "sktid skt ske sks skv".split()
+)
+
+
+def image_identity(source: str) -> str:
+    """What names an image across turns: a data URL by its hash (the string is not kept), an
+    http(s) URL without the parameters that only sign it."""
+    if source.startswith("data:"):
+        return "data:" + hashlib.sha256(source.encode()).hexdigest()
+    base, sep, query = source.partition("?")
+    if not sep:
+        return source
+    kept = [
+        p
+        for p in query.split("&")
+        if (name := p.split("=", 1)[0].lower()) not in _SIGNING
+        and not name.startswith(("x-amz-", "x-goog-"))
+    ]
+    return base + ("?" + "&".join(kept) if kept else "")
 
 
 def image_sources(messages: Sequence[Any]) -> list[str]:
@@ -225,9 +250,9 @@ class Conversation:
     def prompt(self, template_messages: list[dict], images: list[Image], key: tuple) -> Prompt:
         delta = self._delta(template_messages, key)
         if delta is None:
-            self.segments += 1
+            # Counted at commit: a prompt whose answer nobody received starts no segment.
             text = self.render(template_messages, True)
-            return Prompt(self.encode(text), images, None, self.segments)
+            return Prompt(self.encode(text), images, None, self.segments + 1)
         last = self._last
         return Prompt(
             collapse_pads(last.ids, self.pad_id) + self.encode(delta),
@@ -274,7 +299,10 @@ class Conversation:
         prompt_ids: Sequence[int],
         output_ids: Sequence[int],
         reply: str,
+        segment: int,
     ) -> None:
+        """The answered call (``segment``: its prompt's) becomes the turn to extend."""
+        self.segments = max(self.segments, segment)
         ended = int(output_ids[-1]) if output_ids and output_ids[-1] in self.stop_ids else None
         self._last = _Last(key, list(template_messages), [*prompt_ids, *output_ids], reply, ended)
 

@@ -60,6 +60,8 @@ class Gateway:
             max_body_bytes=self.config.max_body_bytes,
             models=self._models,
             client_factory=self._client_factory,
+            keepalive_s=self.config.stream_keepalive_s,
+            max_connections=self.config.max_connections,
         )
         host = self.config.bind_host or "0.0.0.0"
         self._server = ThreadedServer(

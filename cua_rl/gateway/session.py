@@ -11,9 +11,9 @@ episode are served one at a time, in arrival order.
 from __future__ import annotations
 
 import asyncio
-import math
 import time
 import uuid
+from collections.abc import Awaitable, Callable
 from dataclasses import dataclass, replace
 from typing import Any
 
@@ -23,15 +23,23 @@ from cua_rl.errors import CuaRlError, ModelServerError, RejectedEpisode
 from cua_rl.gateway.backends import VLLMText, backend_named
 from cua_rl.gateway.capture import CapturedTurn, EpisodeCapture, GatewayError
 from cua_rl.gateway.config import GatewayConfig, Sampling
-from cua_rl.gateway.engine import EngineView, TokensInUnavailable, generate
+from cua_rl.gateway.engine import EngineView, TokensInUnavailable, WaitFailed, generate
 from cua_rl.gateway.render import (
     BadRequest,
     Conversation,
     Image,
     expand_pads,
     extends_stored,
+    image_identity,
     image_sources,
     normalize,
+)
+from cua_rl.gateway.requests import (
+    GatewayFailure,
+    refuse_tools,
+    sampling_differences,
+    token_bytes,
+    trainer_values,
 )
 from cua_rl.logs import get_logger
 from cua_rl.trajectory.config import TrajectoryConfig
@@ -46,30 +54,6 @@ from cua_rl.trajectory.images import (
 
 log = get_logger("cua_rl.gateway.session")
 
-# Request keys that change what is sampled. The trainer owns them (docs/design.md, decision 8).
-TRAINER_KEYS = ("temperature", "top_p", "top_k", "max_tokens", "max_completion_tokens")
-# Keys the trainer never sets: present and non-empty, they are overridden (dropped).
-FOREIGN_KEYS = (
-    "min_p",
-    "min_tokens",
-    "seed",
-    "stop",
-    "logit_bias",
-    "allowed_token_ids",
-    "bad_words",
-    "structured_outputs",
-    "guided_json",
-    "guided_regex",
-    "guided_choice",
-    "guided_grammar",
-    "response_format",
-    "presence_penalty",
-    "frequency_penalty",
-    "repetition_penalty",
-    "best_of",
-)
-
-
 VISION_TOKENS = ("<|image_pad|>", "<|video_pad|>", "<|vision_start|>", "<|vision_end|>")
 
 
@@ -82,43 +66,36 @@ def vision_token_ids(tokenizer) -> frozenset[int]:
     return frozenset(ids)
 
 
-class GatewayFailure(CuaRlError):
-    """A call the gateway cannot serve; ``status`` and ``code`` shape the OpenAI error."""
-
-    def __init__(
-        self, message: str, *, status: int, code: str, kind: str = "invalid_request_error"
-    ):
-        super().__init__(message)
-        self.status, self.code, self.kind = status, code, kind
+class ClientGone(CuaRlError):
+    """The client disconnected before its answer: nothing was committed."""
 
 
-def trainer_values(sampling: Sampling) -> dict[str, Any]:
-    temperature = 0.0 if sampling.greedy else sampling.temperature
-    return {
-        "temperature": temperature,
-        "top_p": sampling.top_p,
-        "top_k": sampling.top_k if sampling.top_k and sampling.top_k > 0 else -1,
-        "max_tokens": sampling.max_new_tokens,
-        "max_completion_tokens": sampling.max_new_tokens,
-    }
+def _retrieve(task: asyncio.Task) -> None:
+    # A generation nobody waits for any more may still fail; its error is not news.
+    if not task.cancelled():
+        task.exception()
 
 
-def sampling_differences(body: dict, sampling: Sampling) -> tuple[dict, dict]:
-    """(what the agent asked, the subset the trainer overrides)."""
-    asked = {
-        k: body[k] for k in (*TRAINER_KEYS, *FOREIGN_KEYS) if body.get(k) not in (None, [], {})
-    }
-    want = trainer_values(sampling)
-    overridden = {}
-    for key, value in asked.items():
-        if key not in want:
-            overridden[key] = value
-            continue
-        if key == "top_k" and isinstance(value, int | float) and value <= 0 and want[key] == -1:
-            continue
-        if not isinstance(value, int | float) or not math.isclose(float(value), float(want[key])):
-            overridden[key] = value
-    return asked, overridden
+@dataclass
+class Clients:
+    """Separate pools: image fetches never queue behind (or time out on) generations."""
+
+    model: httpx.AsyncClient
+    images: httpx.AsyncClient
+
+
+@dataclass
+class Sampled:
+    """One generation, not yet committed (its client may never receive it)."""
+
+    template: list[dict]
+    key: tuple
+    images: list[Image]
+    segment: int
+    prompt: Any
+    gen: Any
+    asked: dict
+    overridden: dict
 
 
 @dataclass
@@ -150,33 +127,98 @@ class EpisodeSession:
         )
         self.backend = backend_named(config.resolved_backend())
         self.closed = False
-        self._images: dict[str, Image] = {}
+        self._images: dict[str, Image] = {}  # by image_identity of the agent's URL
+        self._by_hash: dict[str, Image] = {}
         self._pads: dict[str, int] = {}  # image hash -> its pad count (backends that need it)
         self._server: str | None = None
         self._lock: asyncio.Lock | None = None
         self.inflight: set[asyncio.Task] = set()
+        self._pending: tuple[str, asyncio.Task] | None = None  # a call whose client left
+        self._last: tuple[str, dict] | None = None  # the last answered call: key, answer
 
-    async def chat(self, body: Any, client: httpx.AsyncClient) -> dict:
-        if self._lock is None:
-            self._lock = asyncio.Lock()
-        async with self._lock:
-            try:
-                return await self._chat(body, client)
-            except GatewayFailure as exc:
-                self.capture.errors.append(GatewayError(exc.code, str(exc), exc.status))
-                raise
-
-    async def _chat(self, body: Any, client: httpx.AsyncClient) -> dict:
+    async def chat(
+        self,
+        body: Any,
+        clients: Clients,
+        *,
+        key: str = "",
+        gone: Callable[[], Awaitable[Any]] | None = None,
+    ) -> dict:
+        """Answer one call. ``key`` identifies the request's bytes: an identical re-send of the
+        last answered call gets the stored reply, and one of a call whose client left gets that
+        call's generation (not a second one). ``gone`` completes when the client disconnects:
+        the call then commits nothing and its generation is kept for a re-send."""
         if self.closed:
             raise GatewayFailure(
                 f"episode {self.episode_id} is closed", status=404, code="episode_closed"
             )
+        if self._lock is None:
+            self._lock = asyncio.Lock()
+        async with self._lock:
+            if key and self._last is not None and self._last[0] == key:
+                self.capture.resends += 1
+                return self._last[1]
+            call = self._pending
+            if key and call is not None and call[0] == key:
+                self.capture.resends += 1
+            else:
+                self._drop_pending()
+                call = self._pending = (key, asyncio.create_task(self._sample(body, clients)))
+                call[1].add_done_callback(_retrieve)
+            await self._until_done(call[1], gone)
+            self._pending = None
+            if call[1].cancelled():
+                raise GatewayFailure(
+                    f"episode {self.episode_id} ended during the call",
+                    status=404,
+                    code="episode_closed",
+                )
+            try:
+                sampled = call[1].result()
+            except GatewayFailure as exc:
+                self.capture.errors.append(GatewayError(exc.code, str(exc), exc.status))
+                raise
+            answer = self._commit(sampled, body)
+            self._last = (key, answer)
+            return answer
+
+    async def _until_done(
+        self, task: asyncio.Task, gone: Callable[[], Awaitable[Any]] | None
+    ) -> None:
+        """Wait for the generation, or for the client to leave (``ClientGone``; the generation
+        goes on for a re-send). A cancelled handler (a stream the client closed) counts too."""
+        waiter = asyncio.ensure_future(gone()) if gone is not None else None
+        try:
+            done, _ = await asyncio.wait(
+                {task} | ({waiter} if waiter else set()), return_when=asyncio.FIRST_COMPLETED
+            )
+        except asyncio.CancelledError:
+            if not self.closed:
+                self.capture.disconnects += 1
+            raise
+        finally:
+            if waiter is not None:
+                waiter.cancel()
+        if task not in done:
+            self.capture.disconnects += 1
+            raise ClientGone(f"the client of episode {self.episode_id} disconnected")
+
+    def _drop_pending(self) -> None:
+        """A different call came (or the episode ended): the generation nobody received is
+        discarded, never committed."""
+        if self._pending is not None:
+            self.capture.discarded += 1
+            self._pending[1].cancel()
+            self._pending = None
+
+    async def _sample(self, body: Any, clients: Clients) -> Sampled:
         if not isinstance(body, dict):
             raise GatewayFailure("the body must be a JSON object", status=400, code="invalid_json")
-        if int(body.get("n") or 1) != 1:
+        if body.get("n") not in (None, 1):
             raise GatewayFailure(
                 "n must be 1: one sample per call", status=400, code="unsupported_n"
             )
+        refuse_tools(body)
         asked, overridden = sampling_differences(body, self.spec.sampling)
         if overridden and self.config.sampling_mismatch == "error":
             raise GatewayFailure(
@@ -186,8 +228,8 @@ class EpisodeSession:
                 code="sampling_mismatch",
             )
         try:
-            await self._resolve_images(body.get("messages"), client)
-            template, images, key = normalize(body.get("messages"), self._images)
+            known = await self._resolve_images(body.get("messages"), clients.images)
+            template, images, key = normalize(body.get("messages"), known)
         except BadRequest as exc:
             raise GatewayFailure(str(exc), status=400, code=exc.code) from exc
         except RejectedEpisode as exc:
@@ -215,13 +257,16 @@ class EpisodeSession:
                 ) from exc
         try:
             try:
-                gen = await self._generate(client, prompt.send_ids, images, template)
+                gen = await self._generate(clients.model, prompt.send_ids, images, template)
             except TokensInUnavailable as exc:
                 log.warning("%s; episode %s goes on with text in", exc, self.episode_id)
                 self.backend = VLLMText()
-                gen = await self._generate(client, prompt.send_ids, images, template)
+                gen = await self._generate(clients.model, prompt.send_ids, images, template)
         except BadRequest as exc:
             raise GatewayFailure(str(exc), status=400, code=exc.code) from exc
+        except WaitFailed as exc:
+            status = 502 if exc.code == "abort_loop" else 503
+            raise GatewayFailure(str(exc), status=status, code=exc.code, kind="api_error") from exc
         except ModelServerError as exc:
             raise GatewayFailure(
                 str(exc), status=502, code="model_server_error", kind="api_error"
@@ -233,8 +278,13 @@ class EpisodeSession:
                 gen.versions[:-1],
             )
             gen.finish_reason, gen.cut = "stop", 1
+        return Sampled(template, key, images, prompt.segment, prompt, gen, asked, overridden)
+
+    def _commit(self, s: Sampled, body: dict) -> dict:
+        """The call was received: its turn joins the conversation and the capture."""
+        gen = s.gen
         text = self.tokenizer.decode(gen.output_ids, skip_special_tokens=True)
-        self.conversation.commit(template, key, gen.prompt_ids, gen.output_ids, text)
+        self.conversation.commit(s.template, s.key, gen.prompt_ids, gen.output_ids, text, s.segment)
         turn = CapturedTurn(
             index=len(self.capture.turns),
             response_id=f"chatcmpl-{uuid.uuid4().hex}",
@@ -244,12 +294,12 @@ class EpisodeSession:
             versions=gen.versions,
             finish_reason=gen.finish_reason,
             text=text,
-            images=images,
-            segment=prompt.segment,
-            extended=extends_stored(prompt, gen.prompt_ids),
+            images=s.images,
+            segment=s.segment,
+            extended=extends_stored(s.prompt, gen.prompt_ids),
             backend=self.backend.name,
-            asked=asked,
-            overridden=overridden,
+            asked=s.asked,
+            overridden=s.overridden,
             aborts=gen.aborts,
             retries=gen.retries,
             cut=gen.cut,
@@ -262,11 +312,22 @@ class EpisodeSession:
 
     async def _generate(self, client, send_ids, images, template):
         ids = send_ids
-        if not self.backend.expands_pads:
-            pad_id, _ = image_token_ids(self.spec.processor)
+        pad_id, _ = image_token_ids(self.spec.processor)
+        counts: list[int] = []
+        if images and (not self.backend.expands_pads or self.sampling.max_tokens > 0):
             # Image processing off the event loop: other episodes' calls share it.
             counts = await asyncio.to_thread(self._pad_counts, images)
+        if not self.backend.expands_pads:
             ids = expand_pads(send_ids, pad_id, counts)
+        # The prompt as the model sees it (every image's pads) counts against max_tokens.
+        room = self.sampling.room(len(send_ids) - len(images) + sum(counts))
+        if room <= 0:
+            raise GatewayFailure(
+                f"the prompt fills gconfig.max_tokens={self.sampling.max_tokens}: no room to "
+                "sample (shorten the history, or raise gconfig.max_tokens)",
+                status=400,
+                code="context_length_exceeded",
+            )
         return await generate(
             client,
             self.spec.engine,
@@ -274,12 +335,14 @@ class EpisodeSession:
             ids,
             images,
             self.sampling,
-            max_tokens=self.sampling.max_new_tokens,
+            max_tokens=room,
             model=self.spec.model_name,
             timeout_s=self.config.request_timeout_s,
             retries=self.config.retries,
             backend=self.backend,
             messages=template,
+            max_aborts=self.config.max_aborts,
+            max_pause_wait_s=self.config.max_pause_wait_s,
         )
 
     def _pad_counts(self, images: list[Image]) -> list[int]:
@@ -292,19 +355,28 @@ class EpisodeSession:
             self._pads.update(zip(keys, counts, strict=True))
         return [self._pads[img.sha256] for img in images]
 
-    async def _resolve_images(self, messages: Any, client: httpx.AsyncClient) -> None:
+    async def _resolve_images(self, messages: Any, client: httpx.AsyncClient) -> dict:
+        """This call's images by the URL the agent wrote: each distinct image is fetched once
+        per episode (by ``image_identity``: re-signed URLs included) and held once (by hash)."""
         if not isinstance(messages, list):
-            return
-        sources = [s for s in dict.fromkeys(image_sources(messages)) if s not in self._images]
+            return {}
+        urls = list(dict.fromkeys(image_sources(messages)))
+        ids = {src: image_identity(src) for src in urls}
+        new = [src for src in urls if ids[src] not in self._images]
         policy = self.spec.images
         # Every URL is checked before the first fetch: a refused host costs no request.
-        kinds = {src: check_image_url(src, policy) for src in sources}
-        for src in sources:
+        kinds = {src: check_image_url(src, policy) for src in new}
+        for src in new:
+            if ids[src] in self._images:  # the same image twice in one call
+                continue
             if kinds[src] == "data":
                 data = decode_data_url(src, policy)
             else:
                 data = await fetch_one(client, src, policy)
-            self._images[src] = Image.of(data, src)
+                self.capture.fetches += 1
+            image = Image.of(data, src)
+            self._images[ids[src]] = self._by_hash.setdefault(image.sha256, image)
+        return {src: self._images[ids[src]] for src in urls}
 
     def answer(self, turn: CapturedTurn, body: dict) -> dict:
         choice: dict[str, Any] = {
@@ -317,9 +389,9 @@ class EpisodeSession:
             choice["logprobs"] = {
                 "content": [
                     {
-                        "token": (tok := self.tokenizer.decode([t])),
+                        "token": self.tokenizer.decode([t]),
                         "logprob": lp,
-                        "bytes": list(tok.encode("utf-8")),
+                        "bytes": list(token_bytes(self.tokenizer, t)),
                         "top_logprobs": [],
                     }
                     for t, lp in zip(turn.output_ids, turn.logprobs, strict=True)
@@ -344,6 +416,11 @@ class EpisodeSession:
 
     def close(self) -> EpisodeCapture:
         self.closed = True
+        if self._pending is not None:
+            task = self._pending[1]
+            self.capture.discarded += 1
+            self._pending = None
+            task.get_loop().call_soon_threadsafe(task.cancel)
         for task in list(self.inflight):
             loop = task.get_loop()
             loop.call_soon_threadsafe(task.cancel)

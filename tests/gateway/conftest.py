@@ -15,19 +15,27 @@ from cua_rl.trajectory.config import TrajectoryConfig
 
 
 class FakeEngine:
-    """Version, pause flag and server choice, settable from the test (thread-safe reads)."""
+    """Version, pause flag, a failed update and server choice, settable from the test."""
 
     def __init__(self, address: str, version: int = 0):
         self.address = address
         self.version = version
         self.paused = threading.Event()
         self.chosen = 0
+        self.failure: str | None = None  # why the weight update in progress failed
+        self.waited = threading.Event()  # a call found the rollout paused
+
+    def update_failure(self) -> str | None:
+        return self.failure
 
     def get_version(self) -> int:
         return self.version
 
     def is_paused(self) -> bool:
-        return self.paused.is_set()
+        if self.paused.is_set():
+            self.waited.set()
+            return True
+        return False
 
     def choose_server(self) -> str:
         self.chosen += 1

@@ -261,14 +261,15 @@ async def test_calls_wait_while_the_rollout_is_paused(open_episode, gateway):
         call = asyncio.create_task(
             http.post(f"{url}/chat/completions", json={"messages": [user("x")]})
         )
-        await asyncio.sleep(1.0)
+        # The call found the rollout paused (by construction, not by waiting a while).
+        await asyncio.to_thread(engine.waited.wait, 60)
         assert not call.done(), "a call during a weight update must wait for it"
         engine.version = 4
         engine.paused.clear()
         r = await call
     assert r.status_code == 200
     (turn,) = gateway.close(episode).turns
-    assert turn.paused_s >= 0.9
+    assert turn.paused_s > 0
     # The server labels no version (no update reached it): the engine's version after the call.
     assert set(turn.versions) == {4}
 

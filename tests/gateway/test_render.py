@@ -79,7 +79,7 @@ def _turn(conv, processor, messages, output_text: str, stop: bool = True):
     if stop:
         out.append(tok.convert_tokens_to_ids("<|im_end|>"))
     reply = tok.decode(out, skip_special_tokens=True)
-    conv.commit(template, key, expanded, out, reply)
+    conv.commit(template, key, expanded, out, reply, prompt.segment)
     return prompt, expanded, out, reply
 
 
@@ -188,7 +188,7 @@ def test_follow_up_ids_keep_a_split_a_full_re_render_would_merge(processor):
     assert out[:-1] != tok.encode(text, add_special_tokens=False)  # a non-canonical split
     reply = tok.decode(out, skip_special_tokens=True)
     assert reply == text
-    conv.commit(template, key, ids1, out, reply)
+    conv.commit(template, key, ids1, out, reply, 1)
 
     msgs2 = [
         *msgs,

@@ -1,0 +1,80 @@
+"""A stand-in for vLLM's tokens-in endpoint, for faults and load the real server cannot stage.
+
+``POST /inference/v1/generate`` answers in vLLM's shape (the prompt ids as sent, ``output_ids``
+as sampled, a logprob per token) after ``latency_s``; ``mode="abort"`` aborts every call with no
+token, as a server shutting down does. ``hold`` (a ``threading.Event``) keeps every answer back
+until it is set, so a test decides when a call is "still running" instead of timing it. Counts
+the calls it got. Serve it with ``cua_rl.serving.ThreadedServer``.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import threading
+
+from fastapi import FastAPI, Request
+
+
+class StaticEngine:
+    """What the gateway reads of AReaL's engine, for benches: one server, never paused."""
+
+    def __init__(self, address: str):
+        self.address = address
+
+    def get_version(self) -> int:
+        return 0
+
+    def is_paused(self) -> bool:
+        return False
+
+    def choose_server(self) -> str:
+        return self.address
+
+
+class ModelStandIn:
+    def __init__(
+        self,
+        *,
+        output_ids: tuple[int, ...] = (40, 41, 42, 43),
+        latency_s: float = 0.0,
+        mode: str = "stop",
+        hold: threading.Event | None = None,
+    ):
+        self.output_ids, self.latency_s, self.mode, self.hold = output_ids, latency_s, mode, hold
+        self.calls = 0
+        self.last: dict = {}  # the last request body
+        self._arrived = threading.Condition()
+        self.app = FastAPI(title="model stand-in")
+        self.app.post("/inference/v1/generate")(self.generate)
+
+    def wait_calls(self, n: int, timeout: float = 300.0) -> None:
+        """Block until ``n`` calls arrived (``timeout`` only guards a test against a hang)."""
+        with self._arrived:
+            if not self._arrived.wait_for(lambda: self.calls >= n, timeout):
+                raise TimeoutError(f"{self.calls} of {n} calls arrived")
+
+    async def generate(self, request: Request) -> dict:
+        body = await request.json()
+        with self._arrived:
+            self.calls += 1
+            self.last = body
+            self._arrived.notify_all()
+        if self.hold is not None:
+            await asyncio.to_thread(self.hold.wait)
+        if self.latency_s:
+            await asyncio.sleep(self.latency_s)
+        if self.mode == "abort":
+            out: list[int] = []
+        else:
+            room = int(body["sampling_params"]["max_tokens"])
+            out = list(self.output_ids[:room])
+        return {
+            "prompt_token_ids": body["token_ids"],
+            "choices": [
+                {
+                    "token_ids": out,
+                    "logprobs": {"content": [{"logprob": -0.5} for _ in out]},
+                    "finish_reason": self.mode,
+                }
+            ],
+        }

@@ -1,0 +1,161 @@
+"""Bounded waits and OpenAI fidelity against a stand-in model server (faults staged by
+construction: a pause the test holds, a server that aborts everything, an answer held back)."""
+
+from __future__ import annotations
+
+import threading
+
+import httpx
+import pytest
+
+from cua_rl.gateway import Gateway, GatewayConfig, Sampling, SessionSpec
+from cua_rl.gateway.requests import token_bytes
+from cua_rl.serving import ThreadedServer
+from cua_rl.testing.model_standin import ModelStandIn
+from cua_rl.trajectory.config import TrajectoryConfig
+from tests.gateway.conftest import FakeEngine, user
+
+
+def _error(resp: httpx.Response) -> dict:
+    body = resp.json()
+    assert set(body) == {"error"} and set(body["error"]) == {"message", "type", "param", "code"}
+    return body["error"]
+
+
+@pytest.fixture
+def standin_episode(bpe_processor):
+    """standin_episode(standin, **config) -> (gateway, episode id, url, engine)."""
+    started: list[tuple[Gateway, ThreadedServer]] = []
+
+    def make(standin: ModelStandIn, **config):
+        server = ThreadedServer(standin.app, name="model-standin").start()
+        gw = Gateway(GatewayConfig(**config)).start()
+        started.append((gw, server))
+        engine = FakeEngine(f"{server.host}:{server.port}")
+        spec = SessionSpec(
+            engine, Sampling(max_new_tokens=8), bpe_processor, "policy", TrajectoryConfig()
+        )
+        return gw, "ep", gw.open("ep", spec), engine
+
+    yield make
+    for gw, server in started:
+        gw.stop()
+        server.stop()
+
+
+async def test_a_server_that_aborts_everything_is_asked_a_bounded_number_of_times(
+    standin_episode,
+):
+    standin = ModelStandIn(mode="abort")
+    gw, episode, url, _ = standin_episode(standin, max_aborts=3)
+    async with httpx.AsyncClient(timeout=60) as http:
+        r = await http.post(f"{url}/chat/completions", json={"messages": [user("x")]})
+    assert r.status_code == 502 and _error(r)["code"] == "abort_loop"
+    assert standin.calls == 3
+    assert [e.code for e in gw.close(episode).errors] == ["abort_loop"]
+
+
+async def test_a_pause_past_its_bound_fails_the_call_and_says_how_long_it_waited(
+    standin_episode,
+):
+    standin = ModelStandIn()
+    gw, episode, url, engine = standin_episode(standin, max_pause_wait_s=0.3)
+    engine.paused.set()  # never cleared: only the bound ends the wait
+    async with httpx.AsyncClient(timeout=60) as http:
+        r = await http.post(f"{url}/chat/completions", json={"messages": [user("x")]})
+    err = _error(r)
+    assert r.status_code == 503 and err["code"] == "pause_timeout"
+    assert "max_pause_wait_s=0.3" in err["message"] and "paused" in err["message"]
+    assert standin.calls == 0
+    assert [e.code for e in gw.close(episode).errors] == ["pause_timeout"]
+
+
+async def test_a_failed_weight_update_fails_the_waiting_call_with_its_reason(standin_episode):
+    standin = ModelStandIn()
+    gw, episode, url, engine = standin_episode(standin)
+    engine.paused.set()
+    engine.failure = "broadcast of the new weights failed"
+    async with httpx.AsyncClient(timeout=60) as http:
+        r = await http.post(f"{url}/chat/completions", json={"messages": [user("x")]})
+    err = _error(r)
+    assert r.status_code == 503 and err["code"] == "weight_update_failed"
+    assert "broadcast of the new weights failed" in err["message"]
+    assert standin.calls == 0
+    gw.close(episode)
+
+
+async def test_a_stream_opens_before_the_model_answers(standin_episode):
+    hold = threading.Event()
+    standin = ModelStandIn(hold=hold)
+    gw, episode, url, _ = standin_episode(standin)
+    body = {"messages": [user("x")], "stream": True}
+    async with httpx.AsyncClient(timeout=60) as http:
+        async with http.stream("POST", f"{url}/chat/completions", json=body) as r:
+            lines = r.aiter_lines()
+            first = await anext(lines)
+            # The model has not answered (it is held): the stream is open all the same.
+            assert first.startswith(":") and not hold.is_set()
+            hold.set()
+            rest = [line async for line in lines]
+    data = [line[6:] for line in rest if line.startswith("data: ")]
+    assert data[-1] == "[DONE]" and len(data) == 3
+    assert len(gw.close(episode).turns) == 1
+
+
+async def test_every_route_answers_the_openai_error_shape(standin_episode):
+    gw, episode, url, _ = standin_episode(ModelStandIn())
+    base = url.rsplit("/episodes/", 1)[0]
+    async with httpx.AsyncClient(timeout=60) as http:
+        unknown = await http.get(f"{base}/v1/nothing")
+        wrong_method = await http.get(f"{url}/chat/completions")
+        bad_n = await http.post(f"{url}/chat/completions", json={"messages": [], "n": "x"})
+        models = (await http.get(f"{url}/models")).json()
+        one = await http.get(f"{url}/models/policy")
+        missing = await http.get(f"{url}/models/other")
+    assert unknown.status_code == 404 and _error(unknown)["code"] == "not_found"
+    assert wrong_method.status_code == 405 and _error(wrong_method)
+    assert bad_n.status_code == 400 and _error(bad_n)["code"] == "unsupported_n"
+    (model,) = models["data"]
+    assert model["id"] == "policy" and isinstance(model["created"], int) and model["created"] > 0
+    assert one.json() == model
+    assert missing.status_code == 404 and _error(missing)["code"] == "model_not_found"
+    gw.close(episode)
+
+
+def test_token_bytes_are_each_token_s_own_bytes(bpe_processor):
+    tokenizer = bpe_processor.tokenizer
+    text = "é漢 ok"
+    ids = tokenizer.encode(text, add_special_tokens=False)
+    pieces = [token_bytes(tokenizer, t) for t in ids]
+    assert b"".join(pieces) == text.encode("utf-8")
+    # At least one token is part of a UTF-8 sequence: its bytes are not a decodable string.
+    assert any(_not_utf8(p) for p in pieces)
+
+
+def _not_utf8(raw: bytes) -> bool:
+    try:
+        raw.decode("utf-8")
+    except UnicodeDecodeError:
+        return True
+    return False
+
+
+async def test_tools_are_refused_rather_than_dropped(standin_episode):
+    standin = ModelStandIn()
+    gw, episode, url, _ = standin_episode(standin)
+    tool = {"type": "function", "function": {"name": "tap", "parameters": {"type": "object"}}}
+    history = [
+        user("x"),
+        {"role": "assistant", "content": None, "tool_calls": [{"id": "c", "type": "function"}]},
+        {"role": "tool", "tool_call_id": "c", "content": "ok"},
+    ]
+    async with httpx.AsyncClient(timeout=60) as http:
+        with_tools = await http.post(
+            f"{url}/chat/completions", json={"messages": [user("x")], "tools": [tool]}
+        )
+        tool_history = await http.post(f"{url}/chat/completions", json={"messages": history})
+        plain = await http.post(f"{url}/chat/completions", json={"messages": [user("x")]})
+    assert with_tools.status_code == tool_history.status_code == 400
+    assert _error(with_tools)["code"] == _error(tool_history)["code"] == "tools_unsupported"
+    assert plain.status_code == 200 and standin.calls == 1
+    gw.close(episode)
