@@ -31,6 +31,22 @@ def bind_loopback() -> None:
             module.gethostip = loopback_ip
 
 
+def fork_our_worker() -> None:
+    """Forked workers (the eval rollout) run ``cua_rl.cpu.rpc_worker`` rather than AReaL's
+    ``rpc_server``, whose fresh process would bind 0.0.0.0 and advertise the LAN address."""
+    from areal.infra.scheduler.local import LocalScheduler
+
+    fork = LocalScheduler.fork_workers
+    if getattr(fork, "_cua_loopback", False):
+        return
+
+    def fork_workers(self, role, target_role, command=None):
+        return fork(self, role, target_role, command or "cua_rl.cpu.rpc_worker")
+
+    fork_workers._cua_loopback = True
+    LocalScheduler.fork_workers = fork_workers
+
+
 def loopback_argv(argv: list[str]) -> list[str]:
     """AReaL's worker command line with its wildcard ``--host`` replaced by loopback."""
     out = list(argv)

@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from cua_rl.cpu.loopback import bind_loopback, loopback_argv
+from cua_rl.cpu.loopback import bind_loopback, fork_our_worker, loopback_argv
 
 
 def test_the_worker_command_line_binds_loopback_instead_of_every_interface():
@@ -27,3 +27,20 @@ def test_areal_modules_that_imported_gethostip_answer_loopback():
     finally:
         network.gethostip = original
         local.gethostip = original
+
+
+def test_forked_workers_run_the_harness_worker_unless_a_command_is_given():
+    from areal.infra.scheduler.local import LocalScheduler
+
+    original = LocalScheduler.fork_workers
+    calls = []
+    LocalScheduler.fork_workers = lambda self, role, target_role, command=None: calls.append(
+        command
+    )
+    try:
+        fork_our_worker()
+        LocalScheduler.fork_workers(None, "eval-rollout", "rollout")
+        LocalScheduler.fork_workers(None, "proxy", "rollout", command="some.module")
+    finally:
+        LocalScheduler.fork_workers = original
+    assert calls == ["cua_rl.cpu.rpc_worker", "some.module"]
