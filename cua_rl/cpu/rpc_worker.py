@@ -10,8 +10,13 @@ from __future__ import annotations
 
 
 def main() -> None:
+    import sys
+
+    from cua_rl.cpu.loopback import loopback_argv
     from cua_rl.cpu.training import patch_worker
 
+    # A CPU run is local: the worker binds loopback, not AReaL's 0.0.0.0.
+    sys.argv = loopback_argv(sys.argv)
     patch_worker()
     from areal.infra.rpc.rpc_server import main as areal_main
 

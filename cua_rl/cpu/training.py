@@ -70,8 +70,11 @@ def enable_cpu_training(
     ``ConfigError`` for settings that cannot work on CPU rather than silently changing them.
     """
     from cua_rl.areal.ports import unseed_port_choice
+    from cua_rl.cpu.loopback import bind_loopback, fork_our_worker
 
     unseed_port_choice()  # the controller picks the workers' ports
+    bind_loopback()  # and finds them on loopback, where they listen
+    fork_our_worker()
     changes: list[str] = []
     vllm_python = vllm_python or default_vllm_python()
     if not Path(vllm_python).exists():
@@ -202,7 +205,9 @@ def patch_packed_attention() -> None:
 def patch_worker() -> None:
     """Patches applied inside every AReaL worker process (see ``rpc_worker``)."""
     from cua_rl.areal.ports import unseed_port_choice
+    from cua_rl.cpu.loopback import bind_loopback
 
+    bind_loopback()
     patch_packed_attention()
     unseed_port_choice()
     import time

@@ -54,6 +54,8 @@ class VLLMServer:
     images_per_prompt: int = 64
     kv_cache_gib: int = 1
     extra_args: list[str] = field(default_factory=list)
+    # Off by default (quieter logs); on, /metrics reports running requests and sampled tokens.
+    log_stats: bool = False
     log_path: Path | None = None
     startup_timeout_s: float = 420.0
     process: subprocess.Popen | None = field(default=None, init=False, repr=False)
@@ -81,7 +83,7 @@ class VLLMServer:
             "--enforce-eager",
             "--dtype", "float32",
             "--max-num-seqs", "16",
-            "--disable-log-stats",
+            *([] if self.log_stats else ["--disable-log-stats"]),
             *self.extra_args,
         ]  # fmt: skip
 

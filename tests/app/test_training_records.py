@@ -233,7 +233,11 @@ def test_a_running_training_refreshes_its_heartbeat(monitor, tmp_path):
             db.close()
 
     first = beat()
-    time.sleep(1.0)  # nothing else is recorded meanwhile
+    # Nothing else is recorded meanwhile: only a heartbeat can move it. Wait for one (bounded)
+    # rather than sleeping a fixed time a loaded machine might not fit a beat into.
+    deadline = time.monotonic() + 20
+    while beat() == first and time.monotonic() < deadline:
+        time.sleep(0.1)
     assert tm.flush(20)
     later = beat()
     assert later > first

@@ -20,15 +20,39 @@ from tests.gateway.conftest import FakeEngine, data_url, png, user
 
 pytestmark = pytest.mark.slow
 
-# Long enough that the update surely lands mid-call (the tiny model samples ~100 tokens/s here).
 N_TOKENS = 1500
+
+
+def _metric(text: str, name: str) -> float:
+    """Sum of one Prometheus series over its labels (0 when the server has not reported it)."""
+    total = 0.0
+    for line in text.splitlines():
+        if line.startswith(name + "{") or line.startswith(name + " "):
+            total += float(line.rsplit(" ", 1)[1])
+    return total
+
+
+async def _wait_until_sampling(http: httpx.AsyncClient, root: str, since: float, call) -> None:
+    """Return once vLLM reports the call running with tokens already sampled.
+
+    The update is sent on that signal, not after a fixed delay: the call is then in flight and
+    has output, whatever this machine's sampling speed (polled every 10 ms, far below the time
+    the 1500-token call takes even on a fast server)."""
+    while not call.done():
+        text = (await http.get(f"{root}/metrics")).text
+        running = _metric(text, "vllm:num_requests_running")
+        if running >= 1 and _metric(text, "vllm:generation_tokens_total") > since:
+            return
+        await asyncio.sleep(0.01)
 
 
 @pytest.fixture(scope="module")
 def server(tiny_vl_bpe_model_dir):
     # Its own server: the weight labels it gets here must not reach other tests.
     extra = ["--worker-extension-cls", OUR_EXTENSION]
-    with VLLMServer(tiny_vl_bpe_model_dir, model="tiny-vl-bpe-upd", extra_args=extra) as srv:
+    with VLLMServer(
+        tiny_vl_bpe_model_dir, model="tiny-vl-bpe-upd", extra_args=extra, log_stats=True
+    ) as srv:
         yield srv
 
 
@@ -59,11 +83,14 @@ async def test_weight_update_mid_call_gives_a_normal_answer_and_both_versions(
     try:
         async with httpx.AsyncClient(timeout=600) as http:
             messages = [user("Step 1", data_url(png()))]
+            since = _metric(
+                (await http.get(f"{root}/metrics")).text, "vllm:generation_tokens_total"
+            )
             call = asyncio.create_task(
                 http.post(f"{url}/chat/completions", json={"messages": messages})
             )
-            await asyncio.sleep(3.0)
-            assert not call.done(), "the call ended before the update: raise N_TOKENS"
+            await _wait_until_sampling(http, root, since, call)
+            assert not call.done(), "the call ended before vLLM reported it sampling"
             # AReaL's order: pause the rollout, abort in-flight generation, load the new
             # weights, publish the version, resume.
             engine.paused.set()

@@ -268,12 +268,14 @@ async def test_terminate_answer_body_is_ignored_but_an_error_status_is_not():
 @pytest.mark.parametrize("gym_config", [SimGymConfig(max_live=1)])
 async def test_create_refused_at_the_cap_is_retried_once_capacity_frees(gym, http):
     client = GenvClient(
-        gym.url, gym.gym_id, timeouts=replace(FAST, backoff_s=0.2, create_refused_attempts=4)
+        gym.url, gym.gym_id, timeouts=replace(FAST, backoff_s=0.2, create_refused_attempts=50)
     )
     first = await client.create_execution(TASK)
 
     async def free_soon():
-        await asyncio.sleep(0.3)
+        # Free the slot once the gym has refused a create, whatever the machine's speed.
+        while (await counters(http, gym))["rejected_cap"] < 1:
+            await asyncio.sleep(0.05)
         await client.terminate(first.execution_id)
 
     freer = asyncio.create_task(free_soon())

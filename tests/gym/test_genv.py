@@ -266,7 +266,10 @@ async def test_screenshots_expire_after_retention(genv, gym, http):
     c = await genv.create_execution(WIFI_ON)
     shot = (await http.post(f"{gym.base_url}/executions/{c.execution_id}/screenshot")).json()
     await genv.terminate(c.execution_id)
-    await asyncio.sleep(0.4)
+    # The expiry runs in the gym's background: wait for it (bounded) instead of a fixed delay.
+    deadline = time.monotonic() + 10
+    while (await http.get(shot["url"])).status_code != 404 and time.monotonic() < deadline:
+        await asyncio.sleep(0.05)
     assert (await http.get(shot["url"])).status_code == 404
 
 

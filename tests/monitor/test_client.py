@@ -65,7 +65,11 @@ async def test_spools_while_down_then_replays_in_order(fake, tmp_path, store):
     assert spool.exists() and len(spool.read_text().splitlines()) == 1
     # While the spool is not empty new batches queue behind it, even a dependent one.
     client.enqueue("validators", {"task_client_id": "t-a", "validator_type": "state"})
-    await asyncio.sleep(0.2)
+    # The worker spools it in the background: wait for that (bounded), not a fixed delay.
+    for _ in range(200):
+        if client.counters.spooled == 2:
+            break
+        await asyncio.sleep(0.05)
     assert client.counters.spooled == 2 and task_count(store) == 0
     fake.down = False
     assert await client.flush(timeout=10)
