@@ -11,7 +11,7 @@ from PIL import Image
 
 from cua_rl.core.images import ImageRefused, check_image_url, decode_data_url, sniff_mime
 from cua_rl.errors import RejectedEpisode
-from cua_rl.monitor.server import screenshots
+from cua_rl.monitor.worker import uploader
 from cua_rl.trajectory import TrajectoryConfig
 from cua_rl.trajectory import images as trajectory_images
 
@@ -63,8 +63,13 @@ def test_the_trajectory_and_the_monitor_decode_alike():
     config = TrajectoryConfig(max_image_bytes=10)
     with pytest.raises(ImageRefused, match="image_too_large"):
         trajectory_images.decode_data_url(_url(png), config)
-    assert screenshots.decode_data_url is decode_data_url
-    assert screenshots.sniff_mime is sniff_mime
+    assert uploader.decode_data_url(_url(png)) == decode_data_url(_url(png)) == png
+    assert uploader.sniff_mime(png) == sniff_mime(png) == "image/png"
+    for bad in ("data:text/plain;base64,AAAA", "data:image/png;base64,@@@"):
+        with pytest.raises(ValueError):
+            uploader.decode_data_url(bad)
+        with pytest.raises(ValueError):
+            decode_data_url(bad)
 
 
 def test_the_url_policy():
