@@ -365,7 +365,8 @@ async def bench_pages(url: str, shape: dict, samples: int) -> list[tuple[str, fl
 
 def screen_images(turns: int, width: int, height: int) -> list[bytes]:
     """PNG screens of the local gym's phone, one per turn of random episodes."""
-    from cua_rl.sim.phone import TASKS, Phone, initial_state
+    from cua_rl.sim.phone import Phone
+    from cua_rl.sim.phone_tasks import TASKS, initial_state
 
     rng = random.Random(2)
     shots: list[bytes] = []

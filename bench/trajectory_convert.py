@@ -41,7 +41,8 @@ def _rss_mib() -> float:
 def synthesise(model_dir: str, turns: int, seed: int = 0) -> list[dict]:
     from transformers import AutoProcessor
 
-    from cua_rl.sim.phone import TASKS, Phone, initial_state
+    from cua_rl.sim.phone import Phone
+    from cua_rl.sim.phone_tasks import TASKS, initial_state
 
     proc = AutoProcessor.from_pretrained(model_dir)
     tok = proc.tokenizer

@@ -1,14 +1,17 @@
-"""A local gym server that speaks the genv protocol over the simulated phone.
+"""A local gym server that speaks the genv protocol over a pluggable device.
 
-``python -m cua_rl.sim gym --host 127.0.0.1 --port N [--gym-id sim]`` serves the genv endpoints
-(docs/design.md: same paths, bodies and answer shapes) plus the sim-only endpoints documented in
-docs/conventions.md (screenshots, actions, execution listing, fault injection, health).
+``python -m cua_rl.sim gym --host 127.0.0.1 --port N [--gym-id sim] [--backend phone|browser]``
+serves the genv endpoints (docs/design.md: same paths, bodies and answer shapes) plus the
+sim-only endpoints documented in docs/conventions.md (screenshots, actions, execution listing,
+fault injection, health); ``gym_app`` holds the HTTP side.
 
 Design:
-- ``SimGym`` owns all state: live executions (each its own ``Phone``), screenshots kept after
-  terminate for a bounded retention (they stand in for presigned object-store URLs), a cap on
-  live executions and a sweeper that expires idle ones (the only cleanup a real gym has for an
-  execution whose creator vanished).
+- ``SimGym`` owns what every execution has in common: live executions, each with the device
+  its backend opened (``cua_rl/sim/device.py``: the simulated phone, or a MiniWoB page in a
+  headless Chromium), screenshots kept after terminate for a bounded retention (they stand in
+  for presigned object-store URLs), a cap on live executions and a sweeper that expires idle
+  ones (the only cleanup a real gym has for an execution whose creator vanished). A device that
+  breaks fails its execution only; stopping the gym closes every execution still open.
 - Faults are injected per operation (create / evaluate / terminate): latency first, then a 500
   with ``detail``, then the real work, then optionally a dropped connection. Dropping *after*
   the work is the worst case on purpose: a dropped create leaves a live execution the client
@@ -21,32 +24,20 @@ from __future__ import annotations
 
 import argparse
 import asyncio
-import base64
-import json
-import logging
 import random
 import sys
 import time
 import uuid
 from collections import OrderedDict
-from contextlib import asynccontextmanager
-from dataclasses import asdict, dataclass, field
+from dataclasses import dataclass, field
 
-from fastapi import FastAPI, HTTPException, Request
-from fastapi.responses import JSONResponse, Response
+from fastapi import HTTPException, Request
 
 from cua_rl.errors import ConfigError
 from cua_rl.logs import get_logger
 from cua_rl.serving import ThreadedServer
-from cua_rl.sim.phone import (
-    TASKS,
-    TASKS_BY_ID,
-    ActionError,
-    Phone,
-    SimTask,
-    initial_state,
-    run_validators,
-)
+from cua_rl.sim.browser import BrowserConfig
+from cua_rl.sim.device import BACKENDS, Backend, Device, DeviceFailure
 
 log = get_logger(__name__)
 OPS = ("create", "evaluate", "terminate")
@@ -114,6 +105,14 @@ class SimGymConfig:
         default_factory=dict,
         metadata={"help": "per-operation fault injection: create, evaluate, terminate"},
     )
+    backend: str = field(
+        default="phone",
+        metadata={"help": "the device behind an execution: 'phone' (simulated) or 'browser'"},
+    )
+    browser: BrowserConfig = field(
+        default_factory=BrowserConfig,
+        metadata={"help": "the browser backend's settings (MiniWoB++ pages in Chromium)"},
+    )
 
     def __post_init__(self) -> None:
         if not self.gym_id or "/" in self.gym_id:
@@ -140,6 +139,10 @@ class SimGymConfig:
             raise ConfigError(
                 f"faults for unknown operations {sorted(unknown)}; use {', '.join(OPS)}"
             )
+        if self.backend not in BACKENDS:
+            raise ConfigError(f"backend={self.backend!r}: use one of {', '.join(BACKENDS)}")
+        if isinstance(self.browser, dict):
+            self.browser = BrowserConfig(**self.browser)
         self.faults = {
             op: f if isinstance(f, Fault) else Fault(**f) for op, f in self.faults.items()
         }
@@ -148,34 +151,35 @@ class SimGymConfig:
 @dataclass
 class Execution:
     execution_id: str
-    task: SimTask
-    phone: Phone
+    task_id: str
+    device: Device
     created_at: float
     last_active_at: float
     screenshots: list[bytes] = field(default_factory=list)
     status: str = "running"
     lock: asyncio.Lock = field(default_factory=asyncio.Lock)
 
-
-class DropConnection(Exception):
-    """Raised after the response has started so uvicorn closes the socket mid-answer."""
-
-
-class _HideInjectedDrops(logging.Filter):
-    """Injected drops are expected; keep uvicorn from logging each one as a crash."""
-
-    def filter(self, record: logging.LogRecord) -> bool:
-        exc = record.exc_info[1] if record.exc_info else None
-        return not isinstance(exc, DropConnection)
+    @property
+    def failure(self) -> str | None:
+        return getattr(self.device, "failure", None)
 
 
-_DROP_FILTER = _HideInjectedDrops()
+def make_backend(config: SimGymConfig) -> Backend:
+    if config.backend == "browser":
+        from cua_rl.sim.browser import BrowserBackend
+
+        return BrowserBackend(config.browser)
+    from cua_rl.sim.phone_backend import PhoneBackend
+
+    return PhoneBackend(config.width, config.height)
 
 
 class SimGym:
-    def __init__(self, config: SimGymConfig | None = None):
+    def __init__(self, config: SimGymConfig | None = None, backend: Backend | None = None):
         self.config = config or SimGymConfig()
+        self.backend = backend or make_backend(self.config)
         self.live: dict[str, Execution] = {}
+        self._opening = 0  # creates between the cap check and their device being open
         # Terminated executions' screenshots: id -> (expires_at, screenshots), oldest first.
         self.retained: OrderedDict[str, tuple[float, list[bytes]]] = OrderedDict()
         self.retained_bytes = 0
@@ -184,44 +188,16 @@ class SimGym:
             "evaluations": 0,
             "terminated": 0,
             "expired": 0,
+            "failed": 0,
             "rejected_cap": 0,
             "faults": 0,
             "drops": 0,
         }
         self._dice = random.Random(f"faults:{self.config.seed}")
 
-    # -- state ------------------------------------------------------------------------------
-    def task_entry(self, t: SimTask) -> dict:
-        return {
-            "task_id": t.task_id,
-            "name": t.name,
-            "task_number": t.number,
-            "description": t.description,
-            "tags": [t.difficulty, t.app],
-        }
-
-    def task_detail(self, t: SimTask) -> dict:
-        # The detail is richer than the list entry, as the real server's is.
-        return {
-            **self.task_entry(t),
-            "instruction": t.description,
-            "meta": {
-                "id": t.task_id,
-                "number": t.number,
-                "displayName": t.name.replace("_", " ").title(),
-                "description": t.description,
-            },
-            "env_config": {
-                "type": "sim-phone",
-                "width": self.config.width,
-                "height": self.config.height,
-                "start_screen": "home",
-            },
-            "evaluation": {"validators": [{"id": v.id, "weight": v.weight} for v in t.validators]},
-            "seed_id": f"{t.name}-seed",
-        }
-
+    # -- executions -------------------------------------------------------------------------
     def get(self, execution_id: str) -> Execution:
+        """A live, working execution (404 unknown, 409 terminated or failed)."""
         ex = self.live.get(execution_id)
         if ex is None:
             gone = execution_id in self.retained
@@ -230,36 +206,47 @@ class SimGym:
                 detail=f"execution {execution_id} is {'terminated' if gone else 'unknown'}",
             )
         ex.last_active_at = time.time()
+        if ex.failure is not None:
+            raise self.note_failure(ex)
         return ex
 
-    def create(self, task_id: str, options: dict) -> Execution:
-        task = TASKS_BY_ID.get(task_id)
-        if task is None:
+    def note_failure(self, ex: Execution) -> HTTPException:
+        """The answer for a call that found its device broken (counted once per execution)."""
+        if ex.status != "failed":
+            ex.status = "failed"
+            self.counters["failed"] += 1
+        return HTTPException(409, detail=f"execution {ex.execution_id} failed: {ex.failure}")
+
+    async def create(self, task_id: str, options: dict) -> Execution:
+        if self.backend.detail(task_id) is None:
             raise HTTPException(
-                404, detail=f"unknown task {task_id!r}; GET /tasks lists the {len(TASKS)} tasks"
-            )
-        if len(self.live) >= self.config.max_live:
-            self.counters["rejected_cap"] += 1
-            raise HTTPException(
-                429,
-                detail=f"too many live executions ({len(self.live)}/{self.config.max_live}); terminate some or raise --max-live",
+                404, detail=f"unknown task {task_id!r}; GET /tasks lists the tasks served"
             )
         seed = options.get("seed", self.config.seed)
         if isinstance(seed, bool) or not isinstance(seed, int):
             raise HTTPException(400, detail="options.seed must be an integer")
+        if len(self.live) + self._opening >= self.config.max_live:
+            self.counters["rejected_cap"] += 1
+            raise HTTPException(
+                429,
+                detail=f"too many live executions ({len(self.live)}/{self.config.max_live}); "
+                "terminate some or raise --max-live",
+            )
+        self._opening += 1
+        try:
+            device = await self.backend.open(task_id, seed)
+        except DeviceFailure as exc:
+            self.counters["failed"] += 1
+            raise HTTPException(502, detail=f"could not open {task_id}: {exc}") from None
+        finally:
+            self._opening -= 1
         now = time.time()
-        ex = Execution(
-            execution_id=f"ex-{uuid.uuid4().hex[:16]}",
-            task=task,
-            phone=Phone(initial_state(task, seed), self.config.width, self.config.height),
-            created_at=now,
-            last_active_at=now,
-        )
+        ex = Execution(f"ex-{uuid.uuid4().hex[:16]}", task_id, device, now, now)
         self.live[ex.execution_id] = ex
         self.counters["created"] += 1
         return ex
 
-    def terminate(self, execution_id: str, status: str = "terminated") -> bool:
+    async def terminate(self, execution_id: str, status: str = "terminated") -> bool:
         """Close an execution; False when it was already closed (terminate is idempotent)."""
         ex = self.live.pop(execution_id, None)
         if ex is None:
@@ -272,7 +259,14 @@ class SimGym:
         )
         self.retained_bytes += sum(len(b) for b in ex.screenshots)
         self._trim_retained()
+        await ex.device.close()
         return True
+
+    async def close_all(self) -> int:
+        """Terminate every open execution (the server is stopping); returns how many."""
+        ids = list(self.live)
+        await asyncio.gather(*(self.terminate(eid, status="stopped") for eid in ids))
+        return len(ids)
 
     def _trim_retained(self) -> None:
         now = time.time()
@@ -288,11 +282,11 @@ class SimGym:
             _, shots = self.retained.pop(oldest)
             self.retained_bytes -= sum(len(b) for b in shots)
 
-    def sweep(self) -> int:
+    async def sweep(self) -> int:
         cutoff = time.time() - self.config.idle_ttl_s
         stale = [eid for eid, ex in self.live.items() if ex.last_active_at < cutoff]
         for eid in stale:
-            self.terminate(eid, status="expired")
+            await self.terminate(eid, status="expired")
         self._trim_retained()
         return len(stale)
 
@@ -321,231 +315,6 @@ class SimGym:
             request.state.drop = True
 
 
-class _DroppingResponse(Response):
-    """Starts a response then aborts it, so the client sees the connection die mid-answer."""
-
-    async def __call__(self, scope, receive, send) -> None:
-        await send(
-            {
-                "type": "http.response.start",
-                "status": 200,
-                "headers": [(b"content-type", b"application/json"), (b"content-length", b"4096")],
-            }
-        )
-        await send({"type": "http.response.body", "body": b'{"execution', "more_body": True})
-        raise DropConnection("injected dropped connection")
-
-
-def _answer(gym: SimGym, request: Request, body: dict) -> Response:
-    if getattr(request.state, "drop", False):
-        gym.counters["drops"] += 1
-        return _DroppingResponse()
-    return JSONResponse(body)
-
-
-async def _json_body(request: Request) -> dict:
-    raw = await request.body()
-    if not raw.strip():
-        return {}
-    try:
-        body = json.loads(raw)
-    except json.JSONDecodeError as e:
-        raise HTTPException(400, detail=f"body is not JSON: {e}") from None
-    if not isinstance(body, dict):
-        raise HTTPException(400, detail="body must be a JSON object")
-    return body
-
-
-def create_app(gym: SimGym) -> FastAPI:
-    cfg = gym.config
-
-    @asynccontextmanager
-    async def lifespan(_app: FastAPI):
-        async def sweeper() -> None:
-            while True:
-                await asyncio.sleep(min(1.0, cfg.idle_ttl_s / 4))
-                gym.sweep()
-
-        task = asyncio.create_task(sweeper())
-        try:
-            yield
-        finally:
-            task.cancel()
-
-    app = FastAPI(title="cua-rl sim gym", lifespan=lifespan)
-    err_log = logging.getLogger("uvicorn.error")
-    if _DROP_FILTER not in err_log.filters:
-        err_log.addFilter(_DROP_FILTER)
-    app.state.gym = gym
-    base = "/api/v1/{gym_id}"
-
-    def check_gym(gym_id: str) -> None:
-        if gym_id != cfg.gym_id:
-            raise HTTPException(
-                404, detail=f"unknown gym id {gym_id!r}; this server serves {cfg.gym_id!r}"
-            )
-
-    @app.get("/healthz")
-    async def healthz() -> dict:
-        return {"ok": True, "gym_id": cfg.gym_id, "live": len(gym.live), "counters": gym.counters}
-
-    @app.get("/api/v1/_sim/faults")
-    async def get_faults() -> dict:
-        return {op: asdict(cfg.faults.get(op, Fault())) for op in OPS}
-
-    @app.put("/api/v1/_sim/faults")
-    async def put_faults(request: Request) -> dict:
-        body = await _json_body(request)
-        try:
-            new = {op: Fault(**spec) for op, spec in body.items() if op in OPS}
-            unknown = set(body) - set(OPS)
-            if unknown:
-                raise ConfigError(f"unknown operations {sorted(unknown)}; use {', '.join(OPS)}")
-        except (TypeError, ConfigError) as e:
-            raise HTTPException(400, detail=str(e)) from None
-        cfg.faults.update(new)
-        return {op: asdict(cfg.faults.get(op, Fault())) for op in OPS}
-
-    @app.get(base + "/tasks")
-    async def list_tasks(gym_id: str) -> dict:
-        check_gym(gym_id)
-        return {"tasks": [gym.task_entry(t) for t in TASKS]}
-
-    @app.get(base + "/tasks/{task_id}")
-    async def get_task(gym_id: str, task_id: str) -> dict:
-        check_gym(gym_id)
-        t = TASKS_BY_ID.get(task_id)
-        if t is None:
-            raise HTTPException(404, detail=f"unknown task {task_id!r}")
-        return gym.task_detail(t)
-
-    @app.post(base + "/tasks/{task_id}")
-    async def create_execution(gym_id: str, task_id: str, request: Request) -> Response:
-        check_gym(gym_id)
-        body = await _json_body(request)
-        options = body.get("options") or {}
-        if not isinstance(options, dict):
-            raise HTTPException(400, detail="options must be an object")
-        await gym.inject("create", request)
-        ex = gym.create(task_id, options)
-        return _answer(
-            gym,
-            request,
-            {
-                "execution_id": ex.execution_id,
-                "box_id": f"simbox-{ex.execution_id[3:]}",
-                "task_id": task_id,
-                "status": "running",
-            },
-        )
-
-    @app.get(base + "/executions")
-    async def list_executions(gym_id: str) -> dict:
-        check_gym(gym_id)
-        return {
-            "executions": [
-                {
-                    "execution_id": e.execution_id,
-                    "task_id": e.task.task_id,
-                    "created_at": e.created_at,
-                    "last_active_at": e.last_active_at,
-                }
-                for e in gym.live.values()
-            ]
-        }
-
-    @app.post(base + "/executions/{execution_id}/evaluate")
-    async def evaluate(gym_id: str, execution_id: str, request: Request) -> Response:
-        check_gym(gym_id)
-        body = await _json_body(request)
-        answer = body.get("answer_text")
-        if answer is not None and not isinstance(answer, str):
-            raise HTTPException(400, detail="answer_text must be a string")
-        gym.get(execution_id)
-        gym.counters["evaluations"] += 1
-        await gym.inject("evaluate", request)
-        ex = gym.get(execution_id)  # it may have been terminated during the injected latency
-        async with ex.lock:
-            result = run_validators(ex.task, ex.phone.state, answer)
-        return _answer(
-            gym, request, {"success": True, "execution_id": execution_id, "result": result}
-        )
-
-    @app.post(base + "/executions/{execution_id}/terminate")
-    async def terminate(gym_id: str, execution_id: str, request: Request) -> Response:
-        check_gym(gym_id)
-        if execution_id not in gym.live and execution_id not in gym.retained:
-            raise HTTPException(404, detail=f"execution {execution_id} is unknown")
-        await gym.inject("terminate", request)
-        closed = gym.terminate(execution_id)
-        return _answer(
-            gym,
-            request,
-            {
-                "success": True,
-                "execution_id": execution_id,
-                "status": "terminated",
-                "already_terminated": not closed,
-            },
-        )
-
-    @app.post(base + "/executions/{execution_id}/screenshot")
-    async def screenshot(gym_id: str, execution_id: str, request: Request) -> dict:
-        check_gym(gym_id)
-        ex = gym.get(execution_id)
-        async with ex.lock:
-            if len(ex.screenshots) >= cfg.max_screenshots:
-                raise HTTPException(
-                    409,
-                    detail=f"execution {execution_id} reached {cfg.max_screenshots} screenshots",
-                )
-            # Rendering takes milliseconds of CPU; off the loop so other executions keep moving.
-            png = await asyncio.to_thread(ex.phone.render_png)
-            ex.screenshots.append(png)
-            index = len(ex.screenshots) - 1
-        url = (
-            str(request.base_url).rstrip("/")
-            + f"/api/v1/{gym_id}/executions/{execution_id}/screenshots/{index}.png"
-        )
-        return {
-            "index": index,
-            "url": url,
-            "data_url": "data:image/png;base64," + base64.b64encode(png).decode("ascii"),
-            "width": cfg.width,
-            "height": cfg.height,
-        }
-
-    @app.get(base + "/executions/{execution_id}/screenshots/{index}.png")
-    async def get_screenshot(gym_id: str, execution_id: str, index: int) -> Response:
-        check_gym(gym_id)
-        png = gym.screenshot_bytes(execution_id, index)
-        if png is None:
-            raise HTTPException(
-                404,
-                detail=f"no screenshot {index} for execution {execution_id} (never taken or past retention)",
-            )
-        return Response(
-            png,
-            media_type="image/png",
-            headers={"Cache-Control": "public, max-age=31536000, immutable"},
-        )
-
-    @app.post(base + "/executions/{execution_id}/actions")
-    async def act(gym_id: str, execution_id: str, request: Request) -> dict:
-        check_gym(gym_id)
-        body = await _json_body(request)
-        ex = gym.get(execution_id)
-        name, args = body.get("name"), body.get("args", {})
-        async with ex.lock:
-            try:
-                error = ex.phone.act(name, args if args is not None else {})
-            except ActionError as e:
-                raise HTTPException(400, detail=str(e)) from None
-        return {"ok": error is None, "error": error, "screen": ex.phone.state.screen}
-
-    return app
-
-
 class GymServer(ThreadedServer):
     """The sim gym on a free loopback port in a background thread: ``with GymServer() as g``."""
 
@@ -556,6 +325,8 @@ class GymServer(ThreadedServer):
         log_level: str = "warning",
         port: int = 0,
     ):
+        from cua_rl.sim.gym_app import create_app
+
         self.gym = SimGym(config)
         super().__init__(
             create_app(self.gym), host=host, port=port, name="sim-gym", log_level=log_level
@@ -598,6 +369,15 @@ def _parser() -> argparse.ArgumentParser:
     p.add_argument("--width", type=int, default=360)
     p.add_argument("--height", type=int, default=640)
     p.add_argument("--log-level", default="warning")
+    p.add_argument("--backend", default="phone", choices=BACKENDS)
+    p.add_argument(
+        "--tasks", default="", help="browser: comma-separated MiniWoB task names (default: all)"
+    )
+    p.add_argument("--scale", type=float, default=2.0, help="browser: pixels per CSS pixel")
+    p.add_argument("--reward", default="raw", help="browser: raw | discounted | binary")
+    p.add_argument(
+        "--episode-max-time", type=float, default=600.0, help="browser: MiniWoB's timer, seconds"
+    )
     for op in OPS:
         p.add_argument(f"--{op}-fail-rate", type=float, default=0.0)
         p.add_argument(f"--{op}-latency", type=float, default=0.0, help="seconds")
@@ -629,6 +409,13 @@ def main(argv: list[str] | None = None) -> int:
             width=args.width,
             height=args.height,
             faults=faults,
+            backend=args.backend,
+            browser=BrowserConfig(
+                scale=args.scale,
+                tasks=[t for t in args.tasks.split(",") if t],
+                reward=args.reward,
+                episode_max_time_s=args.episode_max_time,
+            ),
         )
     except ConfigError as e:
         print(f"error: {e}", file=sys.stderr)

@@ -158,7 +158,7 @@ async def test_unconstrained_garbage_is_reported_as_invalid_and_the_run_goes_on(
 async def test_eight_parallel_runs_do_not_interfere(
     agent, gym, vllm_server, new_execution, vllm_spec_for
 ):
-    from cua_rl.sim.phone import TASKS
+    from cua_rl.sim.phone_tasks import TASKS
 
     task_ids = [t.task_id for t in TASKS][:8]
     assert len(task_ids) == 8
