@@ -276,6 +276,7 @@ class BrowserBackend:
 
     def __init__(self, config: BrowserConfig | None = None):
         self.config = config or BrowserConfig()
+        self.executable = self.config.chromium()  # a missing browser is a config error now
         self.tasks = miniwob.select(self.config.tasks)
         self.by_id = {t.task_id: t for t in self.tasks}
         self._pw = None
@@ -284,10 +285,9 @@ class BrowserBackend:
     async def start(self) -> None:
         from playwright.async_api import async_playwright
 
-        executable = self.config.chromium()
         self._pw = await async_playwright().start()
         self.browser = await self._pw.chromium.launch(
-            executable_path=executable, headless=True, args=list(CHROMIUM_ARGS)
+            executable_path=self.executable, headless=True, args=list(CHROMIUM_ARGS)
         )
 
     async def stop(self) -> None:

@@ -194,6 +194,8 @@ class SimGym:
             "drops": 0,
         }
         self._dice = random.Random(f"faults:{self.config.seed}")
+        # The server's event loop (set when it starts): devices live on it.
+        self.loop: asyncio.AbstractEventLoop | None = None
 
     # -- executions -------------------------------------------------------------------------
     def get(self, execution_id: str) -> Execution:

@@ -85,6 +85,7 @@ def create_app(gym: SimGym) -> FastAPI:
                 await asyncio.sleep(min(1.0, cfg.idle_ttl_s / 4))
                 await gym.sweep()
 
+        gym.loop = asyncio.get_running_loop()
         await gym.backend.start()
         task = asyncio.create_task(sweeper())
         try:

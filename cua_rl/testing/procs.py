@@ -1,0 +1,80 @@
+"""The processes a browser gym started (Linux ``/proc``), for leak tests and memory figures.
+
+Chromium runs as a family of processes (browser, zygotes, GPU, network, one renderer per
+browser context) below Playwright's driver, all descendants of the process that started the
+gym. ``chromium_processes(root)`` lists them by walking parent links, and ``pss_bytes`` sums
+their proportional set size (shared pages split between the processes sharing them), the fair
+per-process memory figure when many renderers share Chromium's code.
+"""
+
+from __future__ import annotations
+
+import os
+from pathlib import Path
+
+PROC = Path("/proc")
+
+
+def _children() -> dict[int, list[int]]:
+    kids: dict[int, list[int]] = {}
+    for entry in PROC.iterdir():
+        if not entry.name.isdigit():
+            continue
+        try:
+            stat = (entry / "stat").read_text()
+        except OSError:  # exited while we looked
+            continue
+        ppid = int(stat.rsplit(")", 1)[1].split()[1])
+        kids.setdefault(ppid, []).append(int(entry.name))
+    return kids
+
+
+def descendants(root: int | None = None) -> list[int]:
+    """Every live process below ``root`` (default: this process)."""
+    kids, found = _children(), []
+    stack = [os.getpid() if root is None else root]
+    while stack:
+        for pid in kids.get(stack.pop(), []):
+            found.append(pid)
+            stack.append(pid)
+    return found
+
+
+def _cmdline(pid: int) -> str:
+    try:
+        return (PROC / str(pid) / "cmdline").read_bytes().replace(b"\0", b" ").decode()
+    except OSError:
+        return ""
+
+
+def chromium_processes(root: int | None = None, kind: str | None = None) -> list[int]:
+    """Chromium processes below ``root``; ``kind`` keeps one ``--type`` (e.g. ``renderer``;
+    ``""`` is the browser process itself)."""
+    found = []
+    for pid in descendants(root):
+        try:
+            comm = (PROC / str(pid) / "comm").read_text().strip()
+        except OSError:
+            continue
+        if comm not in ("chromium", "chrome"):
+            continue
+        cmd = _cmdline(pid)
+        ptype = next((a[7:] for a in cmd.split() if a.startswith("--type=")), "")
+        if kind is None or ptype == kind:
+            found.append(pid)
+    return found
+
+
+def pss_bytes(pids: list[int]) -> int:
+    """Summed proportional set size of ``pids`` (processes that exited count 0)."""
+    total = 0
+    for pid in pids:
+        try:
+            text = (PROC / str(pid) / "smaps_rollup").read_text()
+        except OSError:
+            continue
+        for line in text.splitlines():
+            if line.startswith("Pss:"):
+                total += int(line.split()[1]) << 10
+                break
+    return total
