@@ -32,6 +32,8 @@ $(VENV)/.stamp: requirements/project.txt requirements/project-constraints.txt py
 	$(PY) -m pip install $(PIP_QUIET) -r requirements/project.txt -c requirements/project-constraints.txt
 	@# AReaL's own metadata pins CUDA torch and a huge tree; its import-time needs are in project.txt.
 	$(PY) -m pip install $(PIP_QUIET) --no-deps areal==1.0.4 torchvision==0.28.0
+	@# MiniWoB++'s task pages for the browser gym; its Selenium environment is never imported.
+	$(PY) -m pip install $(PIP_QUIET) --no-deps miniwob==1.1.0
 	$(PY) scripts/patch_torchvision.py
 	$(PY) -m pip install $(PIP_QUIET) --no-deps --no-build-isolation -e .
 	$(PY) -c "import areal; from areal import PPOTrainer; from areal.api.workflow_api import RolloutWorkflow; from transformers import Qwen2VLProcessor; import cua_rl"
@@ -79,7 +81,7 @@ test: envs browser
 	$(VENV)/bin/ruff format --check .
 	$(PY) scripts/test_shards.py
 
-test-fast: venv
+test-fast: venv browser
 	$(PY) -m pytest -ra -m "not slow"
 
 lint: venv

@@ -281,6 +281,7 @@ class BrowserBackend:
         self.by_id = {t.task_id: t for t in self.tasks}
         self._pw = None
         self.browser = None
+        self.browser_pid: int | None = None  # Chromium's browser process, for leak checks
 
     async def start(self) -> None:
         from playwright.async_api import async_playwright
@@ -289,6 +290,10 @@ class BrowserBackend:
         self.browser = await self._pw.chromium.launch(
             executable_path=self.executable, headless=True, args=list(CHROMIUM_ARGS)
         )
+        cdp = await self.browser.new_browser_cdp_session()
+        processes = (await cdp.send("SystemInfo.getProcessInfo"))["processInfo"]
+        self.browser_pid = next(p["id"] for p in processes if p["type"] == "browser")
+        await cdp.detach()
 
     async def stop(self) -> None:
         if self.browser is not None:

@@ -48,10 +48,10 @@ def _cmdline(pid: int) -> str:
 
 
 def chromium_processes(root: int | None = None, kind: str | None = None) -> list[int]:
-    """Chromium processes below ``root``; ``kind`` keeps one ``--type`` (e.g. ``renderer``;
-    ``""`` is the browser process itself)."""
+    """Chromium processes at or below ``root`` (default: below this process); ``kind`` keeps
+    one ``--type`` (e.g. ``renderer``; ``""`` is the browser process itself)."""
     found = []
-    for pid in descendants(root):
+    for pid in ([root] if root is not None else []) + descendants(root):
         try:
             comm = (PROC / str(pid) / "comm").read_text().strip()
         except OSError:
@@ -62,6 +62,18 @@ def chromium_processes(root: int | None = None, kind: str | None = None) -> list
         ptype = next((a[7:] for a in cmd.split() if a.startswith("--type=")), "")
         if kind is None or ptype == kind:
             found.append(pid)
+    return found
+
+
+def alive(pids: set[int] | list[int]) -> list[int]:
+    """Those of ``pids`` still running as chromium (a reused pid runs something else)."""
+    found = []
+    for pid in pids:
+        try:
+            if (PROC / str(pid) / "comm").read_text().strip() in ("chromium", "chrome"):
+                found.append(pid)
+        except OSError:
+            continue
     return found
 
 
