@@ -15,6 +15,7 @@ from __future__ import annotations
 import argparse
 import io
 import os
+import shlex
 import signal
 import subprocess
 import sys
@@ -144,6 +145,13 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
         "--box-startup", type=float, default=0.0, help="seconds the local gym takes to create a box"
     )
     parser.add_argument(
+        "--gym-args",
+        default="",
+        help="extra options for the local gym (python -m cua_rl.sim gym --help), e.g. "
+        "'--backend browser --gym-id miniwob --tasks click-test,click-button' for MiniWoB++ "
+        "pages in chromium (configs/miniwob.yaml)",
+    )
+    parser.add_argument(
         "--quiet",
         action="store_true",
         help="no live progress lines (a caller prints its own); the end still says where "
@@ -163,7 +171,7 @@ def start_services(args, db_path: Path, log_dir: Path, children: list[Child]) ->
     print(f"[demo] monitor  {monitor_url} -> {_shown(db_path)}", flush=True)
     print(f"[demo] dashboard: open {monitor_url}/ to watch the training live", flush=True)
 
-    gym_cmd = [py, "-m", "cua_rl.sim", "gym", "--port", "0"]
+    gym_cmd = [py, "-m", "cua_rl.sim", "gym", "--port", "0", *shlex.split(args.gym_args)]
     gym = Child("gym", [*gym_cmd, "--create-latency", str(args.box_startup)], log_dir)
     children.append(gym)
     # The ready line names the genv base (.../api/v1/sim); the config wants the server URL.

@@ -128,6 +128,7 @@ class BrowserDevice:
         self.failure: str | None = None
         self.utterance = ""
         self._ended = False
+        self._closed = False  # closed on purpose (terminate, the gym stopping)
         self._closing: asyncio.Task | None = None
         page.on("crash", lambda _page: self._fail("the page's renderer crashed"))
 
@@ -165,6 +166,7 @@ class BrowserDevice:
         return "ended" if self._ended else "task"
 
     async def close(self) -> None:
+        self._closed = True
         if self._closing is None:
             self._closing = asyncio.ensure_future(self._close_context())
         await asyncio.shield(self._closing)
@@ -251,8 +253,9 @@ class BrowserDevice:
         except TimeoutError:
             self._fail(f"the page did not answer {what} within {timeout:g}s (hung)")
         except PlaywrightError as exc:
-            if self.failure is None:
-                self._fail(f"the page failed during {what}: {str(exc).splitlines()[0][:200]}")
+            if self._closed:  # a call that raced its own terminate: not the page's fault
+                raise DeviceFailure("the execution was closed") from None
+            self._fail(f"the page failed during {what}: {str(exc).splitlines()[0][:200]}")
         raise DeviceFailure(self.failure)
 
     def _fail(self, reason: str) -> None:

@@ -12,7 +12,9 @@ reward globals its own reward function sets (``WOB_RAW_REWARD_GLOBAL`` in [-1, 1
 ``WOB_REWARD_GLOBAL`` discounted by the time taken, ``WOB_DONE_GLOBAL``). ``START_JS`` seeds the
 generator, sets the timer and starts the episode; it also makes the end of that first episode
 final: ``core.js`` would otherwise show its "START" cover, and the next click on it would draw a
-new problem and reset the rewards.
+new problem and reset the rewards. It hides MiniWoB's reward display and click trace (panels for
+people, right of the task area): with them the page is wider than the task area, and a page that
+focuses an element (click-dialog's dialog) scrolls the task out of the screenshot.
 
 Tags are a task's difficulty and family. The difficulty is this project's rough grouping, not
 MiniWoB's: ``easy`` is one click on what the instruction names, ``hard`` is dragging, drawing,
@@ -49,6 +51,9 @@ HARD = frozenset(
 )
 
 START_JS = """([seed, maxMs]) => {
+  const hud = document.createElement('style');
+  hud.textContent = '#reward-display, #click-canvas { display: none !important; }';
+  document.head.appendChild(hud);
   Math.seedrandom(seed);
   core.EPISODE_MAX_TIME = maxMs;
   core.startEpisodeReal();

@@ -155,20 +155,26 @@ async def test_screenshot_pixels_map_to_page_coordinates(scale):
             assert result["success"] is True
 
 
-async def test_screenshot_is_the_page_rendered(gym):
+@pytest.mark.parametrize("task", ["click-test", "click-dialog"])
+async def test_screenshot_is_the_page_rendered(gym, task):
     from io import BytesIO
 
     from PIL import Image
 
     async with httpx.AsyncClient(timeout=30) as http:
-        eid = (await http.post(f"{gym.base_url}/tasks/miniwob-click-test", json={})).json()[
+        eid = (await http.post(f"{gym.base_url}/tasks/miniwob-{task}", json={})).json()[
             "execution_id"
         ]
         shot = (await http.post(f"{gym.base_url}/executions/{eid}/screenshot")).json()
         png = (await http.get(shot["url"])).content
         img = Image.open(BytesIO(png)).convert("RGB")
         assert img.size == (320, 420)
-        assert img.getpixel((300, 80)) == (255, 255, 0)  # core.css: the query box is #FF0
+        # core.css: the query box is #FF0. click-dialog's dialog takes focus: the task area
+        # must still be what the screenshot shows, not MiniWoB's panels beside it.
+        assert img.getpixel((300, 80)) == (255, 255, 0)
+        assert in_page(gym, eid, "() => [window.scrollX, window.scrollY]") == [0, 0]
+        if task != "click-test":
+            return
         box = in_page(gym, eid, BOX_JS, "#subbtn")
         inside = img.getpixel((round((box[0] + 4) * 2), round((box[1] + 4) * 2)))
         outside = img.getpixel((round((box[0] - 6) * 2), round((box[1] + 4) * 2)))
