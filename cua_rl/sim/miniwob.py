@@ -25,7 +25,7 @@ task's name (click, enter, drag, email, use, ...).
 from __future__ import annotations
 
 import ast
-import importlib.util
+import importlib.metadata
 import re
 from dataclasses import dataclass
 from functools import cache
@@ -96,14 +96,18 @@ class MiniWobTask:
 
 
 def package_root() -> Path:
-    """The installed ``miniwob`` package's folder (found without importing it)."""
-    spec = importlib.util.find_spec("miniwob")
-    if spec is None or not spec.submodule_search_locations:
+    """The installed ``miniwob`` distribution's package folder, found from its metadata without
+    importing it (a module named ``miniwob`` on sys.path, such as bench/miniwob.py, is not it)."""
+    try:
+        root = Path(str(importlib.metadata.distribution("miniwob").locate_file("miniwob")))
+    except importlib.metadata.PackageNotFoundError:
+        root = None
+    if root is None or not (root / "html" / "miniwob").is_dir():
         raise ConfigError(
             "the browser gym needs the MiniWoB++ task pages: pip install --no-deps miniwob==1.1.0 "
-            "(requirements/project.txt; `make venv` installs it)"
+            "(the Makefile's `make venv` installs it)"
         )
-    return Path(next(iter(spec.submodule_search_locations)))
+    return root
 
 
 @cache
