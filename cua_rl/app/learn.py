@@ -185,6 +185,12 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
         default=0.0,
         help="seconds the local agent waits after each action (the demo's option)",
     )
+    parser.add_argument(
+        "--gym-args",
+        default="",
+        help="extra options for the local gym (the demo's option); configs/miniwob-learn.yaml "
+        "names the ones it needs",
+    )
     args = parser.parse_args(argv)
     if args.steps is not None and args.steps < 1:
         parser.error("--steps must be at least 1")
@@ -215,6 +221,8 @@ def main(argv: list[str] | None = None) -> int:
     seeds = args.seeds or [None]
     combos = list(itertools.product(offs, seeds))
     common = ["--config", args.config, "--step-latency", str(args.step_latency)]
+    if args.gym_args:
+        common += ["--gym-args", args.gym_args]
     extra = list(args.overrides)
     if args.steps is not None:
         extra.append(f"total_train_steps={args.steps}")

@@ -370,3 +370,28 @@ async def _settled(ok, deadline_s: float = 30.0) -> None:
     while not ok():
         assert loop.time() < end, "chromium processes still running"
         await asyncio.sleep(0.1)
+
+
+# Centres of the 3x3 grid cells over a 320x420 screenshot (row by row), worked out by hand:
+# columns at 320/6, 320/2, 5*320/6 and rows at 420/6, 420/2, 5*420/6, truncated.
+CELL_CENTRES = [(x, y) for y in (70, 210, 350) for x in (53, 160, 266)]
+LEARN_CELLS = {"click-widget": {6, 7, 8}, "count-sides": {6}, "sign-agreement": {6}}
+
+
+@pytest.mark.slow
+async def test_the_bottom_left_cell_solves_each_miniwob_learn_task(gym):
+    """configs/miniwob-learn.yaml's family: at the gym's seed one tap at the centre of cell 6
+    solves all three tasks by the page's own reward, and no other cell solves all three."""
+    solved = {}
+    async with httpx.AsyncClient(timeout=30) as http:
+        for task in LEARN_CELLS:
+            solved[task] = set()
+            for cell, (x, y) in enumerate(CELL_CENTRES):
+                r = await http.post(f"{gym.base_url}/tasks/miniwob-{task}", json={})
+                eid = r.json()["execution_id"]
+                await act(http, gym, eid, "tap", x=x, y=y)
+                r = await http.post(f"{gym.base_url}/executions/{eid}/evaluate")
+                if r.json()["result"]["miniwob"]["raw_reward"] > 0:
+                    solved[task].add(cell)
+                await http.post(f"{gym.base_url}/executions/{eid}/terminate")
+    assert solved == LEARN_CELLS
