@@ -366,6 +366,7 @@ async def bench_pages(url: str, shape: dict, samples: int) -> list[tuple[str, fl
 def screen_images(turns: int, width: int, height: int) -> list[bytes]:
     """PNG screens of the local gym's phone, one per turn of random episodes."""
     from cua_rl.sim.phone import Phone
+    from cua_rl.sim.phone_render import render_png
     from cua_rl.sim.phone_tasks import TASKS, initial_state
 
     rng = random.Random(2)
@@ -374,7 +375,7 @@ def screen_images(turns: int, width: int, height: int) -> list[bytes]:
         task = rng.choice(TASKS)
         phone = Phone(initial_state(task, rng.randint(0, 1000)), width, height)
         for _ in range(rng.randint(2, 8)):
-            shots.append(phone.render_png())
+            shots.append(render_png(phone))
             x, y = rng.randrange(width), rng.randrange(height)
             try:
                 phone.act(rng.choice(["tap", "tap", "tap", "back", "home"]), {"x": x, "y": y})

@@ -42,6 +42,7 @@ def synthesise(model_dir: str, turns: int, seed: int = 0) -> list[dict]:
     from transformers import AutoProcessor
 
     from cua_rl.sim.phone import Phone
+    from cua_rl.sim.phone_render import render_png
     from cua_rl.sim.phone_tasks import TASKS, initial_state
 
     proc = AutoProcessor.from_pretrained(model_dir)
@@ -71,7 +72,7 @@ def synthesise(model_dir: str, turns: int, seed: int = 0) -> list[dict]:
     actions = ["tap(60, 130)", "swipe(10, 300, 300, 300)", "home()", "back()", 'type("wifi")']
     for step in range(1, turns + 1):
         phone.state.brightness = (phone.state.brightness + 5) % 100  # a different screen
-        png = phone.render_png()
+        png = render_png(phone)
         grid = proc.image_processor(
             images=[Image.open(BytesIO(png)).convert("RGB")], return_tensors="pt"
         )["image_grid_thw"][0]

@@ -20,7 +20,7 @@ from fastapi.responses import JSONResponse, Response
 
 from cua_rl.errors import ConfigError
 from cua_rl.sim.device import ActionError, DeviceFailure
-from cua_rl.sim.gym import OPS, Execution, Fault, SimGym
+from cua_rl.sim.gym_state import OPS, Execution, Fault, SimGym
 
 BASE = "/api/v1/{gym_id}"
 

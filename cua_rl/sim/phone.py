@@ -1,7 +1,7 @@
 """A small simulated phone: state, layout and touch/keyboard semantics.
 
 The phone is a plain object with no I/O so the gym server, tests and demos drive the same code;
-``phone_render`` draws it, ``phone_tasks`` holds its tasks and validators.
+``phone_render.render_png(phone)`` draws it, ``phone_tasks`` holds its tasks and validators.
 Layout is defined once on a 360x640 design grid and scaled to the configured screen size, so
 hit-testing and rendering can never disagree about where a widget is. Everything that varies
 between executions (toggles, brightness, pre-existing notes) comes from a ``random.Random``
@@ -263,11 +263,6 @@ class Phone:
             else:
                 s.calc_display = (s.calc_display + key)[:24]
             s.calc_result = None
-
-    def render_png(self) -> bytes:
-        from cua_rl.sim.phone_render import render_png  # the renderer imports this module
-
-        return render_png(self)
 
 
 def evaluate_expression(expr: str) -> str:

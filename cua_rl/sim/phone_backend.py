@@ -9,6 +9,7 @@ from __future__ import annotations
 import asyncio
 
 from cua_rl.sim.phone import Phone
+from cua_rl.sim.phone_render import render_png
 from cua_rl.sim.phone_tasks import TASKS, TASKS_BY_ID, SimTask, initial_state, run_validators
 
 
@@ -19,7 +20,7 @@ class PhoneDevice:
         self.width, self.height = phone.width, phone.height
 
     async def screenshot(self) -> bytes:
-        return await asyncio.to_thread(self.phone.render_png)
+        return await asyncio.to_thread(render_png, self.phone)
 
     async def act(self, name: str, args: dict) -> str | None:
         return self.phone.act(name, args)
