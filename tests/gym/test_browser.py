@@ -80,6 +80,12 @@ async def act(http: httpx.AsyncClient, gym: GymServer, eid: str, name: str, **ar
     return r.json()
 
 
+async def new_execution(http: httpx.AsyncClient, gym: GymServer, task: str = "click-test") -> str:
+    r = await http.post(f"{gym.base_url}/tasks/miniwob-{task}", json={})
+    assert r.status_code == 200, r.text
+    return r.json()["execution_id"]
+
+
 def centre(box: list[float], scale: float) -> tuple[int, int]:
     """A CSS box's centre in screenshot pixels."""
     return round((box[0] + box[2] / 2) * scale), round((box[1] + box[3] / 2) * scale)
@@ -128,9 +134,7 @@ def test_a_gym_serves_only_the_tasks_configured():
 async def test_screenshot_pixels_map_to_page_coordinates(scale):
     with browser_gym(scale=scale) as gym:
         async with httpx.AsyncClient(timeout=30) as http:
-            eid = (await http.post(f"{gym.base_url}/tasks/miniwob-click-test", json={})).json()[
-                "execution_id"
-            ]
+            eid = await new_execution(http, gym)
             in_page(
                 gym,
                 eid,
@@ -162,9 +166,7 @@ async def test_screenshot_is_the_page_rendered(gym, task):
     from PIL import Image
 
     async with httpx.AsyncClient(timeout=30) as http:
-        eid = (await http.post(f"{gym.base_url}/tasks/miniwob-{task}", json={})).json()[
-            "execution_id"
-        ]
+        eid = await new_execution(http, gym, task)
         shot = (await http.post(f"{gym.base_url}/executions/{eid}/screenshot")).json()
         png = (await http.get(shot["url"])).content
         img = Image.open(BytesIO(png)).convert("RGB")
@@ -206,10 +208,7 @@ async def _solve_enter_text(http, gym, eid: str, text: str) -> None:
 
 async def test_concurrent_executions_are_isolated(gym):
     async with httpx.AsyncClient(timeout=30) as http:
-        made = await asyncio.gather(
-            *(http.post(f"{gym.base_url}/tasks/miniwob-enter-text", json={}) for _ in range(2))
-        )
-        a, b = (r.json()["execution_id"] for r in made)
+        a, b = await asyncio.gather(*(new_execution(http, gym, "enter-text") for _ in "ab"))
         word = in_page(gym, a, "() => document.querySelector('#query .bold').textContent")
         assert word == in_page(gym, b, "() => document.querySelector('#query .bold').textContent")
         # Both fields focused, then typing into each: neither's keys reach the other.
@@ -228,9 +227,7 @@ async def test_concurrent_executions_are_isolated(gym):
 
 async def test_swipe_drags_and_scroll_wheels_at_page_coordinates(gym):
     async with httpx.AsyncClient(timeout=30) as http:
-        eid = (await http.post(f"{gym.base_url}/tasks/miniwob-click-test", json={})).json()[
-            "execution_id"
-        ]
+        eid = await new_execution(http, gym)
         in_page(
             gym,
             eid,
@@ -277,8 +274,7 @@ async def _wait_scroll(page) -> int:
 
 async def test_renderer_crash_fails_only_that_execution(gym):
     async with httpx.AsyncClient(timeout=30) as http:
-        made = [await http.post(f"{gym.base_url}/tasks/miniwob-click-test", json={}) for _ in "ab"]
-        a, b = (r.json()["execution_id"] for r in made)
+        a, b = [await new_execution(http, gym) for _ in "ab"]
         on_gym_loop(gym, _crash(gym.gym.live[a].device))
         r = await http.post(f"{gym.base_url}/executions/{a}/screenshot")
         assert r.status_code == 409 and "crashed" in r.json()["detail"]
@@ -311,10 +307,7 @@ async def _crash(device) -> None:
 async def test_a_hung_page_fails_only_its_execution():
     with browser_gym(op_timeout_s=4.0) as gym:
         async with httpx.AsyncClient(timeout=60) as http:
-            made = [
-                await http.post(f"{gym.base_url}/tasks/miniwob-click-test", json={}) for _ in "ab"
-            ]
-            a, b = (r.json()["execution_id"] for r in made)
+            a, b = [await new_execution(http, gym) for _ in "ab"]
             # A script that never returns: the renderer stops answering for good.
             in_page(gym, a, "() => { setTimeout(() => { for (;;) {} }, 0); }")
             r = await http.post(f"{gym.base_url}/executions/{a}/screenshot")
@@ -337,10 +330,7 @@ async def test_no_chromium_process_outlives_its_execution_or_the_gym():
     try:
         async with httpx.AsyncClient(timeout=30) as http:
             baseline = renderers()
-            made = await asyncio.gather(
-                *(http.post(f"{gym.base_url}/tasks/miniwob-click-test", json={}) for _ in range(3))
-            )
-            ids = [r.json()["execution_id"] for r in made]
+            ids = await asyncio.gather(*(new_execution(http, gym) for _ in range(3)))
             assert renderers() >= baseline + 3
             for eid in ids[:2]:
                 await http.post(f"{gym.base_url}/executions/{eid}/terminate")
@@ -348,9 +338,9 @@ async def test_no_chromium_process_outlives_its_execution_or_the_gym():
             # Chromium starts ahead of the next page (measured: 3 pages, 4 renderers).
             await _settled(lambda: renderers() <= 2)
             for _ in range(4):  # open and close again: the count does not grow
-                r = await http.post(f"{gym.base_url}/tasks/miniwob-click-test", json={})
+                eid = await new_execution(http, gym)
                 renderers()
-                await http.post(f"{gym.base_url}/executions/{r.json()['execution_id']}/terminate")
+                await http.post(f"{gym.base_url}/executions/{eid}/terminate")
             await _settled(lambda: renderers() <= 2)
         assert len(gym.gym.live) == 1
     finally:
@@ -387,8 +377,7 @@ async def test_the_bottom_left_cell_solves_each_miniwob_learn_task(gym):
         for task in LEARN_CELLS:
             solved[task] = set()
             for cell, (x, y) in enumerate(CELL_CENTRES):
-                r = await http.post(f"{gym.base_url}/tasks/miniwob-{task}", json={})
-                eid = r.json()["execution_id"]
+                eid = await new_execution(http, gym, task)
                 await act(http, gym, eid, "tap", x=x, y=y)
                 r = await http.post(f"{gym.base_url}/executions/{eid}/evaluate")
                 if r.json()["result"]["miniwob"]["raw_reward"] > 0:
