@@ -31,6 +31,8 @@ import shutil
 import tempfile
 from pathlib import Path
 
+from cua_rl.testing.templates import TEMPLATES
+
 # Qwen's special tokens, first in the vocabulary so their ids are small and stable.
 SPECIAL_TOKENS = [
     "<|endoftext|>",
@@ -59,22 +61,7 @@ IMAGE_FACTOR = 28
 MIN_PIXELS = IMAGE_FACTOR * IMAGE_FACTOR * 4
 MAX_PIXELS = IMAGE_FACTOR * IMAGE_FACTOR * 32
 
-# Renders the Qwen2-VL conversation format: each message as <|im_start|>role\n...<|im_end|>\n with
-# every image part as <|vision_start|><|image_pad|><|vision_end|> (the processor and vLLM expand
-# the pad to the image's token count). Content may be a string or a list of typed parts.
-CHAT_TEMPLATE = (
-    "{% for message in messages %}"
-    "{{ '<|im_start|>' + message['role'] + '\\n' }}"
-    "{% if message['content'] is string %}{{ message['content'] }}"
-    "{% else %}{% for part in message['content'] %}"
-    "{% if part['type'] == 'text' %}{{ part['text'] }}"
-    "{% elif part['type'] in ('image', 'image_url') %}"
-    "{{ '<|vision_start|><|image_pad|><|vision_end|>' }}"
-    "{% endif %}{% endfor %}{% endif %}"
-    "{{ '<|im_end|>\\n' }}"
-    "{% endfor %}"
-    "{% if add_generation_prompt %}{{ '<|im_start|>assistant\\n' }}{% endif %}"
-)
+CHAT_TEMPLATE = TEMPLATES["qwen2-vl"]
 
 
 def _tokenizer_corpus() -> list[str]:
@@ -124,7 +111,7 @@ def _build_tokenizer(kind: str):
     return tok
 
 
-def _wrap_tokenizer(tok):
+def _wrap_tokenizer(tok, chat_template: str = CHAT_TEMPLATE):
     from transformers import PreTrainedTokenizerFast
 
     return PreTrainedTokenizerFast(
@@ -135,7 +122,7 @@ def _wrap_tokenizer(tok):
         unk_token=None,
         additional_special_tokens=SPECIAL_TOKENS[3:],
         model_max_length=32768,
-        chat_template=CHAT_TEMPLATE,
+        chat_template=chat_template,
         clean_up_tokenization_spaces=False,
     )
 
@@ -297,6 +284,20 @@ BUILDERS = {
 }
 
 
+def _family_builder(family: str):
+    def build(dst, seed):
+        from cua_rl.testing.families import build_tiny_vl_family
+
+        return build_tiny_vl_family(dst, family, seed=seed)
+
+    return build
+
+
+# The production families, BPE tokenizer and the family's own chat template.
+FAMILY_KINDS = ("qwen2.5-vl", "qwen3-vl", "qwen3-vl-moe")
+BUILDERS.update({kind: _family_builder(kind) for kind in FAMILY_KINDS})
+
+
 def default_cache_dir() -> Path:
     """``$CUA_RL_CACHE`` or the repository's git-ignored ``.cache`` folder."""
     env = os.environ.get("CUA_RL_CACHE")
@@ -306,8 +307,11 @@ def default_cache_dir() -> Path:
 
 
 def _builder_fingerprint() -> str:
-    # Rebuild cached models whenever this file changes: the cache key includes its hash.
-    return hashlib.sha256(Path(__file__).read_bytes()).hexdigest()[:12]
+    # Rebuild cached models whenever a builder changes: the cache key includes their hash.
+    digest = hashlib.sha256()
+    for name in ("models.py", "families.py", "templates.py"):
+        digest.update((Path(__file__).parent / name).read_bytes())
+    return digest.hexdigest()[:12]
 
 
 def ensure_model(kind: str, *, seed: int = 0, cache_dir: str | os.PathLike | None = None) -> Path:
