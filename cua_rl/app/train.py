@@ -215,9 +215,24 @@ def gateway_check(config: CUAConfig) -> CheckResult:
     return CheckResult("gateway", reachable, detail)
 
 
+def family_check(config: CUAConfig) -> CheckResult:
+    """The policy's family as its config.json says, and whether the config fits it."""
+    from cua_rl.app.family import detect_family, family_problems
+
+    try:
+        family = detect_family(config.actor.path) if config.actor.path else None
+    except ConfigError as exc:
+        return CheckResult("family", False, str(exc))
+    if family is None:
+        # The model line says whether the path exists; there is nothing to read the family from.
+        return CheckResult("family", True, f"not checked: no config.json in {config.actor.path!r}")
+    problems = family_problems(family, config)
+    return CheckResult("family", not problems, "; ".join([family.describe(), *problems]))
+
+
 def run_check(config: CUAConfig) -> int:
     print(f"ok   config   {config.experiment_name}/{config.trial_name} is valid")
-    results = asyncio.run(check_services(config))
+    results = [family_check(config), *asyncio.run(check_services(config))]
     for r in results:
         print(r.line())
     failed = [r.name for r in results if not r.ok]
@@ -547,6 +562,13 @@ def main(argv: list[str] | None = None) -> int:
         return 2
     if check:
         return run_check(config)
+    try:
+        from cua_rl.app.family import check_family
+
+        check_family(config)
+    except ConfigError as exc:
+        print(f"config error: {exc}", file=sys.stderr)
+        return 2
     signal.signal(signal.SIGTERM, _terminate_like_ctrl_c)
     signal.signal(signal.SIGUSR1, _raise_systematic)
     # A process started in the background by a non-interactive shell inherits SIGINT ignored.

@@ -48,6 +48,10 @@ class Family:
     rope: dict
     vision: dict
     text_extra: dict = field(default_factory=dict)
+    # Fused expert tensors the released checkpoints store as [experts, in, out] while
+    # transformers 5 keeps (and saves) them as [experts, out, in]; vLLM reads the released layout
+    # and transformers transposes them back on load.
+    transposed_on_disk: tuple[str, ...] = ()
 
     @property
     def factor(self) -> int:
@@ -120,11 +124,13 @@ FAMILIES = {
             head_dim=64,
             num_experts=4,
             num_experts_per_tok=2,
-            moe_intermediate_size=128,
+            # Not the hidden size: a square expert matrix would hide a transposition.
+            moe_intermediate_size=96,
             decoder_sparse_step=1,
             mlp_only_layers=[],
             norm_topk_prob=True,
         ),
+        transposed_on_disk=("mlp.experts.gate_up_proj", "mlp.experts.down_proj"),
     ),
 }
 
@@ -152,6 +158,8 @@ def build_tiny_vl_family(dst: str | os.PathLike, family: str, *, seed: int = 0) 
     model = getattr(transformers, spec.model_class)(config).to(torch.float32)
     _seeded_init(model, seed)
     model.save_pretrained(dst, safe_serialization=True)
+    if spec.transposed_on_disk:
+        _transpose_on_disk(dst / "model.safetensors", spec.transposed_on_disk)
     _save_generation_config(dst)
 
     # 4 to 32 merged tokens per image: a 360x640 screenshot stays at a few dozen tokens.
@@ -175,3 +183,16 @@ def build_tiny_vl_family(dst: str | os.PathLike, family: str, *, seed: int = 0) 
     processor.save_pretrained(dst)
     tok.save_pretrained(dst)
     return dst
+
+
+def _transpose_on_disk(path: Path, suffixes: tuple[str, ...]) -> None:
+    from safetensors import safe_open
+    from safetensors.torch import save_file
+
+    with safe_open(str(path), "pt") as f:
+        meta = f.metadata()
+        tensors = {k: f.get_tensor(k) for k in f.keys()}  # noqa: SIM118 (not a dict)
+    for key, value in tensors.items():
+        if key.endswith(suffixes):
+            tensors[key] = value.transpose(1, 2).contiguous()
+    save_file(dict(sorted(tensors.items())), str(path), metadata=meta)

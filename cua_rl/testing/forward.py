@@ -16,6 +16,9 @@ def load_vl_model(model_dir):
     import torch
     import transformers
 
+    from cua_rl.areal.positions import fix_qwen2_5_vl_image_positions
+
+    fix_qwen2_5_vl_image_positions()
     arch = transformers.AutoConfig.from_pretrained(model_dir).architectures[0]
     cls = getattr(transformers, arch)
     return cls.from_pretrained(model_dir, dtype=torch.float32).eval()
