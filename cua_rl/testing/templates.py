@@ -100,7 +100,7 @@ def _template(default_system: str | None, thinking: bool) -> str:
         "{%- set fn = call['function'] if 'function' in call else call -%}"
         "{%- if not loop.first or message['content'] -%}{{- '\\n' -}}{%- endif -%}"
         "{{- '<tool_call>\\n' -}}"
-        '{{- \'{"name": "\' + fn[\'name\'] + \'", "arguments": \' -}}'
+        "{{- '{\"name\": \"' + fn['name'] + '\", \"arguments\": ' -}}"
         "{%- if fn['arguments'] is string -%}{{- fn['arguments'] -}}"
         "{%- else -%}{{- fn['arguments'] | tojson -}}{%- endif -%}"
         "{{- '}\\n</tool_call>' -}}"

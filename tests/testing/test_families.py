@@ -4,14 +4,14 @@ transformers' ``apply_chat_template`` + the processor give for the whole convers
 
 from __future__ import annotations
 
-import json
+import io
 
 import pytest
 from PIL import Image as PILImage
 
 from cua_rl.gateway.render import Conversation
 from cua_rl.testing.models import FAMILY_KINDS, ensure_model
-from tests.gateway.test_render import _data_url, _expand, _png, _turn, _user
+from tests.gateway.test_render import _data_url, _png, _turn, _user
 
 # The Hermes function-calling system block, as the families document it.
 TOOLS_TEXT = (
@@ -89,7 +89,7 @@ def test_without_tools_only_qwen2_5_adds_a_system_message(family):
 def test_gateway_ids_of_a_multi_turn_episode_equal_the_whole_conversation_rendered(family):
     """Three turns, a screenshot each, replies that are tool calls written as text (as the model
     samples them): the stored ids equal the processor's ids of the whole conversation."""
-    kind, processor = family
+    _, processor = family
     conv = Conversation.for_processor(processor)
     system = {"role": "system", "content": "You operate a phone."}
     msgs = [system]
@@ -109,12 +109,14 @@ def test_gateway_ids_of_a_multi_turn_episode_equal_the_whole_conversation_render
     whole = [system]
     for i, reply_text in enumerate(replies):
         whole.append(
-            {"role": "user", "content": [{"type": "text", "text": f"Step {i + 1}"}, {"type": "image"}]}
+            {
+                "role": "user",
+                "content": [{"type": "text", "text": f"Step {i + 1}"}, {"type": "image"}],
+            }
         )
         whole.append({"role": "assistant", "content": reply_text})
     text = processor.apply_chat_template(whole, tokenize=False)
-    images = [PILImage.open(__import__("io").BytesIO(raw)).convert("RGB") for raw in pngs]
+    images = [PILImage.open(io.BytesIO(raw)).convert("RGB") for raw in pngs]
     expected = processor(text=[text], images=images, return_tensors="pt")["input_ids"][0]
     # The template ends the last reply with "<|im_end|>\n"; the sampled ids end at <|im_end|>.
     assert stored == expected.tolist()[:-1]
-    assert json.dumps(kind)  # the parametrisation ran for this family
