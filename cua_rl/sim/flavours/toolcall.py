@@ -80,6 +80,6 @@ def swipe_towards(direction: str, start: tuple[int, int], width: int, height: in
     if dx is None:
         raise ActionParseError(f"swipe direction must be up, down, left or right: {direction!r}")
     x, y = start
-    x2 = min(max(x + dx * width // 3, 0), width - 1)
-    y2 = min(max(y + dy * height // 3, 0), height - 1)
+    x2 = min(max(x + dx * (width // 3), 0), width - 1)
+    y2 = min(max(y + dy * (height // 3), 0), height - 1)
     return {"x1": x, "y1": y, "x2": x2, "y2": y2}
