@@ -16,16 +16,17 @@ budgets are in configs/cua.yaml and docs/families.md.
 from __future__ import annotations
 
 import os
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from pathlib import Path
 
 from cua_rl.testing.models import (
-    TOKEN_ID,
+    VISION_TOKEN_IDS,
     _build_tokenizer,
     _save_generation_config,
     _seeded_init,
     _text_config,
     _wrap_tokenizer,
+    processor_kwargs,
 )
 from cua_rl.testing.templates import TEMPLATES
 
@@ -108,31 +109,25 @@ FAMILIES = {
         vision=_QWEN3_VISION,
         text_extra=dict(head_dim=64),
     ),
-    "qwen3-vl-moe": Family(
-        config_class="Qwen3VLMoeConfig",
-        model_class="Qwen3VLMoeForConditionalGeneration",
-        processor_class="Qwen3VLProcessor",
-        video_processor_class="Qwen3VLVideoProcessor",
-        template=TEMPLATES["qwen3-vl"],
-        patch_size=16,
-        image_mean=HALF,
-        image_std=HALF,
-        rope=_QWEN3_ROPE,
-        vision=_QWEN3_VISION,
-        # Four routed experts, two per token, in every decoder layer.
-        text_extra=dict(
-            head_dim=64,
-            num_experts=4,
-            num_experts_per_tok=2,
-            # Not the hidden size: a square expert matrix would hide a transposition.
-            moe_intermediate_size=96,
-            decoder_sparse_step=1,
-            mlp_only_layers=[],
-            norm_topk_prob=True,
-        ),
-        transposed_on_disk=("mlp.experts.gate_up_proj", "mlp.experts.down_proj"),
-    ),
 }
+
+# The MoE: Qwen3-VL with four routed experts, two per token, in every decoder layer.
+FAMILIES["qwen3-vl-moe"] = replace(
+    FAMILIES["qwen3-vl"],
+    config_class="Qwen3VLMoeConfig",
+    model_class="Qwen3VLMoeForConditionalGeneration",
+    text_extra=dict(
+        head_dim=64,
+        num_experts=4,
+        num_experts_per_tok=2,
+        # Not the hidden size: a square expert matrix would hide a transposition.
+        moe_intermediate_size=96,
+        decoder_sparse_step=1,
+        mlp_only_layers=[],
+        norm_topk_prob=True,
+    ),
+    transposed_on_disk=("mlp.experts.gate_up_proj", "mlp.experts.down_proj"),
+)
 
 
 def build_tiny_vl_family(dst: str | os.PathLike, family: str, *, seed: int = 0) -> Path:
@@ -148,10 +143,7 @@ def build_tiny_vl_family(dst: str | os.PathLike, family: str, *, seed: int = 0) 
     config = getattr(transformers, spec.config_class)(
         text_config=text,
         vision_config=dict(spec.vision),
-        image_token_id=TOKEN_ID["<|image_pad|>"],
-        video_token_id=TOKEN_ID["<|video_pad|>"],
-        vision_start_token_id=TOKEN_ID["<|vision_start|>"],
-        vision_end_token_id=TOKEN_ID["<|vision_end|>"],
+        **VISION_TOKEN_IDS,
         tie_word_embeddings=False,
     )
     torch.manual_seed(seed)
@@ -164,15 +156,8 @@ def build_tiny_vl_family(dst: str | os.PathLike, family: str, *, seed: int = 0) 
 
     # 4 to 32 merged tokens per image: a 360x640 screenshot stays at a few dozen tokens.
     unit = spec.factor * spec.factor
-    budget = dict(min_pixels=unit * 4, max_pixels=unit * 32)
-    common = dict(
-        **budget,
-        size={"shortest_edge": budget["min_pixels"], "longest_edge": budget["max_pixels"]},
-        patch_size=spec.patch_size,
-        merge_size=2,
-        temporal_patch_size=2,
-        image_mean=spec.image_mean,
-        image_std=spec.image_std,
+    common = processor_kwargs(
+        spec.patch_size, unit * 4, unit * 32, image_mean=spec.image_mean, image_std=spec.image_std
     )
     processor = getattr(transformers, spec.processor_class)(
         image_processor=transformers.Qwen2VLImageProcessor(**common),

@@ -51,6 +51,13 @@ SPECIAL_TOKENS = [
     "<|video_pad|>",
 ]
 TOKEN_ID = {tok: i for i, tok in enumerate(SPECIAL_TOKENS)}
+# The vision-language configs' special token ids.
+VISION_TOKEN_IDS = {
+    "image_token_id": TOKEN_ID["<|image_pad|>"],
+    "video_token_id": TOKEN_ID["<|video_pad|>"],
+    "vision_start_token_id": TOKEN_ID["<|vision_start|>"],
+    "vision_end_token_id": TOKEN_ID["<|vision_end|>"],
+}
 
 # Output-layer width of the Qwen2-VL and Qwen2.5-VL checkpoints (config.vocab_size).
 WIDE_VOCAB = 151_936
@@ -214,10 +221,7 @@ def build_tiny_qwen2_vl(
             spatial_merge_size=2,
             temporal_patch_size=2,
         ),
-        image_token_id=TOKEN_ID["<|image_pad|>"],
-        video_token_id=TOKEN_ID["<|video_pad|>"],
-        vision_start_token_id=TOKEN_ID["<|vision_start|>"],
-        vision_end_token_id=TOKEN_ID["<|vision_end|>"],
+        **VISION_TOKEN_IDS,
         tie_word_embeddings=False,
         **{k: text[k] for k in ("vocab_size", "bos_token_id", "eos_token_id", "pad_token_id")},
     )
@@ -227,32 +231,30 @@ def build_tiny_qwen2_vl(
     model.save_pretrained(dst, safe_serialization=True)
     _save_generation_config(dst)
 
-    size = {"shortest_edge": MIN_PIXELS, "longest_edge": MAX_PIXELS}
-    image_processor = Qwen2VLImageProcessor(
-        min_pixels=MIN_PIXELS,
-        max_pixels=MAX_PIXELS,
-        size=size,
-        patch_size=14,
-        merge_size=2,
-        temporal_patch_size=2,
-    )
-    video_processor = Qwen2VLVideoProcessor(
-        min_pixels=MIN_PIXELS,
-        max_pixels=MAX_PIXELS,
-        size=size,
-        patch_size=14,
-        merge_size=2,
-        temporal_patch_size=2,
-    )
+    kwargs = processor_kwargs(14, MIN_PIXELS, MAX_PIXELS)
     processor = Qwen2VLProcessor(
-        image_processor=image_processor,
+        image_processor=Qwen2VLImageProcessor(**kwargs),
         tokenizer=tok,
-        video_processor=video_processor,
+        video_processor=Qwen2VLVideoProcessor(**kwargs),
         chat_template=CHAT_TEMPLATE,
     )
     processor.save_pretrained(dst)
     tok.save_pretrained(dst)
     return dst
+
+
+def processor_kwargs(patch: int, min_pixels: int, max_pixels: int, **extra) -> dict:
+    """The image and video processors' settings: patch size, merge 2, two frames per patch and
+    the pixel budget (both spellings: ``min/max_pixels`` and ``size``)."""
+    return dict(
+        min_pixels=min_pixels,
+        max_pixels=max_pixels,
+        size={"shortest_edge": min_pixels, "longest_edge": max_pixels},
+        patch_size=patch,
+        merge_size=2,
+        temporal_patch_size=2,
+        **extra,
+    )
 
 
 def build_tiny_qwen2(dst: str | os.PathLike, *, tokenizer: str = "bpe", seed: int = 0) -> Path:

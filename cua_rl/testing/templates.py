@@ -21,6 +21,8 @@ Templates are Jinja strings for ``tokenizer.chat_template``; transformers and vL
 
 from __future__ import annotations
 
+from cua_rl.sim.flavours.toolcall import TOOLS_POSTAMBLE, TOOLS_PREAMBLE
+
 # Every image part, whatever the role; text parts verbatim.
 _CONTENT = (
     "{%- macro content(c) -%}"
@@ -47,17 +49,6 @@ QWEN2_VL = (
     "{{ '<|im_end|>\\n' }}"
     "{% endfor %}"
     "{% if add_generation_prompt %}{{ '<|im_start|>assistant\\n' }}{% endif %}"
-)
-
-# The Hermes function-calling instructions both families put in the system message.
-TOOLS_PREAMBLE = (
-    "# Tools\n\nYou may call one or more functions to assist with the user query.\n\n"
-    "You are provided with function signatures within <tools></tools> XML tags:\n<tools>"
-)
-TOOLS_POSTAMBLE = (
-    "\n</tools>\n\nFor each function call, return a json object with function name and "
-    "arguments within <tool_call></tool_call> XML tags:\n<tool_call>\n"
-    '{"name": <function-name>, "arguments": <args-json-object>}\n</tool_call>'
 )
 
 

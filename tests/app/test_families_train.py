@@ -12,19 +12,15 @@ log(trainer / vLLM) over the batch's tokens as ``behave_approx_kl``.
 from __future__ import annotations
 
 import json
-import os
-import signal
 import sqlite3
-import subprocess
-import sys
 import time
 from pathlib import Path
 
 import pytest
 
 from cua_rl.testing.models import FAMILY_KINDS
+from tests.conftest import run_demo
 
-ROOT = Path(__file__).resolve().parents[2]
 TOL = 1e-3
 
 pytestmark = pytest.mark.slow
@@ -32,21 +28,8 @@ pytestmark = pytest.mark.slow
 
 def _train(run_dir: Path, kind: str) -> tuple[int, str, float]:
     t0 = time.monotonic()
-    proc = subprocess.Popen(
-        [sys.executable, "-m", "cua_rl.app.demo", "--model", kind, "--run-dir", str(run_dir)],
-        cwd=ROOT,
-        stdout=subprocess.PIPE,
-        stderr=subprocess.STDOUT,
-        start_new_session=True,
-        env={**os.environ, "PYTHONUNBUFFERED": "1"},
-    )
-    try:
-        out, _ = proc.communicate(timeout=1200)
-    finally:
-        if proc.poll() is None:
-            os.killpg(proc.pid, signal.SIGKILL)
-            proc.wait()
-    return proc.returncode, out.decode(errors="replace"), time.monotonic() - t0
+    rc, out = run_demo(run_dir, "--model", kind, timeout=1200)
+    return rc, out, time.monotonic() - t0
 
 
 @pytest.fixture(scope="module", params=FAMILY_KINDS)

@@ -284,29 +284,19 @@ class AgentService:
         gym_action = to_gym_action(action)
         if gym_action is None:
             return True, {"ok": True, "error": None}
-        return False, await self._gym_action(f"{gym}/actions", gym_action)
+        return False, await self._gym_post(f"{gym}/actions", gym_action, refusals=True)
 
     # ---- services ---------------------------------------------------------------------------
 
-    async def _gym_post(self, url: str, body: dict | None) -> dict:
+    async def _gym_post(self, url: str, body: dict | None, *, refusals: bool = False) -> dict:
+        """POST to the gym; with ``refusals`` a 400 (a well-formed call the gym refuses, e.g. an
+        off-screen tap: the agent's mistake) comes back as a failed result instead of ending
+        the run."""
         try:
             resp = await self.client.post(url, json=body)
         except httpx.HTTPError as exc:
             raise EndRun("env_error", f"gym {url}: {type(exc).__name__}: {exc}") from exc
-        if resp.status_code != 200:
-            raise EndRun("env_error", f"gym {url} answered {resp.status_code}: {resp.text[:300]}")
-        try:
-            return resp.json()
-        except ValueError as exc:
-            raise EndRun("env_error", f"gym {url} answered non-JSON") from exc
-
-    async def _gym_action(self, url: str, body: dict) -> dict:
-        try:
-            resp = await self.client.post(url, json=body)
-        except httpx.HTTPError as exc:
-            raise EndRun("env_error", f"gym {url}: {type(exc).__name__}: {exc}") from exc
-        if resp.status_code == 400:
-            # A well-formed call the gym refuses (e.g. off-screen tap): the agent's mistake.
+        if refusals and resp.status_code == 400:
             return {"ok": False, "error": resp.text[:300], "status": 400}
         if resp.status_code != 200:
             raise EndRun("env_error", f"gym {url} answered {resp.status_code}: {resp.text[:300]}")
