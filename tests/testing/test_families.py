@@ -120,3 +120,20 @@ def test_gateway_ids_of_a_multi_turn_episode_equal_the_whole_conversation_render
     expected = processor(text=[text], images=images, return_tensors="pt")["input_ids"][0]
     # The template ends the last reply with "<|im_end|>\n"; the sampled ids end at <|im_end|>.
     assert stored == expected.tolist()[:-1]
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("kind", FAMILY_KINDS)
+def test_family_builder_is_deterministic(tmp_path, kind):
+    import hashlib
+
+    from cua_rl.testing.families import build_tiny_vl_family
+
+    def digests(folder):
+        return {p.name: hashlib.sha256(p.read_bytes()).hexdigest() for p in folder.iterdir()}
+
+    a = build_tiny_vl_family(tmp_path / "a", kind, seed=3)
+    b = build_tiny_vl_family(tmp_path / "b", kind, seed=3)
+    c = build_tiny_vl_family(tmp_path / "c", kind, seed=4)
+    assert digests(a) == digests(b)
+    assert digests(a)["model.safetensors"] != digests(c)["model.safetensors"]
