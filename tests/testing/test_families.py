@@ -137,3 +137,26 @@ def test_family_builder_is_deterministic(tmp_path, kind):
     c = build_tiny_vl_family(tmp_path / "c", kind, seed=4)
     assert digests(a) == digests(b)
     assert digests(a)["model.safetensors"] != digests(c)["model.safetensors"]
+
+
+def test_a_trainer_saved_moe_is_rewritten_in_the_released_layout(tmp_path):
+    """What a disk weight update hands vLLM: the trainer saves with transformers (fused experts
+    as [E, out, in]); the worker extension turns them back into the released file's tensors,
+    once (a second pass changes nothing)."""
+    import torch
+    from safetensors import safe_open
+    from transformers import Qwen3VLMoeForConditionalGeneration
+
+    from cua_rl.cpu.vllm_worker import experts_in_released_layout
+
+    released = ensure_model("qwen3-vl-moe")
+    model = Qwen3VLMoeForConditionalGeneration.from_pretrained(released, dtype=torch.float32)
+    model.save_pretrained(tmp_path)
+    assert experts_in_released_layout(str(tmp_path)) == 4  # 2 layers x (gate_up, down)
+    assert experts_in_released_layout(str(tmp_path)) == 0
+    with (
+        safe_open(str(released / "model.safetensors"), "pt") as want,
+        safe_open(str(tmp_path / "model.safetensors"), "pt") as got,
+    ):
+        for key in want.keys():  # noqa: SIM118 (a safetensors handle)
+            assert torch.equal(want.get_tensor(key), got.get_tensor(key)), key
