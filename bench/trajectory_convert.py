@@ -38,17 +38,25 @@ def _rss_mib() -> float:
     return float("nan")
 
 
-def synthesise(model_dir: str, turns: int, seed: int = 0) -> list[dict]:
+def synthesise(
+    model_dir: str,
+    turns: int,
+    seed: int = 0,
+    *,
+    processor=None,
+    size: tuple[int, int] | None = None,
+) -> list[dict]:
+    """``processor`` (default: the model's) counts the pad tokens; ``size`` is the screen's."""
     from transformers import AutoProcessor
 
     from cua_rl.sim.phone import Phone
     from cua_rl.sim.phone_render import render_png
     from cua_rl.sim.phone_tasks import TASKS, initial_state
 
-    proc = AutoProcessor.from_pretrained(model_dir)
+    proc = processor or AutoProcessor.from_pretrained(model_dir)
     tok = proc.tokenizer
     rng = random.Random(seed)
-    phone = Phone(initial_state(TASKS[0], seed))
+    phone = Phone(initial_state(TASKS[0], seed), *(size or ()))
     vs, ve, pad, im_end = (
         tok.convert_tokens_to_ids(t)
         for t in ("<|vision_start|>", "<|vision_end|>", "<|image_pad|>", "<|im_end|>")

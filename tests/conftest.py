@@ -71,21 +71,11 @@ DEMO_OVERRIDES = (
 DEMO_STEPS = 6
 
 
-@pytest.fixture(scope="session")
-def demo_run(tmp_path_factory, tiny_vl_model_dir):
-    """``python -m cua_rl.app.demo`` once, in the regime production trains in: six real
-    PPO steps, asynchronous (two steps of staleness, eight episodes in flight), through the
-    gateway, with the BPE tiny model; the monitor on SQLite."""
-    run_dir = tmp_path_factory.mktemp("demo") / "demo"
+def run_demo(run_dir: Path, *args: str, timeout: float) -> tuple[int, str]:
+    """``python -m cua_rl.app.demo --run-dir RUN_DIR ARGS...``: (exit code, its output); its
+    whole process group is killed if it outlives ``timeout`` or the caller."""
     proc = subprocess.Popen(
-        [
-            sys.executable,
-            "-m",
-            "cua_rl.app.demo",
-            "--run-dir",
-            str(run_dir),
-            *DEMO_OVERRIDES,
-        ],  # fmt: skip
+        [sys.executable, "-m", "cua_rl.app.demo", "--run-dir", str(run_dir), *args],
         cwd=Path(__file__).resolve().parents[1],
         stdout=subprocess.PIPE,
         stderr=subprocess.STDOUT,
@@ -93,9 +83,19 @@ def demo_run(tmp_path_factory, tiny_vl_model_dir):
         env={**os.environ, "PYTHONUNBUFFERED": "1"},
     )
     try:
-        out, _ = proc.communicate(timeout=1700)
+        out, _ = proc.communicate(timeout=timeout)
     finally:
         if proc.poll() is None:
             os.killpg(proc.pid, signal.SIGKILL)
             proc.wait()
-    return DemoRun(run_dir, out.decode(errors="replace"), proc.returncode)
+    return proc.returncode, out.decode(errors="replace")
+
+
+@pytest.fixture(scope="session")
+def demo_run(tmp_path_factory, tiny_vl_model_dir):
+    """``python -m cua_rl.app.demo`` once, in the regime production trains in: six real
+    PPO steps, asynchronous (two steps of staleness, eight episodes in flight), through the
+    gateway, with the BPE tiny model; the monitor on SQLite."""
+    run_dir = tmp_path_factory.mktemp("demo") / "demo"
+    returncode, output = run_demo(run_dir, *DEMO_OVERRIDES, timeout=1700)
+    return DemoRun(run_dir, output, returncode)

@@ -17,7 +17,7 @@ from urllib.parse import urlsplit
 import httpx
 
 from cua_rl.app.config import CUAConfig
-from cua_rl.errors import AgentError, CuaRlError, GymError
+from cua_rl.errors import AgentError, ConfigError, CuaRlError, GymError
 from cua_rl.genv import GenvClient
 from cua_rl.tasks import Task, load_tasks, select_tasks
 
@@ -155,9 +155,24 @@ async def check_services(config: CUAConfig, *, timeout: float = 10.0) -> list[Ch
     return results
 
 
+def family_check(config: CUAConfig) -> CheckResult:
+    """The policy's family as its config.json says, and whether the config fits it."""
+    from cua_rl.app.family import detect_family, family_problems
+
+    try:
+        family = detect_family(config.actor.path) if config.actor.path else None
+    except ConfigError as exc:
+        return CheckResult("family", False, str(exc))
+    if family is None:
+        # The model line says whether the path exists; there is nothing to read the family from.
+        return CheckResult("family", True, f"not checked: no config.json in {config.actor.path!r}")
+    problems = family_problems(family, config)
+    return CheckResult("family", not problems, "; ".join([family.describe(), *problems]))
+
+
 def run_check(config: CUAConfig) -> int:
     print(f"ok   config   {config.experiment_name}/{config.trial_name} is valid")
-    results = asyncio.run(check_services(config))
+    results = [family_check(config), *asyncio.run(check_services(config))]
     for r in results:
         print(r.line())
     failed = [r.name for r in results if not r.ok]

@@ -26,6 +26,7 @@ from pathlib import Path
 from cua_rl.app.progress import DemoProgress
 from cua_rl.monitor.server.read import MonitorReader
 from cua_rl.serving import bind_free_port
+from cua_rl.testing.models import FAMILY_KINDS
 
 ROOT = Path(__file__).resolve().parents[2]
 
@@ -130,9 +131,9 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     parser.add_argument(
         "--model",
         default="qwen2-vl-bpe",
-        choices=("qwen2-vl-bpe", "qwen2-vl-byte"),
-        help="tiny model to build and train: byte-level BPE tokenizer (as production models "
-        "have) or byte-only",
+        choices=("qwen2-vl-bpe", "qwen2-vl-byte", *FAMILY_KINDS),
+        help="tiny model to build and train: Qwen2-VL with a byte-level BPE tokenizer (as "
+        "production models have) or byte-only, or a production family (BPE, its own template)",
     )
     parser.add_argument(
         "--step-latency",

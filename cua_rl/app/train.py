@@ -308,6 +308,13 @@ def main(argv: list[str] | None = None) -> int:
     if check:
         return run_check(config)
     try:
+        from cua_rl.app.family import check_family
+
+        check_family(config)
+    except ConfigError as exc:
+        print(f"config error: {exc}", file=sys.stderr)
+        return 2
+    try:
         # Every AReaL internal the run will override or wrap, looked up before it starts.
         check_areal()
     except ConfigError as exc:

@@ -43,11 +43,15 @@ from areal.engine.fsdp_engine import FSDPPPOActor
 from areal.utils.environ import is_single_controller
 from areal.utils.functional import gather_logprobs, gather_logprobs_entropy
 
+from cua_rl.areal.positions import fix_qwen2_5_vl_image_positions
 from cua_rl.areal.support import SUPPORTED_AREAL, check_areal_version
 from cua_rl.errors import CuaRlError
 from cua_rl.logs import get_logger
 
 log = get_logger(__name__)
+# Workers import this module by the engine's dotted path: the trainer's Qwen2.5-VL positions
+# then match vLLM's (cua_rl.areal.positions).
+fix_qwen2_5_vl_image_positions()
 
 # Rows per chunk of the statistics pass: its transient is STATS_CHUNK_TOKENS x vocabulary
 # logits (about 78 MB in bf16 for a Qwen-VL head), and a GPU still runs full-size GEMMs.

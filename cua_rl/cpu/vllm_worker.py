@@ -37,6 +37,53 @@ def checkpoint_problem(path: str) -> str | None:
     return None
 
 
+def experts_in_released_layout(path: str) -> int:
+    """Rewrite fused MoE expert tensors of a trainer-saved checkpoint in the released layout;
+    returns how many were transposed.
+
+    transformers 5 keeps (and saves) a layer's fused experts as ``gate_up_proj [E, 2I, H]`` and
+    ``down_proj [E, H, I]``; released checkpoints, and vLLM's loader, have them as ``[E, H, 2I]``
+    and ``[E, I, H]`` (transformers transposes them on load). The layout is told from the
+    config's hidden size H and expert width I, not from the family's name; when H equals I or
+    2I the shapes cannot tell and nothing is changed.
+    """
+    import json
+
+    folder = Path(path)
+    try:
+        config = json.loads((folder / "config.json").read_text())
+    except (OSError, ValueError):
+        return 0
+    text = config.get("text_config") or config
+    hidden, inter = text.get("hidden_size"), text.get("moe_intermediate_size")
+    if not hidden or not inter or hidden in (inter, 2 * inter):
+        return 0
+    saved = {
+        "mlp.experts.gate_up_proj": (2 * inter, hidden),
+        "mlp.experts.down_proj": (hidden, inter),
+    }
+    from safetensors import safe_open
+    from safetensors.torch import save_file
+
+    changed = 0
+    for file in sorted(folder.glob("*.safetensors")):
+        with safe_open(str(file), "pt") as f:
+            keys = [
+                k for k in f.keys()  # noqa: SIM118 (a safetensors handle, not a dict)
+                if any(k.endswith(s) and tuple(f.get_slice(k).get_shape()[1:]) == shape
+                       for s, shape in saved.items())
+            ]  # fmt: skip
+            if not keys:
+                continue
+            meta = f.metadata()
+            tensors = {k: f.get_tensor(k) for k in f.keys()}  # noqa: SIM118
+        for k in keys:
+            tensors[k] = tensors[k].transpose(1, 2).contiguous()
+        save_file(tensors, str(file), metadata=meta)
+        changed += len(keys)
+    return changed
+
+
 class DiskWeightReloadExtension:
     """Mixed into vLLM's worker class; ``self`` is the worker (``self.model_runner`` its runner)."""
 
@@ -45,6 +92,7 @@ class DiskWeightReloadExtension:
         if problem:
             return False, problem
         try:
+            experts_in_released_layout(model_path)
             # vLLM 0.32's own in-place reload (Worker.reload_weights ->
             # model_loader/reload/inplace.py). AReaL's extension instead calls
             # model_loader.load_weights on the live model, which fails on the CPU build:

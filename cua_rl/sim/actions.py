@@ -137,7 +137,7 @@ def to_event_args(action: Action) -> dict:
         return {"key": p["key"]}
     if action.name == "wait":
         return {"durationMs": int(p["seconds"] * 1000)}
-    return {}
+    return dict(p)
 
 
 def to_gym_action(action: Action) -> dict | None:

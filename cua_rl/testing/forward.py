@@ -12,10 +12,16 @@ from collections.abc import Sequence
 
 
 def load_vl_model(model_dir):
+    """The model class its config.json names (Qwen2-VL, Qwen2.5-VL, Qwen3-VL, Qwen3-VL-MoE)."""
     import torch
-    from transformers import Qwen2VLForConditionalGeneration
+    import transformers
 
-    return Qwen2VLForConditionalGeneration.from_pretrained(model_dir, dtype=torch.float32).eval()
+    from cua_rl.areal.positions import fix_qwen2_5_vl_image_positions
+
+    fix_qwen2_5_vl_image_positions()
+    arch = transformers.AutoConfig.from_pretrained(model_dir).architectures[0]
+    cls = getattr(transformers, arch)
+    return cls.from_pretrained(model_dir, dtype=torch.float32).eval()
 
 
 def next_token_logprobs(

@@ -31,6 +31,8 @@ import shutil
 import tempfile
 from pathlib import Path
 
+from cua_rl.testing.templates import TEMPLATES
+
 # Qwen's special tokens, first in the vocabulary so their ids are small and stable.
 SPECIAL_TOKENS = [
     "<|endoftext|>",
@@ -49,6 +51,13 @@ SPECIAL_TOKENS = [
     "<|video_pad|>",
 ]
 TOKEN_ID = {tok: i for i, tok in enumerate(SPECIAL_TOKENS)}
+# The vision-language configs' special token ids.
+VISION_TOKEN_IDS = {
+    "image_token_id": TOKEN_ID["<|image_pad|>"],
+    "video_token_id": TOKEN_ID["<|video_pad|>"],
+    "vision_start_token_id": TOKEN_ID["<|vision_start|>"],
+    "vision_end_token_id": TOKEN_ID["<|vision_end|>"],
+}
 
 # Output-layer width of the Qwen2-VL and Qwen2.5-VL checkpoints (config.vocab_size).
 WIDE_VOCAB = 151_936
@@ -59,22 +68,7 @@ IMAGE_FACTOR = 28
 MIN_PIXELS = IMAGE_FACTOR * IMAGE_FACTOR * 4
 MAX_PIXELS = IMAGE_FACTOR * IMAGE_FACTOR * 32
 
-# Renders the Qwen2-VL conversation format: each message as <|im_start|>role\n...<|im_end|>\n with
-# every image part as <|vision_start|><|image_pad|><|vision_end|> (the processor and vLLM expand
-# the pad to the image's token count). Content may be a string or a list of typed parts.
-CHAT_TEMPLATE = (
-    "{% for message in messages %}"
-    "{{ '<|im_start|>' + message['role'] + '\\n' }}"
-    "{% if message['content'] is string %}{{ message['content'] }}"
-    "{% else %}{% for part in message['content'] %}"
-    "{% if part['type'] == 'text' %}{{ part['text'] }}"
-    "{% elif part['type'] in ('image', 'image_url') %}"
-    "{{ '<|vision_start|><|image_pad|><|vision_end|>' }}"
-    "{% endif %}{% endfor %}{% endif %}"
-    "{{ '<|im_end|>\\n' }}"
-    "{% endfor %}"
-    "{% if add_generation_prompt %}{{ '<|im_start|>assistant\\n' }}{% endif %}"
-)
+CHAT_TEMPLATE = TEMPLATES["qwen2-vl"]
 
 
 def _tokenizer_corpus() -> list[str]:
@@ -124,7 +118,7 @@ def _build_tokenizer(kind: str):
     return tok
 
 
-def _wrap_tokenizer(tok):
+def _wrap_tokenizer(tok, chat_template: str = CHAT_TEMPLATE):
     from transformers import PreTrainedTokenizerFast
 
     return PreTrainedTokenizerFast(
@@ -135,7 +129,7 @@ def _wrap_tokenizer(tok):
         unk_token=None,
         additional_special_tokens=SPECIAL_TOKENS[3:],
         model_max_length=32768,
-        chat_template=CHAT_TEMPLATE,
+        chat_template=chat_template,
         clean_up_tokenization_spaces=False,
     )
 
@@ -227,10 +221,7 @@ def build_tiny_qwen2_vl(
             spatial_merge_size=2,
             temporal_patch_size=2,
         ),
-        image_token_id=TOKEN_ID["<|image_pad|>"],
-        video_token_id=TOKEN_ID["<|video_pad|>"],
-        vision_start_token_id=TOKEN_ID["<|vision_start|>"],
-        vision_end_token_id=TOKEN_ID["<|vision_end|>"],
+        **VISION_TOKEN_IDS,
         tie_word_embeddings=False,
         **{k: text[k] for k in ("vocab_size", "bos_token_id", "eos_token_id", "pad_token_id")},
     )
@@ -240,32 +231,30 @@ def build_tiny_qwen2_vl(
     model.save_pretrained(dst, safe_serialization=True)
     _save_generation_config(dst)
 
-    size = {"shortest_edge": MIN_PIXELS, "longest_edge": MAX_PIXELS}
-    image_processor = Qwen2VLImageProcessor(
-        min_pixels=MIN_PIXELS,
-        max_pixels=MAX_PIXELS,
-        size=size,
-        patch_size=14,
-        merge_size=2,
-        temporal_patch_size=2,
-    )
-    video_processor = Qwen2VLVideoProcessor(
-        min_pixels=MIN_PIXELS,
-        max_pixels=MAX_PIXELS,
-        size=size,
-        patch_size=14,
-        merge_size=2,
-        temporal_patch_size=2,
-    )
+    kwargs = processor_kwargs(14, MIN_PIXELS, MAX_PIXELS)
     processor = Qwen2VLProcessor(
-        image_processor=image_processor,
+        image_processor=Qwen2VLImageProcessor(**kwargs),
         tokenizer=tok,
-        video_processor=video_processor,
+        video_processor=Qwen2VLVideoProcessor(**kwargs),
         chat_template=CHAT_TEMPLATE,
     )
     processor.save_pretrained(dst)
     tok.save_pretrained(dst)
     return dst
+
+
+def processor_kwargs(patch: int, min_pixels: int, max_pixels: int, **extra) -> dict:
+    """The image and video processors' settings: patch size, merge 2, two frames per patch and
+    the pixel budget (both spellings: ``min/max_pixels`` and ``size``)."""
+    return dict(
+        min_pixels=min_pixels,
+        max_pixels=max_pixels,
+        size={"shortest_edge": min_pixels, "longest_edge": max_pixels},
+        patch_size=patch,
+        merge_size=2,
+        temporal_patch_size=2,
+        **extra,
+    )
 
 
 def build_tiny_qwen2(dst: str | os.PathLike, *, tokenizer: str = "bpe", seed: int = 0) -> Path:
@@ -297,6 +286,20 @@ BUILDERS = {
 }
 
 
+def _family_builder(family: str):
+    def build(dst, seed):
+        from cua_rl.testing.families import build_tiny_vl_family
+
+        return build_tiny_vl_family(dst, family, seed=seed)
+
+    return build
+
+
+# The production families, BPE tokenizer and the family's own chat template.
+FAMILY_KINDS = ("qwen2.5-vl", "qwen3-vl", "qwen3-vl-moe")
+BUILDERS.update({kind: _family_builder(kind) for kind in FAMILY_KINDS})
+
+
 def default_cache_dir() -> Path:
     """``$CUA_RL_CACHE`` or the repository's git-ignored ``.cache`` folder."""
     env = os.environ.get("CUA_RL_CACHE")
@@ -306,8 +309,11 @@ def default_cache_dir() -> Path:
 
 
 def _builder_fingerprint() -> str:
-    # Rebuild cached models whenever this file changes: the cache key includes its hash.
-    return hashlib.sha256(Path(__file__).read_bytes()).hexdigest()[:12]
+    # Rebuild cached models whenever a builder changes: the cache key includes their hash.
+    digest = hashlib.sha256()
+    for name in ("models.py", "families.py", "templates.py"):
+        digest.update((Path(__file__).parent / name).read_bytes())
+    return digest.hexdigest()[:12]
 
 
 def ensure_model(kind: str, *, seed: int = 0, cache_dir: str | os.PathLike | None = None) -> Path:

@@ -1,6 +1,6 @@
 """Fixtures of the trajectory tests: event factories and event logs recorded from real runs.
 
-``recorded_logs`` / ``bpe_logs`` run the local agent (``cua_rl/sim/agent.py``) against the local
+``recorded_logs`` / ``bpe_logs`` run the local agent (``cua_rl/sim/agent/``) against the local
 gym (``cua_rl/sim/gym.py``) with the session's real vLLM CPU server (tiny Qwen2-VL) as the model,
 once per session, and keep the agent's event logs. Every execution is terminated and the gym is
 checked for open executions afterwards.

@@ -121,7 +121,7 @@ def hf_model(tiny_vl_model_dir):
 
 def _ascii_allowed(processor) -> list[int]:
     """What the local agent's ``constrain: ascii`` allows: single-token printable ASCII and
-    <|im_end|> (cua_rl/sim/agent.py), from the tokenizer itself."""
+    <|im_end|> (cua_rl/sim/agent/service.py), from the tokenizer itself."""
     tok = processor.tokenizer
     ids = {
         t[0] for c in range(32, 127) if len(t := tok.encode(chr(c), add_special_tokens=False)) == 1

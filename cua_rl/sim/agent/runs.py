@@ -1,0 +1,128 @@
+"""One agent run's state, and the checks of a ``POST /runs`` body and of event time bounds."""
+
+from __future__ import annotations
+
+import asyncio
+import time
+from datetime import UTC, datetime
+from typing import Any
+
+from cua_rl.sim.actions import ACTION_NAMES
+from cua_rl.sim.flavours import FLAVOUR_NAMES
+
+
+class BadRunRequest(ValueError):
+    """A POST /runs body the agent cannot run; answered with 400 and this message."""
+
+
+class EndRun(Exception):
+    """Ends a run with a reason (run_end / GET /runs/{id})."""
+
+    def __init__(self, reason: str, message: str):
+        super().__init__(message)
+        self.reason = reason
+        self.message = message
+
+
+def iso(ms: int) -> str:
+    return datetime.fromtimestamp(ms / 1000, tz=UTC).strftime("%Y-%m-%dT%H:%M:%S.") + (
+        f"{ms % 1000:03d}Z"
+    )
+
+
+def parse_time(value: str) -> int:
+    """An events ``from`` / ``to`` bound (epoch ms or ISO 8601) as epoch ms."""
+    value = value.strip()
+    try:
+        return int(float(value))
+    except ValueError:
+        pass
+    try:
+        dt = datetime.fromisoformat(value.replace("Z", "+00:00"))
+    except ValueError as exc:
+        raise BadRunRequest(f"time bound {value!r} is neither epoch ms nor ISO 8601") from exc
+    if dt.tzinfo is None:
+        dt = dt.replace(tzinfo=UTC)
+    return int(round(dt.timestamp() * 1000))
+
+
+def validate_run_body(body: Any) -> dict:
+    """Checks a POST /runs body; raises BadRunRequest naming the field to fix."""
+    if not isinstance(body, dict):
+        raise BadRunRequest("body must be a JSON object")
+    if not isinstance(body.get("task"), str) or not body["task"].strip():
+        raise BadRunRequest("task must be a non-empty string")
+    max_steps = body.get("maxSteps")
+    if not isinstance(max_steps, int) or isinstance(max_steps, bool) or max_steps < 1:
+        raise BadRunRequest(f"maxSteps must be an integer >= 1, got {max_steps!r}")
+    for name in ("maxRunTimeSec", "maxStepTimeSec"):
+        value = body.get(name)
+        if value is not None and (not isinstance(value, int | float) or value <= 0):
+            raise BadRunRequest(f"{name} must be a positive number, got {value!r}")
+    model = body.get("model")
+    if not isinstance(model, dict) or not model.get("baseUrl") or not model.get("name"):
+        raise BadRunRequest("model must be {baseUrl, name, provider}")
+    if model.get("provider", "openai") != "openai":
+        raise BadRunRequest(f"only provider 'openai' is supported, got {model.get('provider')!r}")
+    if model.get("imageMode", "data") not in ("data", "url"):
+        raise BadRunRequest("model.imageMode must be 'data' or 'url'")
+    if model.get("constrain") not in (None, False, "regex", "ascii"):
+        raise BadRunRequest("model.constrain must be 'regex', 'ascii' or absent")
+    if model.get("flavour", "sim") not in FLAVOUR_NAMES:
+        raise BadRunRequest(f"model.flavour must be one of {list(FLAVOUR_NAMES)}")
+    if model.get("flavour", "sim") != "sim" and model.get("constrain") == "regex":
+        raise BadRunRequest("model.constrain=regex constrains the sim flavour's language only")
+    tools = model.get("tools")
+    if tools is not None and (
+        not isinstance(tools, list) or not all(isinstance(t, dict) for t in tools)
+    ):
+        raise BadRunRequest("model.tools must be a list of function objects")
+    if model.get("parse", "strict") not in ("strict", "lenient"):
+        raise BadRunRequest("model.parse must be 'strict' or 'lenient'")
+    actions = model.get("actions")
+    if actions is not None and (
+        not isinstance(actions, list) or not actions or any(a not in ACTION_NAMES for a in actions)
+    ):
+        raise BadRunRequest(f"model.actions must be a non-empty subset of {list(ACTION_NAMES)}")
+    env = body.get("env")
+    if not isinstance(env, dict) or env.get("type") != "genv":
+        raise BadRunRequest("env must be {type: 'genv', gymBaseUrl, gymId, executionId}")
+    for key in ("gymBaseUrl", "gymId", "executionId"):
+        if not env.get(key):
+            raise BadRunRequest(f"env.{key} is required")
+    if body.get("standardActionSpace", "mobile") not in ("mobile", "pc"):
+        raise BadRunRequest("standardActionSpace must be 'mobile' or 'pc'")
+    return body
+
+
+class Run:
+    """State of one run; events are appended only by the run's own task."""
+
+    def __init__(self, run_id: str, body: dict):
+        self.id = run_id
+        self.body = body
+        self.status = "queued"
+        self.reason: str | None = None
+        self.events: list[dict] = []
+        self._event_ms: list[int] = []
+        self.steps: list[dict] = []
+        self.tokens: list[dict] = []
+        self.created_at = time.time()
+        self.task: asyncio.Task | None = None
+        self._last_ms = 0
+
+    def emit(self, type_: str, step: int, **fields) -> dict:
+        # Strictly increasing ms timestamps keep (type, ts, step, actionIndex) unique.
+        ms = max(int(time.time() * 1000), self._last_ms + 1)
+        self._last_ms = ms
+        event = {"type": type_, "ts": iso(ms), "step": step, **fields}
+        self.events.append(event)
+        self._event_ms.append(ms)
+        return event
+
+    def events_between(self, from_ms: int | None, to_ms: int | None) -> list[dict]:
+        return [
+            ev
+            for ev, ms in zip(self.events, self._event_ms, strict=True)
+            if (from_ms is None or ms >= from_ms) and (to_ms is None or ms < to_ms)
+        ]

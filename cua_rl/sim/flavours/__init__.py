@@ -1,0 +1,48 @@
+"""Agent flavours: how the local agent prompts the model and reads an action from its reply.
+
+- ``sim``: the local action language (``tap(X, Y)``, ...; ``cua_rl.sim.actions``), which the
+  tiny random models' tests constrain decoding to.
+- ``mai-ui``: MAI-UI's ``<thinking>`` + ``mobile_use`` tool call, with answering, asking the user
+  and MCP tool calls (``cua_rl.sim.flavours.mai_ui``).
+- ``qwen3-vl``: Qwen3-VL's ``mobile_use`` / ``computer_use`` function calls declared in a
+  ``<tools>`` block (``cua_rl.sim.flavours.qwen3_vl``).
+
+Every flavour turns a reply into the same ``Action`` the agent executes on the gym, so a real
+checkpoint's replies run against the sim unchanged. docs/agent.md documents each format.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from dataclasses import dataclass
+from typing import Protocol
+
+from cua_rl.sim.actions import Action
+
+
+class ReadReply(Protocol):
+    def __call__(self, text: str, width: int, height: int, *, lenient: bool = False) -> Action: ...
+
+
+@dataclass(frozen=True)
+class Flavour:
+    name: str
+    # extra tools (MAI-UI's MCP tools, more Qwen functions) -> the system message
+    prompt: Callable[[list[dict] | None], str]
+    read_reply: ReadReply
+
+
+FLAVOUR_NAMES = ("sim", "mai-ui", "qwen3-vl")
+
+
+def get_flavour(name: str) -> Flavour:
+    from cua_rl.sim import actions
+    from cua_rl.sim.flavours import mai_ui, qwen3_vl
+
+    if name == "sim":
+        return Flavour("sim", lambda tools: actions.SYSTEM_PROMPT, actions.read_reply)
+    if name == mai_ui.NAME:
+        return Flavour(name, mai_ui.system_prompt, mai_ui.read_reply)
+    if name == qwen3_vl.NAME:
+        return Flavour(name, qwen3_vl.system_prompt, qwen3_vl.read_reply)
+    raise ValueError(f"unknown agent flavour {name!r}; use one of {', '.join(FLAVOUR_NAMES)}")
