@@ -43,7 +43,7 @@ MIB = 1 << 20
 def processor_with(family: str, budget: tuple[int, int]):
     from transformers import AutoProcessor
 
-    from cua_rl.testing.models import ensure_model
+    from cua_rl.testing.cache import ensure_model
 
     proc = AutoProcessor.from_pretrained(ensure_model(family))
     lo, hi = budget
@@ -105,7 +105,7 @@ def _child(family: str, budget: tuple[int, int], log_path: str, conn) -> None:
 def measure_row(family: str, budget: tuple[int, int], turns: int) -> dict:
     from trajectory_convert import synthesise
 
-    from cua_rl.testing.models import ensure_model
+    from cua_rl.testing.cache import ensure_model
 
     proc = processor_with(family, budget)
     events = synthesise(str(ensure_model(family)), turns, processor=proc, size=PHONE)

@@ -80,8 +80,8 @@ def serve_gateway(standin: str, episodes: int) -> None:
     from transformers import AutoProcessor
 
     from cua_rl.gateway import Gateway, GatewayConfig, Sampling, SessionSpec
+    from cua_rl.testing.cache import ensure_model
     from cua_rl.testing.model_standin import StaticEngine
-    from cua_rl.testing.models import ensure_model
     from cua_rl.trajectory.config import TrajectoryConfig
 
     processor = AutoProcessor.from_pretrained(ensure_model("qwen2-vl-bpe"))

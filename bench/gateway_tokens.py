@@ -182,7 +182,7 @@ def main() -> int:
 
     from cua_rl.sim.agent import AgentServer
     from cua_rl.sim.gym import GymServer
-    from cua_rl.testing.models import ensure_model
+    from cua_rl.testing.cache import ensure_model
     from cua_rl.testing.vllm_server import VLLMServer
 
     model_dir = ensure_model("qwen2-vl-bpe")

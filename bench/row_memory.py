@@ -47,8 +47,9 @@ def measure(turns: int, mode: str, image_tokens: int, repeat: int) -> dict:
 
     from cua_rl.areal.logits_engine import SelectiveLogitsPPOActor
     from cua_rl.testing.actor import actor_config, make_actor, screenshot_row
+    from cua_rl.testing.cache import ensure_model
     from cua_rl.testing.memory import peak_rss, release_freed_memory
-    from cua_rl.testing.models import WIDE_VOCAB, ensure_model
+    from cua_rl.testing.models import WIDE_VOCAB
 
     release_freed_memory()
     engine = FSDPPPOActor if mode == "areal" else SelectiveLogitsPPOActor

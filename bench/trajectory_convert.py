@@ -176,7 +176,7 @@ def main(argv: list[str] | None = None) -> int:
     args = parser.parse_args(argv)
     model_dir = args.model_dir
     if not model_dir:
-        from cua_rl.testing.models import ensure_model
+        from cua_rl.testing.cache import ensure_model
 
         model_dir = str(ensure_model("qwen2-vl-byte"))
     events = synthesise(model_dir, args.turns)

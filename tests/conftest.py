@@ -17,7 +17,7 @@ from pathlib import Path
 
 import pytest
 
-from cua_rl.testing.models import ensure_model
+from cua_rl.testing.cache import ensure_model
 from cua_rl.testing.vllm_server import VLLMServer
 
 

@@ -26,7 +26,7 @@ from pathlib import Path
 from cua_rl.app.progress import DemoProgress
 from cua_rl.monitor.server.read import MonitorReader
 from cua_rl.serving import bind_free_port
-from cua_rl.testing.models import FAMILY_KINDS
+from cua_rl.testing.cache import FAMILY_KINDS
 
 ROOT = Path(__file__).resolve().parents[2]
 
@@ -219,7 +219,7 @@ def run_trainer(cmd: list[str], train_log: Path, progress: DemoProgress) -> int:
 
 def train(args, run_dir: Path, log_dir: Path, db_path: Path, children: list[Child]) -> int:
     print(f"[demo] building the tiny {args.model} (cached after the first run)", flush=True)
-    from cua_rl.testing.models import ensure_model
+    from cua_rl.testing.cache import ensure_model
 
     model_dir = ensure_model(args.model)
     urls = start_services(args, db_path, log_dir, children)

@@ -166,7 +166,7 @@ def main(argv: list[str] | None = None) -> int:
 
     from cua_rl.areal.logits import LogitsConfig, trainer_class
     from cua_rl.cpu.training import enable_cpu_training
-    from cua_rl.testing.models import ensure_model
+    from cua_rl.testing.cache import ensure_model
 
     run_dir = Path(args.run_dir).resolve()
     run_dir.mkdir(parents=True, exist_ok=True)

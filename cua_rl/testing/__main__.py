@@ -1,5 +1,5 @@
 import sys
 
-from cua_rl.testing.models import main
+from cua_rl.testing.cache import main
 
 sys.exit(main())

@@ -206,7 +206,7 @@ def main(argv: list[str] | None = None) -> int:
 
     from cua_rl.sim.agent import AgentServer
     from cua_rl.sim.gym import GymServer
-    from cua_rl.testing.models import ensure_model
+    from cua_rl.testing.cache import ensure_model
     from cua_rl.testing.vllm_server import VLLMServer
 
     out = Path(args.out)

@@ -18,7 +18,7 @@ from pathlib import Path
 
 import pytest
 
-from cua_rl.testing.models import FAMILY_KINDS
+from cua_rl.testing.cache import FAMILY_KINDS
 from tests.conftest import run_demo
 
 TOL = 1e-3

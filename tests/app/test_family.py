@@ -11,7 +11,7 @@ from cua_rl.app import train
 from cua_rl.app.family import check_family, detect_family, family_problems
 from cua_rl.app.train import load_config
 from cua_rl.errors import ConfigError
-from cua_rl.testing.models import ensure_model
+from cua_rl.testing.cache import ensure_model
 
 # (kind, family name, patch size, DeepStack) as the released configs describe each family.
 FAMILIES = [

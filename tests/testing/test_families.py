@@ -10,7 +10,7 @@ import pytest
 from PIL import Image as PILImage
 
 from cua_rl.gateway.render import Conversation
-from cua_rl.testing.models import FAMILY_KINDS, ensure_model
+from cua_rl.testing.cache import FAMILY_KINDS, ensure_model
 from tests.gateway.test_render import _data_url, _png, _turn, _user
 
 # The Hermes function-calling system block, as the families document it.

@@ -87,7 +87,7 @@ def test_vl_model_forward_runs_with_an_image(tiny_vl_model_dir):
 def test_wide_vl_model_has_the_production_vocabulary():
     from transformers import AutoConfig, AutoModelForImageTextToText, AutoProcessor
 
-    from cua_rl.testing.models import ensure_model
+    from cua_rl.testing.cache import ensure_model
 
     path = ensure_model("qwen2-vl-wide")
     cfg = AutoConfig.from_pretrained(path)
