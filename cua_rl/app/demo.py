@@ -141,6 +141,12 @@ def main(argv: list[str] | None = None) -> int:
         help="no live progress lines (a caller prints its own); the end still says where "
         "things are, and a failure shows the end of logs/train.log",
     )
+    parser.add_argument(
+        "--ray",
+        action="store_true",
+        help="train under AReaL's Ray scheduler on a two-node Ray cluster started on this "
+        "machine (loopback only; stopped at the end): scheduler.type=ray",
+    )
     parser.add_argument("overrides", nargs="*", help="extra key=value overrides for train.py")
     args = parser.parse_args(argv)
 
@@ -158,6 +164,8 @@ def main(argv: list[str] | None = None) -> int:
     db_path = run_dir / "monitor.db"
     py = sys.executable
     children: list[Child] = []
+    cluster = None
+    train_env = dict(os.environ)
     rc = 1
     t0 = time.monotonic()
     try:
@@ -201,6 +209,18 @@ def main(argv: list[str] | None = None) -> int:
         agent_url = agent.wait_for_line("ready ", 60)
         print(f"[demo] agent    {agent_url}", flush=True)
 
+        if args.ray:
+            from cua_rl.cpu.ray_cluster import LocalRayCluster
+
+            cluster = LocalRayCluster(log_dir, nodes=2).start()
+            train_env["RAY_ADDRESS"] = cluster.address
+            args.overrides = ["scheduler.type=ray", *args.overrides]
+            print(
+                f"[demo] ray      {cluster.address}: 2 nodes on loopback, started in "
+                f"{cluster.started_in_s:.1f}s",
+                flush=True,
+            )
+
         cmd = [
             py,
             "-m",
@@ -224,7 +244,12 @@ def main(argv: list[str] | None = None) -> int:
         progress = DemoProgress(db_path, io.StringIO() if args.quiet else None, prefix="[demo] ")
         with open(train_log, "wb") as log_file:
             proc = subprocess.Popen(
-                cmd, cwd=ROOT, stdout=log_file, stderr=subprocess.STDOUT, start_new_session=True
+                cmd,
+                cwd=ROOT,
+                stdout=log_file,
+                stderr=subprocess.STDOUT,
+                start_new_session=True,
+                env=train_env,
             )
             try:
                 while proc.poll() is None:
@@ -258,6 +283,8 @@ def main(argv: list[str] | None = None) -> int:
         print(f"[demo] failed: {exc}", flush=True)
         rc = 1
     finally:
+        if cluster is not None:
+            cluster.stop()
         for child in reversed(children):
             child.stop()
         print(f"[demo] finished with exit code {rc} in {time.monotonic() - t0:.0f}s", flush=True)

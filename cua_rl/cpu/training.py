@@ -33,6 +33,9 @@ WORKER_CMD = "python -m cua_rl.cpu.rpc_worker"
 SERVER_MODULE = "cua_rl.cpu.vllm_server"
 WORKER_EXTENSION = "cua_rl.cpu.vllm_worker.DiskWeightReloadExtension"
 _AREAL_WORKER_CMD = "python -m areal.infra.rpc.rpc_server"
+# Ray ignores SchedulingSpec.cmd: its workers get the patches from this hook (cua_rl.areal.ray_job).
+RAY_SETUP_HOOK = "cua_rl.cpu.training.patch_ray_worker"
+RAY_WORKER_MEM_GIB = 1
 
 # Folder that holds the cua_rl package: the vLLM interpreter needs it on PYTHONPATH to import
 # the server module and the worker extension.
@@ -93,8 +96,12 @@ def enable_cpu_training(
         raise ConfigError(
             "actor.use_lora=true: LoRA weight sync is not served on CPU; set actor.use_lora=false"
         )
-    if getattr(config.scheduler, "type", None) != "local":
-        raise ConfigError(f"scheduler.type={config.scheduler.type!r}: set scheduler.type=local")
+    scheduler = getattr(config.scheduler, "type", None)
+    if scheduler not in ("local", "ray"):
+        raise ConfigError(
+            f"scheduler.type={scheduler!r}: on CPU set scheduler.type=local (or ray, with a "
+            "cluster from cua_rl.cpu.ray_cluster)"
+        )
 
     def setattr_logged(obj: Any, name: str, value: Any, where: str) -> None:
         old = getattr(obj, name)
@@ -132,6 +139,10 @@ def enable_cpu_training(
                 setattr_logged(spec, "gpu", 0, where)
             # SchedulingSpec.cpu becomes OMP_NUM_THREADS; the default (8) oversubscribes a small box.
             setattr_logged(spec, "cpu", threads_per_worker, where)
+            if scheduler == "ray":
+                # Ray reserves SchedulingSpec.mem (GiB, default 32) per worker: more than this
+                # machine's nodes offer, so the placement group would never be scheduled.
+                setattr_logged(spec, "mem", RAY_WORKER_MEM_GIB, where)
             env = dict(spec.env_vars)
             # Read by patch_worker() in the rollout worker, whose environment the server
             # inherits (filtered by server_env). No PYTHONPATH here: AReaL builds
@@ -246,3 +257,33 @@ def patch_worker() -> None:
 
     vllm_remote.VLLMBackend.launch_server = launch_server
     remote_inf_engine.RemoteInfEngine._wait_for_server = wait_for_server
+
+
+def pin_host_ip(ip: str) -> None:
+    """Make AReaL's ``gethostip()`` answer ``ip`` in this process.
+
+    ``gethostip`` probes the route to a public address and answers the machine's outward
+    address; AReaL uses it for the workers' torch.distributed master and other addresses. On a
+    Ray cluster the right answer is the node's address as Ray knows it (127.0.0.1 for the local
+    cluster). Modules that imported the function by name are updated too.
+    """
+    from areal.utils import network
+
+    original = network.gethostip
+
+    def gethostip(*args, **kwargs) -> str:
+        return ip
+
+    network.gethostip = gethostip
+    for module in list(sys.modules.values()):
+        if getattr(module, "gethostip", None) is original:
+            module.gethostip = gethostip
+
+
+def patch_ray_worker() -> None:
+    """``worker_process_setup_hook`` of a Ray job on CPU: pin the node's address, then apply
+    what ``rpc_worker`` applies under the local scheduler."""
+    from ray._private import worker
+
+    pin_host_ip(worker.global_worker.node_ip_address)
+    patch_worker()
