@@ -217,7 +217,7 @@ def main(argv: list[str] | None = None) -> int:
             args.overrides = ["scheduler.type=ray", *args.overrides]
             print(
                 f"[demo] ray      {cluster.address}: 2 nodes on loopback, started in "
-                f"{cluster.started_in_s:.1f}s",
+                f"{cluster.started_in_s:.1f}s (session files {cluster.temp_dir})",
                 flush=True,
             )
 
@@ -284,6 +284,7 @@ def main(argv: list[str] | None = None) -> int:
         rc = 1
     finally:
         if cluster is not None:
+            _record_placement(cluster, log_dir)
             cluster.stop()
         for child in reversed(children):
             child.stop()
@@ -303,6 +304,20 @@ def main(argv: list[str] | None = None) -> int:
                 flush=True,
             )
     return rc
+
+
+def _record_placement(cluster, log_dir: Path) -> None:
+    """Which node each of AReaL's workers ran on, printed and kept in logs/ray-actors.json."""
+    import json
+
+    try:
+        actors = cluster.placement()
+    except Exception as exc:
+        print(f"[demo] ray: placement not read ({exc})", flush=True)
+        return
+    (log_dir / "ray-actors.json").write_text(json.dumps(actors, indent=1))
+    where = ", ".join(f"{a['name']} on node {a['node_id'][:8]}" for a in actors)
+    print(f"[demo] ray      workers: {where or 'none'}", flush=True)
 
 
 def _shown(path: Path) -> str:

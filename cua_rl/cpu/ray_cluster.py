@@ -80,7 +80,7 @@ class LocalRayCluster:
         self._logs: list = []
         # Ray's unix sockets live under its temp dir; a short system path keeps them under the
         # 107-byte limit of a socket path.
-        self._temp_dir = ""
+        self.temp_dir = ""
 
     def _ray_start(self, name: str, args: list[str]) -> subprocess.Popen:
         log = open(self.log_dir / f"ray-{name}.log", "wb")  # noqa: SIM115 - closed in stop()
@@ -90,7 +90,7 @@ class LocalRayCluster:
             f"--node-ip-address={LOOPBACK}",
             f"--num-cpus={self.cpus_per_node}",
             "--num-gpus=0",
-            f"--temp-dir={self._temp_dir}",
+            f"--temp-dir={self.temp_dir}",
             "--disable-usage-stats",
         ]
         env = {**os.environ, "RAY_USAGE_STATS_ENABLED": "0"}
@@ -107,7 +107,7 @@ class LocalRayCluster:
     def start(self) -> LocalRayCluster:
         t0 = time.monotonic()
         self.log_dir.mkdir(parents=True, exist_ok=True)
-        self._temp_dir = tempfile.mkdtemp(prefix="cua-ray-")
+        self.temp_dir = tempfile.mkdtemp(prefix="cua-ray-")
         port = _free_port()
         self.address = f"{LOOPBACK}:{port}"
         try:
@@ -153,6 +153,21 @@ class LocalRayCluster:
                 f"{alive} of {self.nodes} Ray nodes alive at {self.address}: {out.stderr[-2000:]}"
             )
 
+    def placement(self) -> list[dict]:
+        """``actor_placement`` of this cluster, asked by a short-lived driver process."""
+        import json
+
+        probe = (
+            "import json, sys; from cua_rl.cpu.ray_cluster import actor_placement as a; "
+            "print(json.dumps(a(sys.argv[1])))"
+        )
+        out = subprocess.run(
+            [self.python, "-c", probe, self.address], capture_output=True, text=True, timeout=120
+        )
+        if out.returncode != 0:
+            raise RayClusterError(f"could not read the actor table: {out.stderr[-2000:]}")
+        return json.loads(out.stdout.splitlines()[-1])
+
     def processes(self) -> list[int]:
         """Every live process the cluster consists of: the nodes and all they spawned."""
         import psutil
@@ -197,9 +212,9 @@ class LocalRayCluster:
         for log in self._logs:
             log.close()
         self._logs.clear()
-        if self._temp_dir:
-            shutil.rmtree(self._temp_dir, ignore_errors=True)
-            self._temp_dir = ""
+        if self.temp_dir:
+            shutil.rmtree(self.temp_dir, ignore_errors=True)
+            self.temp_dir = ""
 
     def __enter__(self) -> LocalRayCluster:
         return self.start()
@@ -208,14 +223,36 @@ class LocalRayCluster:
         self.stop()
 
 
-def alive_nodes(address: str) -> int:
-    """Number of alive nodes of the cluster at ``address`` (a driver connects and leaves)."""
+def _driver(address: str):
     keep_loopback()
     import ray
 
     ray.init(address=address, logging_level="ERROR", log_to_driver=False)
+    return ray
+
+
+def alive_nodes(address: str) -> int:
+    """Number of alive nodes of the cluster at ``address`` (a driver connects and leaves)."""
+    ray = _driver(address)
     try:
         return sum(1 for n in ray.nodes() if n["Alive"])
+    finally:
+        ray.shutdown()
+
+
+def actor_placement(address: str) -> list[dict]:
+    """Every named actor the cluster has run (alive or not) and the node it ran on, from the
+    GCS's actor table. (Ray's ``ray.util.state`` API reads the same table through the
+    dashboard, which this cluster does not start: it needs ``ray[default]``.)"""
+    ray = _driver(address)
+    try:
+        from ray._private import state
+
+        return [
+            {"name": a["Name"], "node_id": a["Address"]["NodeID"], "state": a["State"]}
+            for a in state.actors().values()
+            if a.get("Name")
+        ]
     finally:
         ray.shutdown()
 
