@@ -97,10 +97,10 @@ def enable_cpu_training(
             "actor.use_lora=true: LoRA weight sync is not served on CPU; set actor.use_lora=false"
         )
     scheduler = getattr(config.scheduler, "type", None)
-    if scheduler not in ("local", "ray"):
+    if scheduler not in ("local", "ray", "slurm"):
         raise ConfigError(
             f"scheduler.type={scheduler!r}: on CPU set scheduler.type=local (or ray, with a "
-            "cluster from cua_rl.cpu.ray_cluster)"
+            "cluster from cua_rl.cpu.ray_cluster, or slurm)"
         )
 
     def setattr_logged(obj: Any, name: str, value: Any, where: str) -> None:
@@ -139,9 +139,9 @@ def enable_cpu_training(
                 setattr_logged(spec, "gpu", 0, where)
             # SchedulingSpec.cpu becomes OMP_NUM_THREADS; the default (8) oversubscribes a small box.
             setattr_logged(spec, "cpu", threads_per_worker, where)
-            if scheduler == "ray":
-                # Ray reserves SchedulingSpec.mem (GiB, default 32) per worker: more than this
-                # machine's nodes offer, so the placement group would never be scheduled.
+            if scheduler in ("ray", "slurm"):
+                # Ray and Slurm reserve SchedulingSpec.mem (GiB, default 32) per worker: more
+                # than a small node offers, so the worker would never be scheduled.
                 setattr_logged(spec, "mem", RAY_WORKER_MEM_GIB, where)
             env = dict(spec.env_vars)
             # Read by patch_worker() in the rollout worker, whose environment the server
