@@ -35,7 +35,7 @@ WORKER_EXTENSION = "cua_rl.cpu.vllm_worker.DiskWeightReloadExtension"
 _AREAL_WORKER_CMD = "python -m areal.infra.rpc.rpc_server"
 # Ray ignores SchedulingSpec.cmd: its workers get the patches from this hook (cua_rl.areal.ray_job).
 RAY_SETUP_HOOK = "cua_rl.cpu.training.patch_ray_worker"
-RAY_WORKER_MEM_GIB = 1
+WORKER_MEM_GIB = 1
 
 # Folder that holds the cua_rl package: the vLLM interpreter needs it on PYTHONPATH to import
 # the server module and the worker extension.
@@ -142,7 +142,7 @@ def enable_cpu_training(
             if scheduler in ("ray", "slurm"):
                 # Ray and Slurm reserve SchedulingSpec.mem (GiB, default 32) per worker: more
                 # than a small node offers, so the worker would never be scheduled.
-                setattr_logged(spec, "mem", RAY_WORKER_MEM_GIB, where)
+                setattr_logged(spec, "mem", WORKER_MEM_GIB, where)
             env = dict(spec.env_vars)
             # Read by patch_worker() in the rollout worker, whose environment the server
             # inherits (filtered by server_env). No PYTHONPATH here: AReaL builds
