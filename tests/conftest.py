@@ -77,15 +77,14 @@ def demo_run(tmp_path_factory, tiny_vl_model_dir):
     PPO steps, asynchronous (two steps of staleness, eight episodes in flight), through the
     gateway, with the BPE tiny model; the monitor on SQLite."""
     run_dir = tmp_path_factory.mktemp("demo") / "demo"
+    return run_demo(run_dir, *DEMO_OVERRIDES, timeout=1700)
+
+
+def run_demo(run_dir: Path, *args: str, timeout: float) -> DemoRun:
+    """``python -m cua_rl.app.demo --run-dir RUN_DIR ARGS`` in its own process group, killed
+    whole if it outlives ``timeout``."""
     proc = subprocess.Popen(
-        [
-            sys.executable,
-            "-m",
-            "cua_rl.app.demo",
-            "--run-dir",
-            str(run_dir),
-            *DEMO_OVERRIDES,
-        ],  # fmt: skip
+        [sys.executable, "-m", "cua_rl.app.demo", "--run-dir", str(run_dir), *args],
         cwd=Path(__file__).resolve().parents[1],
         stdout=subprocess.PIPE,
         stderr=subprocess.STDOUT,
@@ -93,7 +92,7 @@ def demo_run(tmp_path_factory, tiny_vl_model_dir):
         env={**os.environ, "PYTHONUNBUFFERED": "1"},
     )
     try:
-        out, _ = proc.communicate(timeout=1700)
+        out, _ = proc.communicate(timeout=timeout)
     finally:
         if proc.poll() is None:
             os.killpg(proc.pid, signal.SIGKILL)

@@ -10,21 +10,18 @@ nodes (the GCS's actor table, saved by the demo), and nothing the run started is
 from __future__ import annotations
 
 import json
-import os
 import re
-import signal
 import sqlite3
 import subprocess
-import sys
 from pathlib import Path
 
 import pytest
 
 pytest.importorskip("ray", reason="Ray is not installed (pip install -r requirements/ray.txt)")
 
-pytestmark = pytest.mark.slow
+from tests.conftest import run_demo  # noqa: E402
 
-ROOT = Path(__file__).resolve().parents[2]
+pytestmark = pytest.mark.slow
 
 
 def _rows(db: Path, sql: str) -> list[tuple]:
@@ -43,22 +40,9 @@ def _leftovers(marker: str) -> list[str]:
 @pytest.mark.timeout(1200)
 def test_two_async_steps_on_a_two_node_ray_cluster(tmp_path, tiny_vl_bpe_model_dir):
     run_dir = tmp_path / "demo-ray"
-    proc = subprocess.Popen(
-        [sys.executable, "-m", "cua_rl.app.demo", "--ray", "--quiet", "--run-dir", str(run_dir)],
-        cwd=ROOT,
-        stdout=subprocess.PIPE,
-        stderr=subprocess.STDOUT,
-        start_new_session=True,
-        env={**os.environ, "PYTHONUNBUFFERED": "1"},
-    )
-    try:
-        out, _ = proc.communicate(timeout=1100)
-    finally:
-        if proc.poll() is None:
-            os.killpg(proc.pid, signal.SIGKILL)
-            proc.wait()
-    text = out.decode(errors="replace")
-    assert proc.returncode == 0, text[-6000:]
+    run = run_demo(run_dir, "--ray", "--quiet", timeout=1100)
+    text = run.output
+    assert run.returncode == 0, text[-6000:]
 
     db = run_dir / "monitor.db"
     assert _rows(db, "SELECT status FROM training") == [("completed",)]
