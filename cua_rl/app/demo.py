@@ -286,6 +286,7 @@ def main(argv: list[str] | None = None) -> int:
         if cluster is not None:
             _record_placement(cluster, log_dir)
             cluster.stop()
+            print(f"[demo] ray      cluster stopped in {cluster.stopped_in_s:.1f}s", flush=True)
         for child in reversed(children):
             child.stop()
         print(f"[demo] finished with exit code {rc} in {time.monotonic() - t0:.0f}s", flush=True)

@@ -75,7 +75,7 @@ class LocalRayCluster:
         self.nodes, self.cpus_per_node = nodes, cpus_per_node
         self.python, self.start_timeout = python, start_timeout
         self.address = ""
-        self.started_in_s = 0.0
+        self.started_in_s = self.stopped_in_s = 0.0
         self._procs: list[subprocess.Popen] = []
         self._logs: list = []
         # Ray's unix sockets live under its temp dir; a short system path keeps them under the
@@ -185,6 +185,8 @@ class LocalRayCluster:
         """SIGTERM to every process of the cluster, SIGKILL to those left after ``timeout``."""
         import psutil
 
+        t0 = time.monotonic()
+
         procs = []
         for pid in self.processes():
             try:
@@ -215,6 +217,7 @@ class LocalRayCluster:
         if self.temp_dir:
             shutil.rmtree(self.temp_dir, ignore_errors=True)
             self.temp_dir = ""
+        self.stopped_in_s = time.monotonic() - t0
 
     def __enter__(self) -> LocalRayCluster:
         return self.start()
