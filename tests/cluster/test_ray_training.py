@@ -52,9 +52,11 @@ def test_two_async_steps_on_a_two_node_ray_cluster(tmp_path, tiny_vl_bpe_model_d
         m = json.loads(metrics or "{}")
         assert m.get("rollout/accepted") == 1.0, (n, m)
         assert not {k: v for k, v in m.items() if "/rejected/" in k and v}, (n, m)
-    # No episode lost: every rollout the monitor saw finished (none failed, none left running).
+    # No episode lost: every rollout the monitor saw was closed, none failed and none is left
+    # running; the only other end is "cancelled", for episodes of a step after the last that
+    # were running when the training ended (asynchronous rollouts run ahead).
     statuses = dict(_rows(db, "SELECT status, COUNT(*) FROM rollout GROUP BY status"))
-    assert set(statuses) == {"completed"}, statuses
+    assert set(statuses) <= {"completed", "cancelled"} and statuses.get("completed"), statuses
     assert _rows(db, "SELECT COUNT(*) FROM rollout WHERE source_type = 'step'")[0][0] >= 8
 
     # Asynchronous: the run allowed one step of staleness (configs/local.yaml, as AReaL read it).
