@@ -147,6 +147,12 @@ def main(argv: list[str] | None = None) -> int:
         help="train under AReaL's Ray scheduler on a two-node Ray cluster started on this "
         "machine (loopback only; stopped at the end): scheduler.type=ray",
     )
+    parser.add_argument(
+        "--slurm",
+        action="store_true",
+        help="train under AReaL's Slurm scheduler on a single-node Slurm started on this "
+        "machine (needs root and the slurm-wlm and munge packages): scheduler.type=slurm",
+    )
     parser.add_argument("overrides", nargs="*", help="extra key=value overrides for train.py")
     args = parser.parse_args(argv)
 
@@ -164,7 +170,7 @@ def main(argv: list[str] | None = None) -> int:
     db_path = run_dir / "monitor.db"
     py = sys.executable
     children: list[Child] = []
-    cluster = None
+    cluster = slurm = None
     train_env = dict(os.environ)
     rc = 1
     t0 = time.monotonic()
@@ -209,17 +215,7 @@ def main(argv: list[str] | None = None) -> int:
         agent_url = agent.wait_for_line("ready ", 60)
         print(f"[demo] agent    {agent_url}", flush=True)
 
-        if args.ray:
-            from cua_rl.cpu.ray_cluster import LocalRayCluster
-
-            cluster = LocalRayCluster(log_dir, nodes=2).start()
-            train_env["RAY_ADDRESS"] = cluster.address
-            args.overrides = ["scheduler.type=ray", *args.overrides]
-            print(
-                f"[demo] ray      {cluster.address}: 2 nodes on loopback, started in "
-                f"{cluster.started_in_s:.1f}s (session files {cluster.temp_dir})",
-                flush=True,
-            )
+        cluster, slurm = _start_scheduler(args, run_dir, log_dir, train_env)
 
         cmd = [
             py,
@@ -283,6 +279,8 @@ def main(argv: list[str] | None = None) -> int:
         print(f"[demo] failed: {exc}", flush=True)
         rc = 1
     finally:
+        if slurm is not None:
+            slurm.stop()
         if cluster is not None:
             _record_placement(cluster, log_dir)
             cluster.stop()
@@ -305,6 +303,38 @@ def main(argv: list[str] | None = None) -> int:
                 flush=True,
             )
     return rc
+
+
+def _start_scheduler(args, run_dir: Path, log_dir: Path, train_env: dict):
+    """--ray / --slurm: the local cluster the trainer's scheduler runs on; adds the scheduler's
+    override to ``args.overrides`` and what the trainer needs to ``train_env``."""
+    cluster = slurm = None
+    py = sys.executable
+    if args.ray:
+        from cua_rl.cpu.ray_cluster import LocalRayCluster
+
+        cluster = LocalRayCluster(log_dir, nodes=2).start()
+        train_env["RAY_ADDRESS"] = cluster.address
+        args.overrides = ["scheduler.type=ray", *args.overrides]
+        print(
+            f"[demo] ray      {cluster.address}: 2 nodes on loopback, started in "
+            f"{cluster.started_in_s:.1f}s (session files {cluster.temp_dir})",
+            flush=True,
+        )
+
+    if args.slurm:
+        from cua_rl.cpu.slurm_cluster import LocalSlurm
+
+        slurm = LocalSlurm(run_dir / "slurm").start()
+        # Slurm tasks run `python -m ...` from PATH, in the trainer's environment.
+        path = f"{Path(py).parent}{os.pathsep}{train_env.get('PATH', '')}"
+        train_env.update(slurm.env(), PATH=path)
+        # AReaL's Slurm scheduler requires its shared folders to exist beforehand.
+        (run_dir / "name_resolve").mkdir(parents=True, exist_ok=True)
+        (run_dir / "areal").mkdir(parents=True, exist_ok=True)
+        args.overrides = ["scheduler.type=slurm", *args.overrides]
+        print(f"[demo] slurm    single node on loopback ({_shown(slurm.conf)})", flush=True)
+    return cluster, slurm
 
 
 def _record_placement(cluster, log_dir: Path) -> None:

@@ -298,6 +298,10 @@ def prepare_platform(config: CUAConfig) -> None:
         from cua_rl.cpu.training import enable_cpu_training
 
         enable_cpu_training(config)
+        if config.scheduler.type == "slurm":
+            from cua_rl.cpu.training import native_slurm
+
+            native_slurm()
     if config.scheduler.type == "ray":
         from cua_rl.areal.ray_job import connect
 

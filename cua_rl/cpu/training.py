@@ -157,6 +157,14 @@ def enable_cpu_training(
                 changes.append(
                     f"{where}.env_vars: {ENV_VLLM_PYTHON}, VLLM_CPU_KVCACHE_SPACE, VLLM_CPU_OMP_THREADS_BIND"
                 )
+            if scheduler == "slurm":
+                # AReaL's Slurm scheduler passes env_vars only into an Apptainer container; a
+                # native task (native_slurm) gets them as exports before its command.
+                exports = [f"export {k}={shlex.quote(str(v))}" for k, v in env.items()]
+                bash = list(spec.additional_bash_cmds or [])
+                if bash[: len(exports)] != exports:
+                    spec.additional_bash_cmds = exports + bash
+                    changes.append(f"{where}.additional_bash_cmds: export the env_vars")
     if config.enable_offload:
         # torch_memory_saver offload is CUDA-only.
         setattr_logged(config, "enable_offload", False, "config")
@@ -287,3 +295,27 @@ def patch_ray_worker() -> None:
 
     pin_host_ip(worker.global_worker.node_ip_address)
     patch_worker()
+
+
+def native_slurm() -> None:
+    """Run AReaL's Slurm tasks without a container (in the trainer's own environment).
+
+    AReaL 1.0.4's trainer builds ``SlurmScheduler(exp_config=...)`` with the constructor's
+    defaults, ``container_type="apptainer"`` and ``container_mounts="/storage:/storage"``: every
+    task would start through ``singularity exec`` with ``scheduling_spec.image``. On a machine
+    without Apptainer the tasks run natively; the trainer's environment (``PATH`` included)
+    reaches them through ``sbatch``'s default ``--export=ALL``.
+    """
+    from areal.infra.scheduler import slurm
+
+    init = slurm.SlurmScheduler.__init__
+    if getattr(init, "_cua_native", False):
+        return
+
+    def native_init(self, *args, **kwargs):
+        kwargs.setdefault("container_type", "none")
+        kwargs.setdefault("container_mounts", None)
+        init(self, *args, **kwargs)
+
+    native_init._cua_native = True
+    slurm.SlurmScheduler.__init__ = native_init
