@@ -148,7 +148,7 @@ class LocalSlurm:
         out = subprocess.run(
             ["squeue", "-h", "-o", "%i %T"], capture_output=True, text=True, env=self._env()
         )
-        return out.stdout.split("\n") if out.stdout.strip() else []
+        return [line for line in out.stdout.splitlines() if line.strip()]
 
     def stop(self, timeout: float = 30.0) -> None:
         """Cancel every job of this controller (AReaL leaves its worker jobs running when a
