@@ -140,6 +140,17 @@ def test_ray_and_slurm_workers_reserve_little_memory(config, fake_vllm_python, s
     assert any(".mem: 32 -> 1" in line for line in changes), changes
 
 
+def test_slurm_tasks_export_the_env_vars_a_container_would_get(config, fake_vllm_python):
+    """AReaL passes env_vars only into an Apptainer container; native tasks export them."""
+    config.scheduler.type = "slurm"
+    cpu.enable_cpu_training(config, vllm_python=fake_vllm_python)
+    spec = config.rollout.scheduling_spec[0]
+    exports = [line for line in spec.additional_bash_cmds if line.startswith("export ")]
+    assert exports == [f"export {k}={v}" for k, v in spec.env_vars.items()]
+    assert f"export {cpu.ENV_VLLM_PYTHON}={fake_vllm_python}" in exports
+    assert cpu.enable_cpu_training(config, vllm_python=fake_vllm_python) == []
+
+
 def test_the_local_scheduler_keeps_the_memory_setting(config, fake_vllm_python):
     before = [spec.mem for spec in config.actor.scheduling_spec]
     cpu.enable_cpu_training(config, vllm_python=fake_vllm_python)
