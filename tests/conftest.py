@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import os
 import signal
+import sqlite3
 import subprocess
 import sys
 from dataclasses import dataclass
@@ -78,6 +79,15 @@ def demo_run(tmp_path_factory, tiny_vl_model_dir):
     gateway, with the BPE tiny model; the monitor on SQLite."""
     run_dir = tmp_path_factory.mktemp("demo") / "demo"
     return run_demo(run_dir, *DEMO_OVERRIDES, timeout=1700)
+
+
+def db_rows(db: Path, sql: str, *args) -> list[tuple]:
+    """The rows of one query on a SQLite file (the monitor's database after a run)."""
+    con = sqlite3.connect(db)
+    try:
+        return con.execute(sql, args).fetchall()
+    finally:
+        con.close()
 
 
 def run_demo(run_dir: Path, *args: str, timeout: float) -> DemoRun:

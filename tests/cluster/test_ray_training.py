@@ -11,7 +11,6 @@ from __future__ import annotations
 
 import json
 import re
-import sqlite3
 import subprocess
 from pathlib import Path
 
@@ -19,17 +18,9 @@ import pytest
 
 pytest.importorskip("ray", reason="Ray is not installed (pip install -r requirements/ray.txt)")
 
-from tests.conftest import run_demo  # noqa: E402
+from tests.conftest import db_rows, run_demo  # noqa: E402
 
 pytestmark = pytest.mark.slow
-
-
-def _rows(db: Path, sql: str) -> list[tuple]:
-    con = sqlite3.connect(db)
-    try:
-        return con.execute(sql).fetchall()
-    finally:
-        con.close()
 
 
 def _leftovers(marker: str) -> list[str]:
@@ -45,8 +36,8 @@ def test_two_async_steps_on_a_two_node_ray_cluster(tmp_path, tiny_vl_bpe_model_d
     assert run.returncode == 0, text[-6000:]
 
     db = run_dir / "monitor.db"
-    assert _rows(db, "SELECT status FROM training") == [("completed",)]
-    steps = _rows(db, "SELECT step, status, metrics_json FROM step ORDER BY step")
+    assert db_rows(db, "SELECT status FROM training") == [("completed",)]
+    steps = db_rows(db, "SELECT step, status, metrics_json FROM step ORDER BY step")
     assert [(n, st) for n, st, _ in steps] == [(1, "completed"), (2, "completed")], steps
     for n, _, metrics in steps:
         m = json.loads(metrics or "{}")
@@ -55,9 +46,9 @@ def test_two_async_steps_on_a_two_node_ray_cluster(tmp_path, tiny_vl_bpe_model_d
     # No episode lost: every rollout the monitor saw was closed, none failed and none is left
     # running; the only other end is "cancelled", for episodes of a step after the last that
     # were running when the training ended (asynchronous rollouts run ahead).
-    statuses = dict(_rows(db, "SELECT status, COUNT(*) FROM rollout GROUP BY status"))
+    statuses = dict(db_rows(db, "SELECT status, COUNT(*) FROM rollout GROUP BY status"))
     assert set(statuses) <= {"completed", "cancelled"} and statuses.get("completed"), statuses
-    assert _rows(db, "SELECT COUNT(*) FROM rollout WHERE source_type = 'step'")[0][0] >= 8
+    assert db_rows(db, "SELECT COUNT(*) FROM rollout WHERE source_type = 'step'")[0][0] >= 8
 
     # Asynchronous: the run allowed one step of staleness (configs/local.yaml, as AReaL read it).
     (config_dump,) = (run_dir / "areal" / "logs").rglob("config.yaml")

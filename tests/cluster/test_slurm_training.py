@@ -9,24 +9,14 @@ natively, two asynchronous PPO steps. Skipped, with the reason, where the daemon
 from __future__ import annotations
 
 import json
-import sqlite3
 import subprocess
-from pathlib import Path
 
 import pytest
 
 from cua_rl.cpu.slurm_cluster import missing
-from tests.conftest import run_demo
+from tests.conftest import db_rows, run_demo
 
 pytestmark = pytest.mark.slow
-
-
-def _rows(db: Path, sql: str) -> list[tuple]:
-    con = sqlite3.connect(db)
-    try:
-        return con.execute(sql).fetchall()
-    finally:
-        con.close()
 
 
 @pytest.mark.timeout(1200)
@@ -39,12 +29,12 @@ def test_two_async_steps_through_slurm(tmp_path, tiny_vl_bpe_model_dir):
     assert run.returncode == 0, run.output[-6000:]
 
     db = run_dir / "monitor.db"
-    assert _rows(db, "SELECT status FROM training") == [("completed",)]
-    steps = _rows(db, "SELECT step, status, metrics_json FROM step ORDER BY step")
+    assert db_rows(db, "SELECT status FROM training") == [("completed",)]
+    steps = db_rows(db, "SELECT step, status, metrics_json FROM step ORDER BY step")
     assert [(n, st) for n, st, _ in steps] == [(1, "completed"), (2, "completed")], steps
     for n, _, metrics in steps:
         assert json.loads(metrics or "{}").get("rollout/accepted") == 1.0, n
-    statuses = dict(_rows(db, "SELECT status, COUNT(*) FROM rollout GROUP BY status"))
+    statuses = dict(db_rows(db, "SELECT status, COUNT(*) FROM rollout GROUP BY status"))
     assert set(statuses) <= {"completed", "cancelled"} and statuses.get("completed"), statuses
 
     # The workers really were Slurm jobs: AReaL wrote one sbatch script per role.
