@@ -11,11 +11,12 @@ PY_VLLM := $(VENV_VLLM)/bin/python
 PIP_QUIET ?= -q
 export CUA_VLLM_PYTHON ?= $(abspath $(PY_VLLM))
 
-.PHONY: help envs venv venv-vllm test test-fast lint format demo clean-envs freeze-vllm models browser learn
+.PHONY: help envs venv venv-vllm test test-fast lint format demo demo-ray clean-envs freeze-vllm models browser learn
 SUDO := $(shell [ "$$(id -u)" = 0 ] || echo sudo)
 
 help:
 	@echo "make demo       create/reuse both environments and run the main job on the embedded default"
+	@echo "make demo-ray   the demo under AReaL's Ray scheduler on a two-node Ray cluster on loopback"
 	@echo "make learn      proof of learning: train the tiny model on the learn tasks, plot success per step"
 	@echo "make test       create/reuse both environments and run the whole suite (slow tests included)"
 	@echo "make test-fast  the suite without tests marked slow"
@@ -61,6 +62,12 @@ envs:
 # with a vLLM CPU server and a tiny Qwen2-VL, all on this machine (cua_rl/app/demo.py).
 demo: envs
 	$(PY) -m cua_rl.app.demo $(DEMO_ARGS)
+
+# The demo under AReaL's Ray scheduler: a Ray head and a second node on this machine (loopback
+# only), AReaL's workers as Ray actors on both, the cluster stopped at the end (docs/cluster.md).
+demo-ray: envs
+	@$(PY) -c "import ray, psutil" 2>/dev/null || $(PY) -m pip install $(PIP_QUIET) -r requirements/ray.txt -c requirements/project-constraints.txt
+	$(PY) -m cua_rl.app.demo --ray $(DEMO_ARGS)
 
 # The dashboard's browser tests drive Debian's chromium through Playwright's Python API
 # (Playwright's own browser download cannot run here); installed once when missing.

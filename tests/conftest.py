@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import os
 import signal
+import sqlite3
 import subprocess
 import sys
 from dataclasses import dataclass
@@ -71,9 +72,27 @@ DEMO_OVERRIDES = (
 DEMO_STEPS = 6
 
 
-def run_demo(run_dir: Path, *args: str, timeout: float) -> tuple[int, str]:
-    """``python -m cua_rl.app.demo --run-dir RUN_DIR ARGS...``: (exit code, its output); its
-    whole process group is killed if it outlives ``timeout`` or the caller."""
+@pytest.fixture(scope="session")
+def demo_run(tmp_path_factory, tiny_vl_model_dir):
+    """``python -m cua_rl.app.demo`` once, in the regime production trains in: six real
+    PPO steps, asynchronous (two steps of staleness, eight episodes in flight), through the
+    gateway, with the BPE tiny model; the monitor on SQLite."""
+    run_dir = tmp_path_factory.mktemp("demo") / "demo"
+    return run_demo(run_dir, *DEMO_OVERRIDES, timeout=1700)
+
+
+def db_rows(db: Path, sql: str, *args) -> list[tuple]:
+    """The rows of one query on a SQLite file (the monitor's database after a run)."""
+    con = sqlite3.connect(db)
+    try:
+        return con.execute(sql, args).fetchall()
+    finally:
+        con.close()
+
+
+def run_demo(run_dir: Path, *args: str, timeout: float) -> DemoRun:
+    """``python -m cua_rl.app.demo --run-dir RUN_DIR ARGS`` in its own process group, killed
+    whole if it outlives ``timeout``."""
     proc = subprocess.Popen(
         [sys.executable, "-m", "cua_rl.app.demo", "--run-dir", str(run_dir), *args],
         cwd=Path(__file__).resolve().parents[1],
@@ -88,14 +107,4 @@ def run_demo(run_dir: Path, *args: str, timeout: float) -> tuple[int, str]:
         if proc.poll() is None:
             os.killpg(proc.pid, signal.SIGKILL)
             proc.wait()
-    return proc.returncode, out.decode(errors="replace")
-
-
-@pytest.fixture(scope="session")
-def demo_run(tmp_path_factory, tiny_vl_model_dir):
-    """``python -m cua_rl.app.demo`` once, in the regime production trains in: six real
-    PPO steps, asynchronous (two steps of staleness, eight episodes in flight), through the
-    gateway, with the BPE tiny model; the monitor on SQLite."""
-    run_dir = tmp_path_factory.mktemp("demo") / "demo"
-    returncode, output = run_demo(run_dir, *DEMO_OVERRIDES, timeout=1700)
-    return DemoRun(run_dir, output, returncode)
+    return DemoRun(run_dir, out.decode(errors="replace"), proc.returncode)

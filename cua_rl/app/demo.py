@@ -158,6 +158,18 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
         help="no live progress lines (a caller prints its own); the end still says where "
         "things are, and a failure shows the end of logs/train.log",
     )
+    parser.add_argument(
+        "--ray",
+        action="store_true",
+        help="train under AReaL's Ray scheduler on a two-node Ray cluster started on this "
+        "machine (loopback only; stopped at the end): scheduler.type=ray",
+    )
+    parser.add_argument(
+        "--slurm",
+        action="store_true",
+        help="train under AReaL's Slurm scheduler on a single-node Slurm started on this "
+        "machine (needs root and the slurm-wlm and munge packages): scheduler.type=slurm",
+    )
     return parser.parse_args(argv)
 
 
@@ -187,11 +199,16 @@ def start_services(args, db_path: Path, log_dir: Path, children: list[Child]) ->
     return {"monitor": monitor_url, "gym": gym_url, "agent": agent_url}
 
 
-def run_trainer(cmd: list[str], train_log: Path, progress: DemoProgress) -> int:
+def run_trainer(cmd: list[str], train_log: Path, progress: DemoProgress, env: dict) -> int:
     """train.py in its own session, its output in ``train_log``, progress ticking meanwhile."""
     with open(train_log, "wb") as log_file:
         proc = subprocess.Popen(
-            cmd, cwd=ROOT, stdout=log_file, stderr=subprocess.STDOUT, start_new_session=True
+            cmd,
+            cwd=ROOT,
+            stdout=log_file,
+            stderr=subprocess.STDOUT,
+            start_new_session=True,
+            env=env,
         )
         try:
             while proc.poll() is None:
@@ -217,12 +234,16 @@ def run_trainer(cmd: list[str], train_log: Path, progress: DemoProgress) -> int:
                 proc.wait(10)
 
 
-def train(args, run_dir: Path, log_dir: Path, db_path: Path, children: list[Child]) -> int:
+def train(
+    args, run_dir: Path, log_dir: Path, db_path: Path, children: list[Child], clusters: list
+) -> int:
     print(f"[demo] building the tiny {args.model} (cached after the first run)", flush=True)
     from cua_rl.testing.cache import ensure_model
 
     model_dir = ensure_model(args.model)
     urls = start_services(args, db_path, log_dir, children)
+    train_env = dict(os.environ)
+    clusters.extend(c for c in _start_scheduler(args, run_dir, log_dir, train_env) if c)
     cmd = [
         sys.executable,
         "-m",
@@ -242,7 +263,7 @@ def train(args, run_dir: Path, log_dir: Path, db_path: Path, children: list[Chil
     # The trainer's and AReaL's workers' output stays in the log; the terminal shows
     # progress read from the monitor's database.
     progress = DemoProgress(db_path, io.StringIO() if args.quiet else None, prefix="[demo] ")
-    rc = run_trainer(cmd, train_log, progress)
+    rc = run_trainer(cmd, train_log, progress, train_env)
     if rc != 0:
         tail = train_log.read_text(errors="replace").splitlines()[-40:]
         print(f"[demo] the trainer exited {rc}; the end of {_shown(train_log)}:", flush=True)
@@ -284,10 +305,11 @@ def main(argv: list[str] | None = None) -> int:
     log_dir.mkdir(parents=True, exist_ok=True)
     db_path = run_dir / "monitor.db"
     children: list[Child] = []
+    clusters: list = []
     rc = 1
     t0 = time.monotonic()
     try:
-        rc = train(args, run_dir, log_dir, db_path, children)
+        rc = train(args, run_dir, log_dir, db_path, children, clusters)
     except KeyboardInterrupt:
         print("\n[demo] interrupted", flush=True)
         rc = 130
@@ -295,10 +317,70 @@ def main(argv: list[str] | None = None) -> int:
         print(f"[demo] failed: {exc}", flush=True)
         rc = 1
     finally:
+        for cluster in reversed(clusters):
+            _stop_cluster(cluster, log_dir)
         for child in reversed(children):
             child.stop()
         print_end(rc, time.monotonic() - t0, run_dir, log_dir, db_path)
     return rc
+
+
+def _start_scheduler(args, run_dir: Path, log_dir: Path, train_env: dict):
+    """--ray / --slurm: the local cluster the trainer's scheduler runs on; adds the scheduler's
+    override to ``args.overrides`` and what the trainer needs to ``train_env``."""
+    cluster = slurm = None
+    py = sys.executable
+    if args.ray:
+        from cua_rl.cpu.ray_cluster import LocalRayCluster
+
+        cluster = LocalRayCluster(log_dir, nodes=2).start()
+        train_env["RAY_ADDRESS"] = cluster.address
+        args.overrides = ["scheduler.type=ray", *args.overrides]
+        print(
+            f"[demo] ray      {cluster.address}: 2 nodes on loopback, started in "
+            f"{cluster.started_in_s:.1f}s (session files {cluster.temp_dir})",
+            flush=True,
+        )
+
+    if args.slurm:
+        from cua_rl.cpu.slurm_cluster import LocalSlurm
+
+        slurm = LocalSlurm(run_dir / "slurm").start()
+        # Slurm tasks run `python -m ...` from PATH, in the trainer's environment.
+        path = f"{Path(py).parent}{os.pathsep}{train_env.get('PATH', '')}"
+        train_env.update(slurm.env(), PATH=path)
+        # AReaL's Slurm scheduler requires its shared folders to exist beforehand.
+        (run_dir / "name_resolve").mkdir(parents=True, exist_ok=True)
+        (run_dir / "areal").mkdir(parents=True, exist_ok=True)
+        args.overrides = ["scheduler.type=slurm", *args.overrides]
+        print(f"[demo] slurm    single node on loopback ({_shown(slurm.conf)})", flush=True)
+    return cluster, slurm
+
+
+def _record_placement(cluster, log_dir: Path) -> None:
+    """Which node each of AReaL's workers ran on, printed and kept in logs/ray-actors.json."""
+    import json
+
+    try:
+        actors = cluster.placement()
+    except Exception as exc:
+        print(f"[demo] ray: placement not read ({exc})", flush=True)
+        return
+    (log_dir / "ray-actors.json").write_text(json.dumps(actors, indent=1))
+    where = ", ".join(f"{a['name']} on node {a['node_id'][:8]}" for a in actors)
+    print(f"[demo] ray      workers: {where or 'none'}", flush=True)
+
+
+def _stop_cluster(cluster, log_dir: Path) -> None:
+    """Stop a cluster ``_start_scheduler`` started; a Ray cluster first says where workers ran."""
+    from cua_rl.cpu.ray_cluster import LocalRayCluster
+
+    if isinstance(cluster, LocalRayCluster):
+        _record_placement(cluster, log_dir)
+        cluster.stop()
+        print(f"[demo] ray      cluster stopped in {cluster.stopped_in_s:.1f}s", flush=True)
+    else:
+        cluster.stop()
 
 
 def _shown(path: Path) -> str:

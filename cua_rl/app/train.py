@@ -81,14 +81,31 @@ def total_steps(config: CUAConfig, n_train: int) -> int:
 
 
 def prepare_platform(config: CUAConfig) -> None:
-    """On a machine without a GPU, apply what AReaL needs to train on CPU (docs/areal-cpu.md)."""
+    """On a machine without a GPU, apply what AReaL needs to train on CPU (docs/areal-cpu.md);
+    under ``scheduler.type: ray`` connect to the cluster first (docs/cluster.md)."""
     import torch
 
-    if torch.cuda.is_available():
-        return
-    from cua_rl.cpu.training import enable_cpu_training
+    on_cpu = not torch.cuda.is_available()
+    if on_cpu:
+        from cua_rl.cpu.training import enable_cpu_training
 
-    enable_cpu_training(config)
+        enable_cpu_training(config)
+        if config.scheduler.type == "slurm":
+            from cua_rl.cpu.training import native_slurm
+
+            native_slurm()
+    if config.scheduler.type == "ray":
+        from cua_rl.areal.ray_job import connect
+
+        if on_cpu:
+            from cua_rl.cpu.training import RAY_SETUP_HOOK, pin_host_ip
+
+            connect(RAY_SETUP_HOOK, loopback=True)
+            import ray
+
+            pin_host_ip(ray.util.get_node_ip_address())
+        else:
+            connect()
 
 
 def run_baseline(trainer: Any, config: CUAConfig, monitor: TrainingMonitor, settings, n_eval: int):

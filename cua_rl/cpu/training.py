@@ -33,6 +33,9 @@ WORKER_CMD = "python -m cua_rl.cpu.rpc_worker"
 SERVER_MODULE = "cua_rl.cpu.vllm_server"
 WORKER_EXTENSION = "cua_rl.cpu.vllm_worker.DiskWeightReloadExtension"
 _AREAL_WORKER_CMD = "python -m areal.infra.rpc.rpc_server"
+# Ray ignores SchedulingSpec.cmd: its workers get the patches from this hook (cua_rl.areal.ray_job).
+RAY_SETUP_HOOK = "cua_rl.cpu.training.patch_ray_worker"
+WORKER_MEM_GIB = 1
 
 # Folder that holds the cua_rl package: the vLLM interpreter needs it on PYTHONPATH to import
 # the server module and the worker extension.
@@ -82,6 +85,7 @@ def enable_cpu_training(
             f"vLLM interpreter {vllm_python} does not exist: run `make venv-vllm` or set {ENV_VLLM_PYTHON}"
         )
     _refuse_what_cpu_cannot_run(config, vllm_python)
+    scheduler = getattr(config.scheduler, "type", None)
 
     def setattr_logged(obj: Any, name: str, value: Any, where: str) -> None:
         old = getattr(obj, name)
@@ -119,6 +123,10 @@ def enable_cpu_training(
                 setattr_logged(spec, "gpu", 0, where)
             # SchedulingSpec.cpu becomes OMP_NUM_THREADS; the default (8) oversubscribes a small box.
             setattr_logged(spec, "cpu", threads_per_worker, where)
+            if scheduler in ("ray", "slurm"):
+                # Ray and Slurm reserve SchedulingSpec.mem (GiB, default 32) per worker: more
+                # than a small node offers, so the worker would never be scheduled.
+                setattr_logged(spec, "mem", WORKER_MEM_GIB, where)
             env = dict(spec.env_vars)
             # Read by patch_worker() in the rollout worker, whose environment the server
             # inherits (filtered by server_env). No PYTHONPATH here: AReaL builds
@@ -133,6 +141,14 @@ def enable_cpu_training(
                 changes.append(
                     f"{where}.env_vars: {ENV_VLLM_PYTHON}, VLLM_CPU_KVCACHE_SPACE, VLLM_CPU_OMP_THREADS_BIND"
                 )
+            if scheduler == "slurm":
+                # AReaL's Slurm scheduler passes env_vars only into an Apptainer container; a
+                # native task (native_slurm) gets them as exports before its command.
+                exports = [f"export {k}={shlex.quote(str(v))}" for k, v in env.items()]
+                bash = list(spec.additional_bash_cmds or [])
+                if bash[: len(exports)] != exports:
+                    spec.additional_bash_cmds = exports + bash
+                    changes.append(f"{where}.additional_bash_cmds: export the env_vars")
     if config.enable_offload:
         # torch_memory_saver offload is CUDA-only.
         setattr_logged(config, "enable_offload", False, "config")
@@ -155,8 +171,12 @@ def _refuse_what_cpu_cannot_run(config: Any, vllm_python: str) -> None:
         raise ConfigError(
             "actor.use_lora=true: LoRA weight sync is not served on CPU; set actor.use_lora=false"
         )
-    if getattr(config.scheduler, "type", None) != "local":
-        raise ConfigError(f"scheduler.type={config.scheduler.type!r}: set scheduler.type=local")
+    scheduler = getattr(config.scheduler, "type", None)
+    if scheduler not in ("local", "ray", "slurm"):
+        raise ConfigError(
+            f"scheduler.type={scheduler!r}: on CPU set scheduler.type=local (or ray, with a "
+            "cluster from cua_rl.cpu.ray_cluster, or slurm)"
+        )
 
 
 def server_command(args: dict[str, Any], vllm_python: str | None = None) -> list[str]:
@@ -255,3 +275,57 @@ def patch_worker() -> None:
 
     vllm_remote.VLLMBackend.launch_server = launch_server
     remote_inf_engine.RemoteInfEngine._wait_for_server = wait_for_server
+
+
+def pin_host_ip(ip: str) -> None:
+    """Make AReaL's ``gethostip()`` answer ``ip`` in this process.
+
+    ``gethostip`` probes the route to a public address and answers the machine's outward
+    address; AReaL uses it for the workers' torch.distributed master and other addresses. On a
+    Ray cluster the right answer is the node's address as Ray knows it (127.0.0.1 for the local
+    cluster). Modules that imported the function by name are updated too.
+    """
+    from areal.utils import network
+
+    original = network.gethostip
+
+    def gethostip(*args, **kwargs) -> str:
+        return ip
+
+    network.gethostip = gethostip
+    for module in list(sys.modules.values()):
+        if getattr(module, "gethostip", None) is original:
+            module.gethostip = gethostip
+
+
+def patch_ray_worker() -> None:
+    """``worker_process_setup_hook`` of a Ray job on CPU: pin the node's address, then apply
+    what ``rpc_worker`` applies under the local scheduler."""
+    from ray._private import worker
+
+    pin_host_ip(worker.global_worker.node_ip_address)
+    patch_worker()
+
+
+def native_slurm() -> None:
+    """Run AReaL's Slurm tasks without a container (in the trainer's own environment).
+
+    AReaL 1.0.4's trainer builds ``SlurmScheduler(exp_config=...)`` with the constructor's
+    defaults, ``container_type="apptainer"`` and ``container_mounts="/storage:/storage"``: every
+    task would start through ``singularity exec`` with ``scheduling_spec.image``. On a machine
+    without Apptainer the tasks run natively; the trainer's environment (``PATH`` included)
+    reaches them through ``sbatch``'s default ``--export=ALL``.
+    """
+    from areal.infra.scheduler import slurm
+
+    init = slurm.SlurmScheduler.__init__
+    if getattr(init, "_cua_native", False):
+        return
+
+    def native_init(self, *args, **kwargs):
+        kwargs.setdefault("container_type", "none")
+        kwargs.setdefault("container_mounts", None)
+        init(self, *args, **kwargs)
+
+    native_init._cua_native = True
+    slurm.SlurmScheduler.__init__ = native_init

@@ -28,7 +28,8 @@ pytestmark = pytest.mark.slow
 
 def _train(run_dir: Path, kind: str) -> tuple[int, str, float]:
     t0 = time.monotonic()
-    rc, out = run_demo(run_dir, "--model", kind, timeout=1200)
+    run = run_demo(run_dir, "--model", kind, timeout=1200)
+    rc, out = run.returncode, run.output
     return rc, out, time.monotonic() - t0
 
 

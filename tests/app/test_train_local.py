@@ -12,7 +12,6 @@ import json
 import os
 import re
 import signal
-import sqlite3
 import subprocess
 import sys
 import time
@@ -23,18 +22,11 @@ import pytest
 
 from cua_rl.sim.gym import Fault, GymServer, SimGymConfig
 from tests.conftest import DEMO_STEPS
+from tests.conftest import db_rows as _rows
 
 ROOT = Path(__file__).resolve().parents[2]
 
 pytestmark = pytest.mark.slow
-
-
-def _rows(db: Path, sql: str, *args) -> list[tuple]:
-    con = sqlite3.connect(db)
-    try:
-        return con.execute(sql, args).fetchall()
-    finally:
-        con.close()
 
 
 def _leftovers(marker: str) -> list[str]:

@@ -121,13 +121,40 @@ def _set(config, dotted: str, value) -> None:
         ("rollout.backend", "sglang:d1", "'vllm:d1'"),
         ("actor.backend", "megatron:d1", "'fsdp:d1'"),
         ("actor.use_lora", True, "set actor.use_lora=false"),
-        ("scheduler.type", "ray", "set scheduler.type=local"),
+        ("scheduler.type", "kubernetes", "set scheduler.type=local"),
     ],
 )
 def test_settings_that_cannot_run_on_cpu_are_refused(config, fake_vllm_python, key, value, needle):
     _set(config, key, value)
     with pytest.raises(ConfigError, match=re.escape(needle)):
         cpu.enable_cpu_training(config, vllm_python=fake_vllm_python)
+
+
+@pytest.mark.parametrize("scheduler", ["ray", "slurm"])
+def test_ray_and_slurm_workers_reserve_little_memory(config, fake_vllm_python, scheduler):
+    """Both reserve scheduling_spec.mem (GiB, default 32) per worker; a small node has less."""
+    config.scheduler.type = scheduler
+    changes = cpu.enable_cpu_training(config, vllm_python=fake_vllm_python)
+    for section in (config.actor, config.rollout):
+        assert [spec.mem for spec in section.scheduling_spec] == [cpu.WORKER_MEM_GIB]
+    assert any(".mem: 32 -> 1" in line for line in changes), changes
+
+
+def test_slurm_tasks_export_the_env_vars_a_container_would_get(config, fake_vllm_python):
+    """AReaL passes env_vars only into an Apptainer container; native tasks export them."""
+    config.scheduler.type = "slurm"
+    cpu.enable_cpu_training(config, vllm_python=fake_vllm_python)
+    spec = config.rollout.scheduling_spec[0]
+    exports = [line for line in spec.additional_bash_cmds if line.startswith("export ")]
+    assert exports == [f"export {k}={v}" for k, v in spec.env_vars.items()]
+    assert f"export {cpu.ENV_VLLM_PYTHON}={fake_vllm_python}" in exports
+    assert cpu.enable_cpu_training(config, vllm_python=fake_vllm_python) == []
+
+
+def test_the_local_scheduler_keeps_the_memory_setting(config, fake_vllm_python):
+    before = [spec.mem for spec in config.actor.scheduling_spec]
+    cpu.enable_cpu_training(config, vllm_python=fake_vllm_python)
+    assert [spec.mem for spec in config.actor.scheduling_spec] == before
 
 
 def test_a_custom_worker_command_is_refused(config, fake_vllm_python):

@@ -1,0 +1,272 @@
+"""A Ray cluster of several nodes on this machine, listening on loopback only.
+
+``ray start`` turns ``--node-ip-address=127.0.0.1`` into the machine's outward address
+(``ray._private.services.resolve_ip_for_localhost``), and Ray's GCS and raylets listen on every
+interface unless their node address is exactly ``127.0.0.1`` (then they listen on 127.0.0.1
+only). A driver connecting to ``127.0.0.1:port`` is redirected the same way. So every process
+that takes part (each node's ``ray start`` and the driver) keeps a loopback address as given:
+``keep_loopback()``. Nodes then share the address 127.0.0.1 and are told apart by node id, as
+Ray's own multi-node tests on one machine do.
+
+``python -m cua_rl.cpu.ray_cluster ARGS`` is ``ray ARGS`` with that one change.
+``LocalRayCluster`` starts a head and further nodes with ``ray start --block``, each in its own
+process group, and stops exactly the processes it started (the nodes and every process they
+spawned, Ray's workers included: raylets put workers in their own process groups).
+"""
+
+from __future__ import annotations
+
+import os
+import shutil
+import signal
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+from cua_rl.errors import CuaRlError
+
+LOOPBACK = "127.0.0.1"
+STARTED = "Ray runtime started."  # what `ray start` prints once its node runs
+
+
+class RayClusterError(CuaRlError, RuntimeError):
+    """The local Ray cluster did not start."""
+
+
+def keep_loopback() -> None:
+    """Make Ray keep a loopback address as given in this process (idempotent)."""
+    from ray._private import services
+
+    def resolve_ip_for_localhost(host: str) -> str:
+        if not host:
+            raise ValueError(f"Malformed host: {host}")
+        return host
+
+    services.resolve_ip_for_localhost = resolve_ip_for_localhost
+
+
+def _free_port() -> int:
+    from cua_rl.serving import bind_free_port
+
+    sock = bind_free_port(LOOPBACK)
+    try:
+        return sock.getsockname()[1]
+    finally:
+        sock.close()
+
+
+class LocalRayCluster:
+    """``with LocalRayCluster(log_dir, nodes=2) as cluster: cluster.address``."""
+
+    def __init__(
+        self,
+        log_dir: Path,
+        *,
+        nodes: int = 2,
+        cpus_per_node: int = 1,
+        python: str = sys.executable,
+        start_timeout: float = 120.0,
+    ):
+        if nodes < 1 or cpus_per_node < 1:
+            raise ValueError("a cluster needs at least one node with at least one CPU")
+        self.log_dir = Path(log_dir)
+        self.nodes, self.cpus_per_node = nodes, cpus_per_node
+        self.python, self.start_timeout = python, start_timeout
+        self.address = ""
+        self.started_in_s = self.stopped_in_s = 0.0
+        self._procs: list[subprocess.Popen] = []
+        self._logs: list = []
+        # Ray's unix sockets live under its temp dir; a short system path keeps them under the
+        # 107-byte limit of a socket path.
+        self.temp_dir = ""
+
+    def _ray_start(self, name: str, args: list[str]) -> subprocess.Popen:
+        log = open(self.log_dir / f"ray-{name}.log", "wb")  # noqa: SIM115 - closed in stop()
+        self._logs.append(log)
+        argv = [self.python, "-m", "cua_rl.cpu.ray_cluster", "start", "--block", *args]
+        common = [
+            f"--node-ip-address={LOOPBACK}",
+            f"--num-cpus={self.cpus_per_node}",
+            "--num-gpus=0",
+            f"--temp-dir={self.temp_dir}",
+            "--disable-usage-stats",
+        ]
+        env = {**os.environ, "RAY_USAGE_STATS_ENABLED": "0"}
+        proc = subprocess.Popen(
+            [*argv, *common],
+            stdout=log,
+            stderr=subprocess.STDOUT,
+            start_new_session=True,
+            env=env,
+        )
+        self._procs.append(proc)
+        return proc
+
+    def start(self) -> LocalRayCluster:
+        t0 = time.monotonic()
+        self.log_dir.mkdir(parents=True, exist_ok=True)
+        self.temp_dir = tempfile.mkdtemp(prefix="cua-ray-")
+        port = _free_port()
+        self.address = f"{LOOPBACK}:{port}"
+        try:
+            self._ray_start("head", ["--head", f"--port={port}", "--include-dashboard=false"])
+            self._wait_started()
+            for i in range(1, self.nodes):
+                self._ray_start(f"node{i}", [f"--address={self.address}"])
+            self._wait_started()
+            self._check_alive_nodes()
+        except BaseException:
+            self.stop()
+            raise
+        self.started_in_s = time.monotonic() - t0
+        return self
+
+    def _wait_started(self) -> None:
+        """Until every ``ray start`` so far has printed that its node runs."""
+        deadline = time.monotonic() + self.start_timeout
+        while time.monotonic() < deadline:
+            dead = [p.args[4:6] for p in self._procs if p.poll() is not None]
+            if dead:
+                raise RayClusterError(f"ray start exited early ({dead}); logs in {self.log_dir}")
+            logs = [Path(log.name).read_text(errors="replace") for log in self._logs]
+            if all(STARTED in text for text in logs):
+                return
+            time.sleep(0.2)
+        raise RayClusterError(f"Ray nodes not started in {self.start_timeout}s: {self.log_dir}")
+
+    def _check_alive_nodes(self) -> None:
+        """The GCS, asked by a short-lived driver, counts every node alive."""
+        probe = (
+            "import sys; from cua_rl.cpu.ray_cluster import alive_nodes as a; print(a(sys.argv[1]))"
+        )
+        out = subprocess.run(
+            [self.python, "-c", probe, self.address],
+            capture_output=True,
+            text=True,
+            timeout=self.start_timeout,
+        )
+        alive = int(out.stdout.split()[-1]) if out.returncode == 0 and out.stdout else 0
+        if alive != self.nodes:
+            raise RayClusterError(
+                f"{alive} of {self.nodes} Ray nodes alive at {self.address}: {out.stderr[-2000:]}"
+            )
+
+    def placement(self) -> list[dict]:
+        """``actor_placement`` of this cluster, asked by a short-lived driver process."""
+        import json
+
+        probe = (
+            "import json, sys; from cua_rl.cpu.ray_cluster import actor_placement as a; "
+            "print(json.dumps(a(sys.argv[1])))"
+        )
+        out = subprocess.run(
+            [self.python, "-c", probe, self.address], capture_output=True, text=True, timeout=120
+        )
+        if out.returncode != 0:
+            raise RayClusterError(f"could not read the actor table: {out.stderr[-2000:]}")
+        return json.loads(out.stdout.splitlines()[-1])
+
+    def processes(self) -> list[int]:
+        """Every live process the cluster consists of: the nodes and all they spawned."""
+        import psutil
+
+        pids = []
+        for proc in self._procs:
+            try:
+                root = psutil.Process(proc.pid)
+                pids += [root.pid, *(c.pid for c in root.children(recursive=True))]
+            except psutil.NoSuchProcess:
+                continue
+        return pids
+
+    def stop(self, timeout: float = 20.0) -> None:
+        """SIGTERM to every process of the cluster, SIGKILL to those left after ``timeout``."""
+        import psutil
+
+        t0 = time.monotonic()
+
+        procs = []
+        for pid in self.processes():
+            try:
+                procs.append(psutil.Process(pid))
+            except psutil.NoSuchProcess:
+                continue
+        for p in procs:
+            try:
+                p.send_signal(signal.SIGTERM)
+            except psutil.NoSuchProcess:
+                pass
+        _, alive = psutil.wait_procs(procs, timeout=timeout)
+        for p in alive:
+            try:
+                p.kill()
+            except psutil.NoSuchProcess:
+                pass
+        psutil.wait_procs(alive, timeout=5)
+        for proc in self._procs:
+            try:
+                proc.wait(5)
+            except subprocess.TimeoutExpired:
+                pass
+        self._procs.clear()
+        for log in self._logs:
+            log.close()
+        self._logs.clear()
+        if self.temp_dir:
+            shutil.rmtree(self.temp_dir, ignore_errors=True)
+            self.temp_dir = ""
+        self.stopped_in_s = time.monotonic() - t0
+
+    def __enter__(self) -> LocalRayCluster:
+        return self.start()
+
+    def __exit__(self, *exc: object) -> None:
+        self.stop()
+
+
+def _driver(address: str):
+    keep_loopback()
+    import ray
+
+    ray.init(address=address, logging_level="ERROR", log_to_driver=False)
+    return ray
+
+
+def alive_nodes(address: str) -> int:
+    """Number of alive nodes of the cluster at ``address`` (a driver connects and leaves)."""
+    ray = _driver(address)
+    try:
+        return sum(1 for n in ray.nodes() if n["Alive"])
+    finally:
+        ray.shutdown()
+
+
+def actor_placement(address: str) -> list[dict]:
+    """Every named actor the cluster has run (alive or not) and the node it ran on, from the
+    GCS's actor table. (Ray's ``ray.util.state`` API reads the same table through the
+    dashboard, which this cluster does not start: it needs ``ray[default]``.)"""
+    ray = _driver(address)
+    try:
+        from ray._private import state
+
+        return [
+            {"name": a["Name"], "node_id": a["Address"]["NodeID"], "state": a["State"]}
+            for a in state.actors().values()
+            if a.get("Name")
+        ]
+    finally:
+        ray.shutdown()
+
+
+def main(argv: list[str]) -> None:
+    keep_loopback()
+    from ray.scripts.scripts import main as ray_main
+
+    sys.argv = ["ray", *argv]
+    ray_main()
+
+
+if __name__ == "__main__":
+    main(sys.argv[1:])
