@@ -2,8 +2,8 @@
 
 Most of the suite's wall time goes to a few whole trainings, and they leave a 2-core machine half
 idle (they wait on the sim agent's step latency, box start-up and the trainer's polls: a serial
-run averaged 0.43 busy cores). The two longest ones (the proof of learning and the curriculum's
-restart run) share no fixture with the rest, so they run in a second process beside the main
+run averaged 0.43 busy cores). The longest ones that share no fixture with the rest (the proof
+of learning, the curriculum's restart run, the Ray and Slurm trainings of tests/cluster) share no fixture with the rest, so they run in a second process beside the main
 one. The main process streams as usual; the second one's output goes to a log file and is
 printed when both have ended. The exit status is the first failing process's. Two trainings at
 once on one machine are safe only because AReaL's port choice no longer follows the training
@@ -24,7 +24,7 @@ from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[1]
 # Whole trainings that need nothing the rest of the suite builds (no shared vLLM server, no demo).
-BESIDE = ("tests/app/test_learn.py", "tests/curriculum/test_in_the_loop.py")
+BESIDE = ("tests/app/test_learn.py", "tests/curriculum/test_in_the_loop.py", "tests/cluster")
 
 
 def main(argv: list[str] | None = None) -> int:
