@@ -15,7 +15,7 @@ def test_the_workers_get_the_trainers_cua_and_monitor_variables_only():
         "CUA_RL_ZERO_VARIANCE_TOL": "1e-06",
         "MONITOR_BASE_URL": "http://monitor:8000",
         "MONITOR_PROJECT_TOKEN": "t",
-        "HOME": "/home/someone",
+        "LANG": "C.UTF-8",
         "CUDA_VISIBLE_DEVICES": "0",
         "XCUA_RL_NOT_OURS": "1",
     }
