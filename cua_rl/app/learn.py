@@ -33,6 +33,7 @@ from cua_rl.app.learning import (
     plot_curves,
     read_curve,
     steps_to_reach,
+    successes,
 )
 
 ROOT = Path(__file__).resolve().parents[2]
@@ -118,7 +119,7 @@ def report(result: RunResult, target: float, window: int) -> dict:
     }
     for line in format_curve(points):
         print(f"[learn]   {line}", flush=True)
-    if len(points) >= 2 * window:
+    if len(successes(points)) >= 2 * window:
         first, last = first_last(points, window)
         summary.update(first_mean=round(first, 4), last_mean=round(last, 4))
     stale = [p.staleness for p in points if p.staleness is not None]

@@ -106,9 +106,20 @@ def read_curve(db_path: str | Path, run_name: str | None = None) -> list[StepPoi
     return points
 
 
+def measured(points: Sequence[StepPoint]) -> list[StepPoint]:
+    """The steps that carry a success rate, in order.
+
+    A step stores the statistics exported since the previous one, not those of the batch it
+    trained: in an asynchronous run a step whose whole batch finished before the previous
+    export stores no success rate at all. Such a step is unknown, not "nothing solved", so the
+    summaries skip it rather than count it as 0.
+    """
+    return [p for p in points if p.success is not None]
+
+
 def successes(points: Sequence[StepPoint]) -> list[float]:
-    """The success rates in step order; a step without one counts as 0 (nothing solved)."""
-    return [p.success if p.success is not None else 0.0 for p in points]
+    """The success rates of the measured steps, in step order."""
+    return [p.success for p in measured(points)]
 
 
 def mean_of(values: Sequence[float]) -> float:
@@ -121,9 +132,9 @@ def first_last(points: Sequence[StepPoint], k: int) -> tuple[float, float]:
     """Mean success of the first ``k`` and of the last ``k`` steps (they must not overlap)."""
     if k < 1:
         raise CurveError(f"window k={k} must be at least 1")
-    if len(points) < 2 * k:
-        raise CurveError(f"{len(points)} steps cannot give two disjoint windows of {k}")
     s = successes(points)
+    if len(s) < 2 * k:
+        raise CurveError(f"{len(s)} measured steps cannot give two disjoint windows of {k}")
     return mean_of(s[:k]), mean_of(s[-k:])
 
 
@@ -131,10 +142,11 @@ def steps_to_reach(points: Sequence[StepPoint], target: float, window: int = 3) 
     """The first step whose trailing ``window`` steps average at least ``target`` success."""
     if window < 1:
         raise CurveError(f"window={window} must be at least 1")
-    s = successes(points)
+    known = measured(points)
+    s = successes(known)
     for i in range(window - 1, len(s)):
         if mean_of(s[i - window + 1 : i + 1]) >= target:
-            return points[i].step
+            return known[i].step
     return None
 
 
@@ -173,7 +185,13 @@ def plot_curves(
     try:
         for label, points in curves.items():
             if points:
-                ax.plot([p.step for p in points], successes(points), marker="o", ms=3, label=label)
+                ax.plot(
+                    [p.step for p in measured(points)],
+                    successes(points),
+                    marker="o",
+                    ms=3,
+                    label=label,
+                )
         if target is not None:
             ax.axhline(target, color="grey", linestyle="--", linewidth=1, label=f"target {target}")
         ax.xaxis.set_major_locator(MaxNLocator(integer=True))

@@ -29,6 +29,7 @@ from cua_rl.app.learning import (
     plot_curves,
     read_curve,
     steps_to_reach,
+    successes,
 )
 from cua_rl.monitor.server.store import MonitorStore
 
@@ -84,12 +85,13 @@ def test_read_curve_gives_the_latest_trainings_committed_steps_in_order(tmp_path
     assert [p.success for p in read_curve(db, "old")] == [0.9]
 
 
-def test_a_step_without_the_statistic_counts_as_nothing_solved(tmp_path):
+def test_a_step_without_the_statistic_is_read_as_unknown(tmp_path):
     db = tmp_path / "monitor.db"
     _write_run(db, "r", [(1, "completed", None), (2, "completed", 1.0)], "2026-01-01 00:00:00")
     points = read_curve(db)
     assert points[0].success is None
-    assert steps_to_reach(points, 0.5, window=2) == 2  # mean of (0, 1)
+    assert steps_to_reach(points, 0.5, window=1) == 2
+    assert steps_to_reach(points, 0.5, window=2) is None  # one measured step only
 
 
 def test_read_curve_errors_say_what_is_missing(tmp_path):
@@ -118,6 +120,16 @@ def test_first_last_needs_two_disjoint_windows():
     assert first_last(_points([0.0, 0.5, 1.0, 1.0]), 2) == (0.25, 1.0)
     with pytest.raises(CurveError, match="disjoint"):
         first_last(_points([0.0, 0.5, 1.0]), 2)
+
+
+def test_steps_without_a_success_rate_are_skipped_not_counted_as_zero():
+    # An asynchronous step whose batch was exported with the previous step stores no rate.
+    points = _points([0.0, None, 1.0, None, 1.0, 1.0])
+    assert successes(points) == [0.0, 1.0, 1.0, 1.0]
+    assert first_last(points, 2) == (0.5, 1.0)
+    assert steps_to_reach(points, 1.0, window=2) == 5  # steps 3 and 5, step 4 unknown
+    with pytest.raises(CurveError, match="measured"):
+        first_last(_points([1.0, None, None, 1.0]), 2)
 
 
 def test_plot_and_table(tmp_path):
