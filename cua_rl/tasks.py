@@ -231,7 +231,7 @@ class TaskSelectionConfig:
     task_names: list[str] = field(
         default_factory=list,
         metadata={
-            "help": "keep tasks matching any entry: id, name, number, seed id, or an id/name prefix"
+            "help": "keep tasks matching any entry: id, name, number, seed id, or (when it names no task exactly) an id/name prefix"
         },
     )
     tags: list[str] = field(
@@ -272,13 +272,21 @@ def _available(tasks: Sequence[Task]) -> str:
     return f"{len(tasks)} available: {shown}{more}" if tasks else "no tasks are available"
 
 
-def _matches(t: Task, entry: str) -> bool:
+def _exactly(t: Task, entry: str) -> bool:
     e = entry.strip()
     if e in (t.id, t.name, t.seed_id):
         return True
-    if e.isdigit() and t.number is not None and int(e) == t.number:
-        return True
-    return t.id.startswith(e) or t.name.startswith(e)
+    return e.isdigit() and t.number is not None and int(e) == t.number
+
+
+def _matcher(tasks: Sequence[Task], entry: str):
+    """An entry names tasks exactly when any task has that id, name, seed id or number; only an
+    entry that names none is read as a prefix (``click-test`` must not also select
+    ``click-test-2``, while ``click-`` still selects the family)."""
+    if any(_exactly(t, entry) for t in tasks):
+        return lambda t: _exactly(t, entry)
+    e = entry.strip()
+    return lambda t: t.id.startswith(e) or t.name.startswith(e)
 
 
 def _sample(tasks: list[Task], n: int | None, seed: int, salt: str) -> list[Task]:
@@ -296,8 +304,9 @@ def select_tasks(tasks: Sequence[Task], cfg: TaskSelectionConfig) -> TaskSplit:
             "the task source returned no tasks; check the gym id or the task file"
         )
     ordered = sorted(tasks, key=lambda t: t.id)
-    for entry in cfg.task_names:
-        if not any(_matches(t, entry) for t in ordered):
+    matchers = [_matcher(ordered, entry) for entry in cfg.task_names]
+    for entry, matches in zip(cfg.task_names, matchers, strict=True):
+        if not any(matches(t) for t in ordered):
             raise TaskSelectionError(
                 f"task_names entry {entry!r} matches no task; {_available(ordered)}"
             )
@@ -329,7 +338,7 @@ def select_tasks(tasks: Sequence[Task], cfg: TaskSelectionConfig) -> TaskSplit:
 
     def keep(group: list[Task]) -> list[Task]:
         if cfg.task_names:
-            group = [t for t in group if any(_matches(t, e) for e in cfg.task_names)]
+            group = [t for t in group if any(matches(t) for matches in matchers)]
         if cfg.tags:
             wanted = {x.lower() for x in cfg.tags}
             group = [t for t in group if wanted & {x.lower() for x in t.tags}]

@@ -206,6 +206,24 @@ def test_task_names_match_id_name_number_seed_and_prefix():
     assert sorted(t.id for t in select_tasks(tasks, cfg).train) == ["c-003", "d-004"]
 
 
+def test_an_exact_name_does_not_also_select_the_names_it_prefixes():
+    tasks = normalize_tasks(
+        [
+            _task(task_id="t1", name="click-test"),
+            _task(task_id="t2", name="click-test-2"),
+            _task(task_id="t3", name="click-dialog"),
+        ]
+    )
+
+    def names(*entries):
+        cfg = TaskSelectionConfig(train_ratio=1.0, task_names=list(entries))
+        return sorted(t.name for t in select_tasks(tasks, cfg).train)
+
+    assert names("click-test") == ["click-test"]
+    assert names("click-test-") == ["click-test-2"]
+    assert names("click-") == ["click-dialog", "click-test", "click-test-2"]
+
+
 def test_unknown_task_name_lists_what_exists():
     with pytest.raises(TaskSelectionError) as ei:
         select_tasks(_many(3), TaskSelectionConfig(task_names=["nope"]))
