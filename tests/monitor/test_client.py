@@ -66,7 +66,7 @@ async def test_spools_while_down_then_replays_in_order(fake, tmp_path, store):
     # While the spool is not empty new batches queue behind it, even a dependent one.
     client.enqueue("validators", {"task_client_id": "t-a", "validator_type": "state"})
     # The worker spools it in the background: wait for that (bounded), not a fixed delay.
-    for _ in range(200):
+    for _ in range(1200):  # up to a minute: a bound for a hung worker, not its speed
         if client.counters.spooled == 2:
             break
         await asyncio.sleep(0.05)
