@@ -9,7 +9,10 @@ processor disarms, writes ``held`` and waits until the engine core has ``pause_s
 ``release``. The step then finishes (token N + 1) and the engine core handles the pause before
 its next step, so the request is aborted holding N + 1 tokens, however fast the machine samples.
 
-It runs inside vLLM's engine core, in vLLM's interpreter: vLLM, torch and the standard library.
+It must run in the engine core's process, whose input queue it reads: vLLM CPU runs the model
+in a worker process of its own unless ``--distributed-executor-backend uni`` and
+``VLLM_ENABLE_V1_MULTIPROCESSING=0`` (``Hold.server_args`` and ``Hold.env``; the API server stays
+a process apart, as in production). vLLM's interpreter: vLLM, torch and the standard library.
 """
 
 from __future__ import annotations
@@ -32,9 +35,8 @@ MAX_HOLD_S = 600.0
 def _engine_core():
     """The engine core whose busy loop runs this step: the pause arrives in its input queue.
 
-    The worker must run inside the engine core's process (``--distributed-executor-backend
-    uni``; ``Hold.server_args`` says so). Found on the call stack, or else among the process's
-    objects (a step run on another thread of the process)."""
+    Found on the call stack, or else among the process's objects (a step run on another thread
+    of the process)."""
     from vllm.v1.engine.core import EngineCoreProc
 
     frame = sys._getframe(1)
@@ -51,7 +53,7 @@ def _engine_core():
             continue
     raise RuntimeError(
         "HoldAtToken runs outside the engine core's process: start the server with "
-        "--distributed-executor-backend uni"
+        "--distributed-executor-backend uni and VLLM_ENABLE_V1_MULTIPROCESSING=0 (Hold does)"
     )
 
 
