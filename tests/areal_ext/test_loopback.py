@@ -103,3 +103,30 @@ def test_forked_workers_run_the_harness_worker_unless_a_command_is_given():
     finally:
         LocalScheduler.fork_workers = original
     assert calls == ["cua_rl.cpu.rpc_worker", "some.module"]
+
+
+def test_the_socket_reader_tells_loopback_from_every_interface():
+    import os
+    import socket
+
+    from cua_rl.testing.sockets import Endpoint, is_loopback, listening, off_loopback, tree_sockets
+
+    assert is_loopback("127.0.0.1") and is_loopback("::1") and is_loopback("::ffff:127.0.0.1")
+    assert not is_loopback("0.0.0.0") and not is_loopback("::") and not is_loopback("10.0.0.2")
+    # A listener and a connection of this process, read from the kernel (loopback only: the
+    # test opens nothing on another interface).
+    with socket.socket() as server, socket.socket() as client:
+        server.bind(("127.0.0.1", 0))
+        server.listen()
+        client.connect(server.getsockname())
+        mine = tree_sockets(os.getpid())
+        address = f"127.0.0.1:{server.getsockname()[1]}"
+    assert address in {e.local for e in listening(mine)}
+    assert address in {e.remote for e in mine if e.status == "ESTABLISHED"}
+    assert off_loopback(mine) == []
+    # What the kernel reports for a wildcard listener and an outward connection.
+    wide = Endpoint(1, "x", "LISTEN", ":::4000", "")
+    udp = Endpoint(1, "x", "NONE", "0.0.0.0:5353", "")
+    out = Endpoint(1, "x", "ESTABLISHED", "127.0.0.1:5000", "10.0.0.2:443")
+    back = Endpoint(1, "x", "ESTABLISHED", "::ffff:127.0.0.1:5000", "::ffff:127.0.0.1:6000")
+    assert off_loopback([wide, udp, out, back]) == [wide, udp, out]
