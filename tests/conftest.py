@@ -13,12 +13,14 @@ import signal
 import sqlite3
 import subprocess
 import sys
-from dataclasses import dataclass
+import time
+from dataclasses import dataclass, field
 from pathlib import Path
 
 import pytest
 
 from cua_rl.testing.cache import ensure_model
+from cua_rl.testing.sockets import Endpoint, tree_sockets
 from cua_rl.testing.vllm_server import VLLMServer
 
 
@@ -56,6 +58,10 @@ class DemoRun:
     run_dir: Path
     output: str
     returncode: int
+    # Every inet socket its process tree had while a training episode was running (union of
+    # the samples), and how many samples saw one running.
+    sockets: set[Endpoint] = field(default_factory=set)
+    samples_mid_step: int = 0
 
     @property
     def db(self) -> Path:
@@ -90,21 +96,45 @@ def db_rows(db: Path, sql: str, *args) -> list[tuple]:
         con.close()
 
 
+def _step_rollouts_running(db: Path) -> bool:
+    if not db.exists():
+        return False
+    try:
+        rows = db_rows(
+            db, "SELECT COUNT(*) FROM rollout WHERE source_type = 'step' AND status = 'running'"
+        )
+    except sqlite3.Error:  # tables not created yet, or a write holds the lock
+        return False
+    return rows[0][0] > 0
+
+
 def run_demo(run_dir: Path, *args: str, timeout: float) -> DemoRun:
     """``python -m cua_rl.app.demo --run-dir RUN_DIR ARGS`` in its own process group, killed
-    whole if it outlives ``timeout``."""
-    proc = subprocess.Popen(
-        [sys.executable, "-m", "cua_rl.app.demo", "--run-dir", str(run_dir), *args],
-        cwd=Path(__file__).resolve().parents[1],
-        stdout=subprocess.PIPE,
-        stderr=subprocess.STDOUT,
-        start_new_session=True,
-        env={**os.environ, "PYTHONUNBUFFERED": "1"},
-    )
+    whole if it outlives ``timeout``. While a training episode runs (the monitor's database
+    says so), the sockets of every process of the run are read (``DemoRun.sockets``)."""
+    log = run_dir.parent / f"{run_dir.name}.out"
+    run_dir.parent.mkdir(parents=True, exist_ok=True)
+    with open(log, "wb") as out:
+        proc = subprocess.Popen(
+            [sys.executable, "-m", "cua_rl.app.demo", "--run-dir", str(run_dir), *args],
+            cwd=Path(__file__).resolve().parents[1],
+            stdout=out,
+            stderr=subprocess.STDOUT,
+            start_new_session=True,
+            env={**os.environ, "PYTHONUNBUFFERED": "1"},
+        )
+    sockets: set[Endpoint] = set()
+    mid_step = 0
+    deadline = time.monotonic() + timeout
     try:
-        out, _ = proc.communicate(timeout=timeout)
+        while proc.poll() is None and time.monotonic() < deadline:
+            if _step_rollouts_running(run_dir / "monitor.db"):
+                sockets.update(tree_sockets(proc.pid))
+                mid_step += 1
+            time.sleep(0.5)  # a sampling period; nothing is decided by it
     finally:
         if proc.poll() is None:
             os.killpg(proc.pid, signal.SIGKILL)
-            proc.wait()
-    return DemoRun(run_dir, out.decode(errors="replace"), proc.returncode)
+        proc.wait()
+    output = log.read_text(errors="replace")
+    return DemoRun(run_dir, output, proc.returncode, sockets, mid_step)

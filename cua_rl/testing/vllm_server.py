@@ -54,6 +54,8 @@ class VLLMServer:
     images_per_prompt: int = 64
     kv_cache_gib: int = 1
     extra_args: list[str] = field(default_factory=list)
+    # Added to the server's environment (e.g. a test plugin's settings).
+    env: dict[str, str] = field(default_factory=dict)
     # Off by default (quieter logs); on, /metrics reports running requests and sampled tokens.
     log_stats: bool = False
     log_path: Path | None = None
@@ -102,6 +104,7 @@ class VLLMServer:
         env.setdefault("VLLM_CPU_OMP_THREADS_BIND", "nobind")
         env.setdefault("OMP_NUM_THREADS", "1")
         env["PYTHONUNBUFFERED"] = "1"
+        env.update(self.env)
         with open(self.log_path, "wb") as log:
             self.process = subprocess.Popen(
                 self.command(),

@@ -240,14 +240,16 @@ async def test_run_that_never_ends_stops_at_the_client_deadline(
     elapsed = time.monotonic() - t0
     s = result.summary
     assert s.reason == "deadline" and s.status == "running"
-    assert elapsed < 3 + 2.5 + 1  # deadline plus the bounded last fetch
+    # The run never ends by itself: returning at all is the deadline at work. The bound only
+    # rules out waiting for more polls; its slack is a busy machine's, not a measurement.
+    assert elapsed < 3 + 2.5 + 20  # deadline plus the bounded last fetch
     assert result.events and result.events[0]["type"] == "step_start"
     # No cancel endpoint: terminating the gym execution is what stops the run.
     async with httpx.AsyncClient() as http:
         resp = await http.post(f"{gym.base_url}/executions/{ex}/terminate")
         assert resp.status_code == 200
     async with MiniAgentClient(agent.url) as client:
-        for _ in range(100):
+        for _ in range(600):  # a bound for a hung agent, not a speed assumption
             run = await client.get_run(s.run_id)
             if run["status"] != "running":
                 break

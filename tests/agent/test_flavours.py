@@ -147,7 +147,7 @@ def _scripted_model(replies: list[str]) -> FastAPI:
 async def _events(agent_url: str, body: dict) -> list[dict]:
     async with httpx.AsyncClient(base_url=agent_url, timeout=30) as http:
         run_id = (await http.post("/runs", json=body)).json()["runId"]
-        for _ in range(600):
+        for _ in range(1200):  # up to a minute: a bound for a hung run, not its speed
             run = (await http.get(f"/runs/{run_id}")).json()
             if run["status"] in ("completed", "failed"):
                 break

@@ -21,6 +21,7 @@ import httpx
 import pytest
 
 from cua_rl.sim.gym import Fault, GymServer, SimGymConfig
+from cua_rl.testing.sockets import listening, off_loopback
 from tests.conftest import DEMO_STEPS
 from tests.conftest import db_rows as _rows
 
@@ -82,6 +83,25 @@ def test_demo_trains_asynchronously_without_losing_an_episode(demo_run):
     ):
         versions.setdefault(rid, set()).update(json.loads(mj or "{}").get("versions", []))
     assert versions and any(len(v) > 1 for v in versions.values()), versions
+
+
+@pytest.mark.timeout(1800)
+def test_a_running_demo_listens_on_loopback_only_and_talks_to_nothing_else(demo_run):
+    """Every socket of every process of the run (monitor, gym, agent, trainer, AReaL's workers,
+    vLLM), read from the kernel while training episodes ran: listening on 127.0.0.1 / ::1 only,
+    connected to loopback only."""
+    assert demo_run.returncode == 0, demo_run.output[-3000:]
+    assert demo_run.samples_mid_step > 0, "no sample was taken while an episode ran"
+    listeners = listening(list(demo_run.sockets))
+    # The sample saw the whole run: the trainer's workers and the model server listen too.
+    for who in (
+        "cua_rl.cpu.rpc_worker",
+        "--role actor",
+        "--role rollout",
+        "cua_rl.cpu.vllm_server",
+    ):
+        assert any(who in e.cmd for e in listeners), (who, sorted(map(str, listeners)))
+    assert off_loopback(list(demo_run.sockets)) == []
 
 
 @pytest.mark.timeout(1800)

@@ -271,7 +271,7 @@ async def test_cancelled_episode_leaves_no_open_execution(
     wf = CUAAgentWorkflow(_settings(gym, agent, vllm_server, tiny_vl_model_dir))
     task = asyncio.create_task(wf.arun_episode(_engine(vllm_server), dict(easy_task)))
     # Cancel while the agent is running (the execution exists by then).
-    for _ in range(200):
+    for _ in range(1200):  # up to a minute: a bound for a hung episode, not its speed
         await asyncio.sleep(0.05)
         if await _open_executions(gym):
             break

@@ -244,7 +244,8 @@ class _DeadProcess:
 
 
 class _Config:
-    setup_timeout = 60.0
+    # Far beyond any machine's time to notice a dead process: only waiting for it is caught.
+    setup_timeout = 600.0
 
 
 def test_wait_for_server_fails_fast_when_the_server_dies(monkeypatch):
@@ -277,4 +278,4 @@ def test_wait_for_server_fails_fast_when_the_server_dies(monkeypatch):
         remote_inf_engine.RemoteInfEngine._wait_for_server(
             _Engine(), "127.0.0.1:9", process=_DeadProcess()
         )
-    assert time.monotonic() - t0 < 5
+    assert time.monotonic() - t0 < 60  # not the setup_timeout: the dead process was noticed

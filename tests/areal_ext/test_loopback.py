@@ -2,6 +2,11 @@
 
 from __future__ import annotations
 
+import subprocess
+import sys
+
+import pytest
+
 from cua_rl.cpu.loopback import bind_loopback, fork_our_worker, loopback_argv
 
 
@@ -13,12 +18,66 @@ def test_the_worker_command_line_binds_loopback_instead_of_every_interface():
     assert loopback_argv(["x", "--host", "::"]) == ["x", "--host", "127.0.0.1"]
     # A host the config chose is left alone.
     assert loopback_argv(["x", "--host", "10.1.2.3"]) == ["x", "--host", "10.1.2.3"]
+    assert loopback_argv(["x", "--host=10.1.2.3"]) == ["x", "--host=10.1.2.3"]
+    # LocalScheduler's first workers get no --host: the RPC server would take its default,
+    # 0.0.0.0.
+    assert loopback_argv(["rpc_worker", "--port", "4000"]) == [
+        "rpc_worker", "--port", "4000", "--host", "127.0.0.1"
+    ]  # fmt: skip
 
 
-def test_areal_modules_that_imported_gethostip_answer_loopback():
+# A process group as AReaL's controller (tcp://localhost) and FSDP actor (env://, MASTER_ADDR)
+# make them, then the inet sockets of the process, read from the kernel.
+GROUP = """
+import os, sys
+from cua_rl.cpu.loopback import bind_loopback
+if sys.argv[1] == "patched":
+    bind_loopback()
+import torch.distributed as dist
+from areal.utils.network import find_free_ports
+from cua_rl.testing.sockets import listening, tree_sockets
+port = find_free_ports(1)[0]
+if sys.argv[2] == "tcp":
+    dist.init_process_group("gloo", init_method=f"tcp://localhost:{port}", rank=0, world_size=1)
+else:
+    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), RANK="0", WORLD_SIZE="1")
+    dist.init_process_group("gloo")
+dist.barrier(group=dist.new_group(backend="gloo"))
+for e in listening(tree_sockets(os.getpid())):
+    print("LISTEN", e.local)
+"""
+
+
+def _group_listeners(mode: str, rendezvous: str) -> list[str]:
+    run = subprocess.run(
+        [sys.executable, "-c", GROUP, mode, rendezvous], capture_output=True, text=True, timeout=120
+    )
+    assert run.returncode == 0, run.stderr[-3000:]
+    return [line.split()[1] for line in run.stdout.splitlines() if line.startswith("LISTEN ")]
+
+
+@pytest.mark.slow
+def test_torch_distributed_stores_of_a_local_run_listen_on_loopback_only():
+    from cua_rl.testing.sockets import is_loopback
+
+    for rendezvous in ("tcp", "env"):
+        # Unpatched, torch's store listens on every interface (the test can see a wildcard).
+        plain = _group_listeners("plain", rendezvous)
+        assert any(not is_loopback(a.rsplit(":", 1)[0]) for a in plain), plain
+        patched = _group_listeners("patched", rendezvous)
+        assert patched and all(is_loopback(a.rsplit(":", 1)[0]) for a in patched), patched
+
+
+def test_areal_modules_that_imported_gethostip_answer_loopback(monkeypatch):
+    import importlib
+
     import areal.infra.scheduler.local as local
     import areal.utils.network as network
 
+    rendezvous = importlib.import_module("torch.distributed.rendezvous")
+    # Undone at the end: bind_loopback also patches torch and sets gloo's interface.
+    monkeypatch.setattr(rendezvous, "_create_c10d_store", rendezvous._create_c10d_store)
+    monkeypatch.delenv("GLOO_SOCKET_IFNAME", raising=False)
     original = network.gethostip
     try:
         bind_loopback()
@@ -44,3 +103,30 @@ def test_forked_workers_run_the_harness_worker_unless_a_command_is_given():
     finally:
         LocalScheduler.fork_workers = original
     assert calls == ["cua_rl.cpu.rpc_worker", "some.module"]
+
+
+def test_the_socket_reader_tells_loopback_from_every_interface():
+    import os
+    import socket
+
+    from cua_rl.testing.sockets import Endpoint, is_loopback, listening, off_loopback, tree_sockets
+
+    assert is_loopback("127.0.0.1") and is_loopback("::1") and is_loopback("::ffff:127.0.0.1")
+    assert not is_loopback("0.0.0.0") and not is_loopback("::") and not is_loopback("10.0.0.2")
+    # A listener and a connection of this process, read from the kernel (loopback only: the
+    # test opens nothing on another interface).
+    with socket.socket() as server, socket.socket() as client:
+        server.bind(("127.0.0.1", 0))
+        server.listen()
+        client.connect(server.getsockname())
+        mine = tree_sockets(os.getpid())
+        address = f"127.0.0.1:{server.getsockname()[1]}"
+    assert address in {e.local for e in listening(mine)}
+    assert address in {e.remote for e in mine if e.status == "ESTABLISHED"}
+    assert off_loopback(mine) == []
+    # What the kernel reports for a wildcard listener and an outward connection.
+    wide = Endpoint(1, "x", "LISTEN", ":::4000", "")
+    udp = Endpoint(1, "x", "NONE", "0.0.0.0:5353", "")
+    out = Endpoint(1, "x", "ESTABLISHED", "127.0.0.1:5000", "10.0.0.2:443")
+    back = Endpoint(1, "x", "ESTABLISHED", "::ffff:127.0.0.1:5000", "::ffff:127.0.0.1:6000")
+    assert off_loopback([wide, udp, out, back]) == [wide, udp, out]

@@ -13,6 +13,7 @@ from safetensors.torch import load_file, save_file
 from cua_rl.cpu.vllm_server import OUR_EXTENSION
 from cua_rl.gateway import Gateway, GatewayConfig, Sampling, SessionSpec
 from cua_rl.testing.forward import load_vl_model, next_token_logprobs
+from cua_rl.testing.hold import Hold
 from cua_rl.testing.vllm_server import VLLMServer
 from cua_rl.trajectory import convert_turns
 from cua_rl.trajectory.config import TrajectoryConfig
@@ -20,77 +21,76 @@ from tests.gateway.conftest import FakeEngine, data_url, png, user
 
 pytestmark = pytest.mark.slow
 
-N_TOKENS = 1500
-
-
-def _metric(text: str, name: str) -> float:
-    """Sum of one Prometheus series over its labels (0 when the server has not reported it)."""
-    total = 0.0
-    for line in text.splitlines():
-        if line.startswith(name + "{") or line.startswith(name + " "):
-            total += float(line.rsplit(" ", 1)[1])
-    return total
-
-
-async def _wait_until_sampling(http: httpx.AsyncClient, root: str, since: float, call) -> None:
-    """Return once vLLM reports the call running with tokens already sampled.
-
-    The update is sent on that signal, not after a fixed delay: the call is then in flight and
-    has output, whatever this machine's sampling speed (polled every 10 ms, far below the time
-    the 1500-token call takes even on a fast server)."""
-    while not call.done():
-        text = (await http.get(f"{root}/metrics")).text
-        running = _metric(text, "vllm:num_requests_running")
-        if running >= 1 and _metric(text, "vllm:generation_tokens_total") > since:
-            return
-        await asyncio.sleep(0.01)
+N_TOKENS = 200
+# Where the pause lands: right after the first token, and late in the call. The server is held
+# there (cua_rl.testing.hold) until the pause reaches it, so neither depends on sampling speed.
+HOLDS = (1, 150)
 
 
 @pytest.fixture(scope="module")
-def server(tiny_vl_bpe_model_dir):
+def hold(tmp_path_factory):
+    return Hold(tmp_path_factory.mktemp("hold"))
+
+
+@pytest.fixture(scope="module")
+def server(tiny_vl_bpe_model_dir, hold):
     # Its own server: the weight labels it gets here must not reach other tests.
-    extra = ["--worker-extension-cls", OUR_EXTENSION]
+    extra = ["--worker-extension-cls", OUR_EXTENSION, *hold.server_args()]
     with VLLMServer(
-        tiny_vl_bpe_model_dir, model="tiny-vl-bpe-upd", extra_args=extra, log_stats=True
+        tiny_vl_bpe_model_dir, model="tiny-vl-bpe-upd", extra_args=extra, env=hold.env()
     ) as srv:
         yield srv
+
+
+def _version(tmp_path_factory, src, v: int):
+    """A copy of ``src`` saved where AReaL saves version ``v``: .../weight_update_v{v}."""
+    dst = tmp_path_factory.mktemp("ckpt") / f"weight_update_v{v}"
+    shutil.copytree(src, dst)
+    return dst
+
+
+@pytest.fixture(scope="module")
+def base_v0(tmp_path_factory, tiny_vl_bpe_model_dir):
+    return _version(tmp_path_factory, tiny_vl_bpe_model_dir, 0)
 
 
 @pytest.fixture(scope="module")
 def sharper_v1(tmp_path_factory, tiny_vl_bpe_model_dir):
     """Version 1 of the policy, saved where AReaL saves it: .../weight_update_v1."""
-    dst = tmp_path_factory.mktemp("ckpt") / "weight_update_v1"
-    shutil.copytree(tiny_vl_bpe_model_dir, dst)
+    dst = _version(tmp_path_factory, tiny_vl_bpe_model_dir, 1)
     weights = load_file(dst / "model.safetensors")
     weights["model.norm.weight"] = weights["model.norm.weight"] * 2.0  # sharper distributions
     save_file(weights, dst / "model.safetensors", metadata={"format": "pt"})
     return dst
 
 
+@pytest.mark.parametrize("hold_at", HOLDS)
 async def test_weight_update_mid_call_gives_a_normal_answer_and_both_versions(
-    server, sharper_v1, tiny_vl_bpe_model_dir
+    server, hold, hold_at, base_v0, sharper_v1, tiny_vl_bpe_model_dir
 ):
     from transformers import AutoProcessor
 
     processor = AutoProcessor.from_pretrained(tiny_vl_bpe_model_dir)
     engine = FakeEngine(f"{server.host}:{server.port}", version=0)
     gw = Gateway(GatewayConfig()).start()
-    # min_new_tokens = max_new_tokens keeps the model from stopping early, so the call is long.
+    # min_new_tokens = max_new_tokens keeps the model from stopping early.
     sampling = Sampling(temperature=1.0, max_new_tokens=N_TOKENS, min_new_tokens=N_TOKENS)
     spec = SessionSpec(engine, sampling, processor, server.model, TrajectoryConfig())
     url = gw.open("upd", spec)
     root = f"http://{server.host}:{server.port}"
     try:
         async with httpx.AsyncClient(timeout=600) as http:
+            # Version 0 again, labelled 0 (an earlier case loaded version 1).
+            r = await http.post(f"{root}/areal_update_weights", json={"model_path": str(base_v0)})
+            assert r.status_code == 200, r.text
+            hold.arm(hold_at)
             messages = [user("Step 1", data_url(png()))]
-            since = _metric(
-                (await http.get(f"{root}/metrics")).text, "vllm:generation_tokens_total"
-            )
             call = asyncio.create_task(
                 http.post(f"{url}/chat/completions", json={"messages": messages})
             )
-            await _wait_until_sampling(http, root, since, call)
-            assert not call.done(), "the call ended before vLLM reported it sampling"
+            # The server stops sampling at hold_at tokens and resumes only once the pause
+            # below has reached its engine, which then aborts the call before its next step.
+            assert await hold.held(call) == hold_at
             # AReaL's order: pause the rollout, abort in-flight generation, load the new
             # weights, publish the version, resume.
             engine.paused.set()
@@ -113,8 +113,9 @@ async def test_weight_update_mid_call_gives_a_normal_answer_and_both_versions(
     (turn,) = capture.turns
     assert turn.aborts == 1 and not capture.errors
     assert len(turn.output_ids) == N_TOKENS
+    # The held step sampled one more token under version 0; the pause aborted the rest.
     k = turn.versions.index(1)
-    assert 0 < k < N_TOKENS
+    assert k == hold_at + 1
     assert turn.versions == [0] * k + [1] * (N_TOKENS - k)
 
     result = convert_turns(

@@ -39,17 +39,17 @@ async def test_create_500_is_not_retried_and_leaves_nothing(genv, gym, http):
 
 
 async def test_create_answering_late_is_terminated_by_the_client(gym, http):
-    # The server takes 2 s to create; the caller gives up at 0.2 s. The client keeps
+    # The server takes 5 s to create; the caller gives up at 0.2 s. The client keeps
     # listening (grace) and terminates what the server reveals; the idle expiry (900 s
     # here) plays no part.
-    await set_faults(http, gym, create={"latency_s": 2.0})
-    timeouts = replace(FAST, create_s=0.2, create_grace_s=5)
+    await set_faults(http, gym, create={"latency_s": 5.0})
+    timeouts = replace(FAST, create_s=0.2, create_grace_s=15)
     client = GenvClient(gym.url, gym.gym_id, timeouts=timeouts)
-    t0 = time.monotonic()
     with pytest.raises(GymError, match="timed out after 0.2s; not retried"):
         async with client.execution(TASK):
             pytest.fail("unreachable")
-    assert time.monotonic() - t0 < 1.5  # the caller was not held for the late answer
+    # The caller was not held for the late answer: the gym has not created it yet.
+    assert (await counters(http, gym))["created"] == 0
     await client.aclose()
     assert client.stats["late_creates_terminated"] == 1
     c = await counters(http, gym)
@@ -82,7 +82,7 @@ async def test_dropped_create_is_an_error_and_only_idle_expiry_can_reclaim_it(ge
         await genv.create_execution(TASK)
     assert ei.value.status is None
     assert (await counters(http, gym))["created"] == 1  # no blind retry made a second one
-    deadline = time.monotonic() + 5
+    deadline = time.monotonic() + 60  # a bound for a reaper that never runs, not its speed
     while await open_executions(http, gym) and time.monotonic() < deadline:
         await asyncio.sleep(0.1)
     assert await open_executions(http, gym) == []

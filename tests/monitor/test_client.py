@@ -66,7 +66,7 @@ async def test_spools_while_down_then_replays_in_order(fake, tmp_path, store):
     # While the spool is not empty new batches queue behind it, even a dependent one.
     client.enqueue("validators", {"task_client_id": "t-a", "validator_type": "state"})
     # The worker spools it in the background: wait for that (bounded), not a fixed delay.
-    for _ in range(200):
+    for _ in range(1200):  # up to a minute: a bound for a hung worker, not its speed
         if client.counters.spooled == 2:
             break
         await asyncio.sleep(0.05)
@@ -114,7 +114,9 @@ async def test_never_raises_never_blocks_and_close_spools_leftovers(fake, tmp_pa
     loop = asyncio.get_running_loop()
     t0 = loop.time()
     await client.close(timeout=0.3)
-    assert loop.time() - t0 < 5
+    # Well under the hanging POST's 30 s timeout: close did not wait for it (the slack is for a
+    # busy machine, not a speed the test needs).
+    assert loop.time() - t0 < 15
     # The batch in flight and whatever was queued are in the spool, not lost.
     lines = (tmp_path / "spool.jsonl").read_text().splitlines()
     spooled = [t["task_id"] for line in lines for t in json.loads(line).get("tasks", [])]

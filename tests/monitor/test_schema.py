@@ -369,3 +369,43 @@ def test_concurrent_first_opens_apply_migration_1_once(tmp_path):
     assert errors == []
     rows = connect(path).execute("SELECT version FROM schema_migrations").fetchall()
     assert [tuple(r) for r in rows] == [(1,), (2,), (3,)]
+
+
+def test_opening_waits_for_a_lock_held_while_it_switches_to_wal(tmp_path):
+    """Why concurrent first opens failed under load: switching a new file to WAL takes the
+    lock without SQLite's busy handler, so an open that met another connection's lock failed at
+    once ("database is locked"). Here the lock is held until the opener has provably met it
+    (its switch runs a second time) and only then released."""
+    path = tmp_path / "held.db"
+    holder = connect(path)
+    holder.execute("BEGIN IMMEDIATE")  # a new file, rollback journal: the lock the switch needs
+    holder.execute("CREATE TABLE other (x)")
+    opener = connect(path)
+    switches, retried = [], threading.Event()
+
+    def trace(sql: str) -> None:
+        if sql.startswith("PRAGMA journal_mode"):
+            switches.append(sql)
+            if len(switches) == 2:
+                retried.set()
+
+    opener.set_trace_callback(trace)
+    errors: list[BaseException] = []
+
+    def open_db() -> None:
+        try:
+            migrate(opener)
+        except BaseException as exc:  # collected: an assert in a thread would be lost
+            errors.append(exc)
+        finally:
+            retried.set()
+
+    thread = threading.Thread(target=open_db)
+    thread.start()
+    retried.wait(timeout=60)
+    holder.execute("COMMIT")
+    thread.join(timeout=60)
+    assert errors == [] and len(switches) >= 2, (errors, switches)
+    assert opener.execute("PRAGMA journal_mode").fetchone()[0] == "wal"
+    rows = opener.execute("SELECT version FROM schema_migrations").fetchall()
+    assert [tuple(r) for r in rows] == [(m.version,) for m in MIGRATIONS]

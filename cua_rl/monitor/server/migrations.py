@@ -8,17 +8,19 @@ Connections get WAL (readers never block the single writer) and foreign keys on.
 from __future__ import annotations
 
 import sqlite3
+import time
 from pathlib import Path
 
 import sqlite_utils
 
 from cua_rl.monitor.server.schema import MIGRATIONS, Migration
 
+BUSY_TIMEOUT_S = 10.0
 _PRAGMAS = (
     "PRAGMA foreign_keys = ON",
     # NORMAL in WAL mode survives a killed process; only an OS crash can lose the last commits.
     "PRAGMA synchronous = NORMAL",
-    "PRAGMA busy_timeout = 10000",
+    f"PRAGMA busy_timeout = {int(BUSY_TIMEOUT_S * 1000)}",
     # The updated_at triggers update their own table; they rely on this staying off.
     "PRAGMA recursive_triggers = OFF",
 )
@@ -44,7 +46,7 @@ def current_version(db: sqlite_utils.Database) -> int:
 
 def migrate(conn: sqlite3.Connection, migrations: tuple[Migration, ...] = MIGRATIONS) -> list[int]:
     """Apply the migrations newer than the database; returns the versions applied."""
-    mode = conn.execute("PRAGMA journal_mode = WAL").fetchone()[0]
+    mode = _switch_to_wal(conn)
     if str(mode).lower() != "wal" and conn.execute("PRAGMA database_list").fetchone()[2]:
         raise RuntimeError(f"could not switch the monitor database to WAL (journal_mode={mode})")
     db = sqlite_utils.Database(conn, recursive_triggers=False)
@@ -79,6 +81,23 @@ def migrate(conn: sqlite3.Connection, migrations: tuple[Migration, ...] = MIGRAT
         applied.append(migration.version)
     conn.execute("PRAGMA foreign_keys = ON")  # a no-op inside a transaction; outside, assured
     return applied
+
+
+def _switch_to_wal(conn: sqlite3.Connection) -> str:
+    """``PRAGMA journal_mode = WAL``, waiting as long as the busy timeout for the lock.
+
+    The switch takes the database's lock without SQLite's busy handler: while another
+    connection holds it (another process opening the same new file and switching it, or
+    creating its tables), it fails at once with "database is locked" whatever busy_timeout is.
+    """
+    deadline = time.monotonic() + BUSY_TIMEOUT_S
+    while True:
+        try:
+            return conn.execute("PRAGMA journal_mode = WAL").fetchone()[0]
+        except sqlite3.OperationalError as exc:
+            if "locked" not in str(exc) or time.monotonic() > deadline:
+                raise
+        time.sleep(0.01)
 
 
 def _statements(sql: str) -> list[str]:
