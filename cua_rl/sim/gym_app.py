@@ -125,6 +125,7 @@ def _service_routes(app: FastAPI, gym: SimGym) -> None:
             "backend": cfg.backend,
             "live": len(gym.live),
             "counters": gym.counters,
+            "delaying": {op: n for op, n in gym.delaying.items() if n},
         }
 
     @app.get("/api/v1/_sim/faults")

@@ -173,6 +173,9 @@ class SimGym:
             "faults": 0,
             "drops": 0,
         }
+        # Requests held by an injected latency right now, per operation: tests wait on this to
+        # act while a call is provably inside the gym, instead of sleeping and hoping.
+        self.delaying: dict[str, int] = {}
         self._dice = random.Random(f"faults:{self.config.seed}")
         # The server's event loop (set when it starts): devices live on it.
         self.loop: asyncio.AbstractEventLoop | None = None
@@ -289,7 +292,11 @@ class SimGym:
         if f is None:
             return
         if f.latency_s:
-            await asyncio.sleep(f.latency_s)
+            self.delaying[op] = self.delaying.get(op, 0) + 1
+            try:
+                await asyncio.sleep(f.latency_s)
+            finally:
+                self.delaying[op] -= 1
         if f.fail_rate and self._dice.random() < f.fail_rate:
             self.counters["faults"] += 1
             raise HTTPException(500, detail=f"injected {op} failure")

@@ -58,7 +58,7 @@ async def test_create_answering_late_is_terminated_by_the_client(gym, http):
 
 
 async def test_cancelled_while_creating_still_terminates_the_late_execution(gym, http):
-    await set_faults(http, gym, create={"latency_s": 0.5})
+    await set_faults(http, gym, create={"latency_s": 2.0})
     client = GenvClient(gym.url, gym.gym_id, timeouts=FAST)
 
     async def episode():
@@ -66,7 +66,11 @@ async def test_cancelled_while_creating_still_terminates_the_late_execution(gym,
             await asyncio.sleep(30)
 
     task = asyncio.create_task(episode())
-    await asyncio.sleep(0.1)
+    # Cancel while the create is provably inside the gym (held by its latency), at any speed.
+    deadline = time.monotonic() + 60  # a bound for a hung gym, not its speed
+    while not (await http.get(f"{gym.url}/healthz")).json()["delaying"].get("create"):
+        assert time.monotonic() < deadline, "the create never reached the gym"
+        await asyncio.sleep(0.01)
     task.cancel()
     with pytest.raises(asyncio.CancelledError):
         await task
