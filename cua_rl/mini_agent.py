@@ -34,6 +34,11 @@ class MalformedEvent(AgentError):
     """The agent sent an event that breaks the event format (not transient: no retry)."""
 
 
+class AgentUnreachable(AgentError):
+    """No connection to the agent could be opened, so the request was never sent (an agent
+    restarting or not up yet); unlike a lost answer, a retry cannot start anything twice."""
+
+
 def _event_step(event: dict) -> Any:
     # Older servers number turns instead of steps.
     return event.get("step", event.get("turn"))
@@ -112,6 +117,8 @@ class MiniAgentClient:
         url = f"{self.base_url}{path}"
         try:
             resp = await self._client.request(method, url, **kwargs)
+        except (httpx.ConnectError, httpx.ConnectTimeout) as exc:
+            raise AgentUnreachable(f"{method} {path}: {type(exc).__name__}: {exc}") from exc
         except httpx.HTTPError as exc:
             raise AgentError(f"{method} {path}: {type(exc).__name__}: {exc}") from exc
         if resp.status_code == 404 and none_on_404:
@@ -277,6 +284,14 @@ class DriverConfig:
             "help": "failed status polls in a row tolerated before giving up (reason agent_error)"
         },
     )
+    create_connect_wait_s: float = field(
+        default=30.0,
+        metadata={
+            "help": "how long a run's create keeps retrying while the agent cannot be reached at "
+            "all (connection refused: an agent restarting); 0 fails at once. A create whose "
+            "answer was lost is never retried (it could start a second run)"
+        },
+    )
 
     def __post_init__(self) -> None:
         _positive("deadline_s", self.deadline_s)
@@ -289,6 +304,10 @@ class DriverConfig:
             raise ConfigError(f"poll_factor must be >= 1.0, got {self.poll_factor}")
         if self.max_consecutive_errors < 0:
             raise ConfigError("max_consecutive_errors must be >= 0")
+        if self.create_connect_wait_s < 0:
+            raise ConfigError(
+                f"create_connect_wait_s must be >= 0 (0 fails at once), got {self.create_connect_wait_s}"
+            )
 
 
 @dataclass
@@ -297,8 +316,9 @@ class RunSummary:
 
     ``reason`` is the agent's reason for terminal runs, else the driver's own:
     ``deadline`` (client deadline passed, run may still be going), ``agent_error`` (too many
-    transient failures in a row), ``create_failed`` (POST /runs failed; never retried, since a
-    retry could start a second run on the execution), ``bad_events`` (an event broke the format).
+    transient failures in a row), ``create_failed`` (POST /runs failed; retried only while no
+    connection could be opened, ``create_retries`` counts those, since any other retry could
+    start a second run on the execution), ``bad_events`` (an event broke the format).
     """
 
     run_id: str | None
@@ -312,6 +332,7 @@ class RunSummary:
     started_at: float = 0.0
     ended_at: float = 0.0
     polls: int = 0
+    create_retries: int = 0
 
     @property
     def terminal(self) -> bool:
@@ -379,12 +400,8 @@ class RunDriver:
 
     async def _drive(self, spec: RunSpec, summary: RunSummary, log: EventLog, deadline) -> None:
         cfg = self.config
-        # A create is not retried: a retry after a lost answer would start a second run on the
-        # same execution.
         try:
-            summary.run_id = await within(
-                max(0.01, deadline - time.monotonic()), self.client.create_run(spec.body())
-            )
+            summary.run_id = await self._create(spec, summary, deadline)
         except (AgentError, TimeoutError) as exc:
             summary.status, summary.reason = "failed", "create_failed"
             summary.errors.append(f"create_run: {exc}")
@@ -446,6 +463,23 @@ class RunDriver:
                 cfg.poll_initial_s if new else min(cfg.poll_max_s, interval * cfg.poll_factor)
             )
             await asyncio.sleep(min(interval, max(0.0, deadline - time.monotonic())))
+
+    async def _create(self, spec: RunSpec, summary: RunSummary, deadline: float) -> str:
+        # Only a create that never left this process is retried: after a lost answer the agent
+        # may have started the run, and a second create would start another on the same box.
+        give_up = min(deadline, time.monotonic() + self.config.create_connect_wait_s)
+        delay = 0.25
+        while True:
+            try:
+                return await within(
+                    max(0.01, deadline - time.monotonic()), self.client.create_run(spec.body())
+                )
+            except AgentUnreachable:
+                if time.monotonic() + delay > give_up:
+                    raise
+            summary.create_retries += 1
+            await asyncio.sleep(delay)
+            delay = min(2 * delay, 2.0)
 
     async def _final_fetch(
         self, run_id: str, log: EventLog, summary: RunSummary, *, budget_s: float

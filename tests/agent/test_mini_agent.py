@@ -151,10 +151,46 @@ async def test_run_with_unreachable_model_ends_with_model_error(
 
 
 async def test_create_failure_is_a_summary_not_an_exception(closed_port_url):
-    result = await drive_run(closed_port_url, _spec(execution_id="ex-1"))
+    cfg = DriverConfig(create_connect_wait_s=0)
+    result = await drive_run(closed_port_url, _spec(execution_id="ex-1"), config=cfg)
     assert result.summary.status == "failed" and result.summary.reason == "create_failed"
     assert result.summary.run_id is None and result.events == []
     assert "ConnectError" in result.summary.errors[0]
+
+
+async def test_create_waits_out_an_agent_that_cannot_be_reached_yet(
+    agent, gym, new_execution, spec_for, closed_port_url
+):
+    # The first two creates find no listener (an agent restarting): never sent, so retried.
+    ex = await new_execution()
+    transport = FaultyTransport(
+        lambda req, n: (
+            httpx.ConnectError("agent restarting", request=req)
+            if req.method == "POST" and n <= 2
+            else None
+        )
+    )
+    async with httpx.AsyncClient(transport=transport) as http:
+        spec = spec_for(ex, model_base_url=f"{closed_port_url}/v1")
+        cfg = DriverConfig(deadline_s=30, poll_initial_s=0.05, poll_max_s=0.2)
+        result = await drive_run(agent.url, spec, config=cfg, client=http)
+    s = result.summary
+    assert s.create_retries == 2 and s.run_id is not None
+    assert (s.status, s.reason) == ("failed", "model_error")  # the run itself went on
+
+
+async def test_a_create_whose_answer_was_lost_is_not_retried(
+    agent, gym, new_execution, spec_for, closed_port_url
+):
+    ex = await new_execution()
+    transport = FaultyTransport(
+        lambda req, n: httpx.ReadError("answer lost", request=req) if req.method == "POST" else None
+    )
+    async with httpx.AsyncClient(transport=transport) as http:
+        spec = spec_for(ex, model_base_url=f"{closed_port_url}/v1")
+        result = await drive_run(agent.url, spec, config=DriverConfig(deadline_s=30), client=http)
+    s = result.summary
+    assert (s.reason, s.create_retries, transport.injected) == ("create_failed", 0, 1)
 
 
 async def test_agent_refuses_bad_run_bodies_with_a_message(agent):
