@@ -19,7 +19,7 @@ import threading
 from pathlib import Path
 from typing import Any
 
-from cua_rl.monitor.protocol import SOURCE_ID_COLUMNS, SOURCE_TYPES, STATUSES
+from cua_rl.monitor.protocol import SOURCE_ID_COLUMNS, SOURCE_TYPES, STATUSES, TERMINAL
 
 Row = dict[str, Any]
 # The training episodes of a run (not its baseline or evals), for ``training.id = ?``.
@@ -386,6 +386,35 @@ class MonitorReader:
             f"ON r.id = t.rollout_id WHERE {_TRAINING_ROLLOUT}",
             (training_id,),
         )
+
+    def training_rollout_outcomes(self, training_id: int) -> list[Row]:
+        """Every training episode's client id, status, reason (``status_message``) and end."""
+        return self._rows(
+            "SELECT r.rollout_id, r.status, r.status_message, r.end_time FROM rollout r "
+            f"WHERE {_TRAINING_ROLLOUT}",
+            (training_id,),
+        )
+
+    def record_integrity(self) -> dict[str, int]:
+        """Over the whole file: environments not in a final status, environments that name a
+        gym box, turns recorded twice (one rollout, one turn number), rollouts with more than
+        one environment (bench/soak.py's lost and duplicated records)."""
+        final = ", ".join(f"'{s}'" for s in sorted(TERMINAL["environment"]))
+        one = self._one
+        return {
+            "open_environments": one(
+                f"SELECT COUNT(*) AS n FROM environment WHERE status NOT IN ({final})"  # noqa: S608
+            )["n"],
+            "boxes": one("SELECT COUNT(*) AS n FROM environment WHERE gbox_id IS NOT NULL")["n"],
+            "duplicate_turns": one(
+                "SELECT COALESCE(SUM(n - 1), 0) AS n FROM (SELECT COUNT(*) AS n FROM turn "
+                "GROUP BY rollout_id, turn HAVING n > 1)"
+            )["n"],
+            "duplicate_environments": one(
+                "SELECT COALESCE(SUM(n - 1), 0) AS n FROM (SELECT COUNT(*) AS n FROM "
+                "environment GROUP BY rollout_id HAVING n > 1)"
+            )["n"],
+        }
 
     # ------------------------------------------------------------------ one rollout
 
