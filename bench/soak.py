@@ -18,7 +18,7 @@ and in turn:
 - ``model_outage``: every model answer cut for a while, longer than the gateway's re-sends
   (calls then fail: the episodes should be rejected with a reason).
 
-Printed (how each figure is computed is in docs/benches.md): episodes started, finished,
+Printed (how each figure is computed: docs/soak.md): episodes started, finished,
 rejected by reason, cancelled, still open; which fault each rejection falls under (a rejection
 outside every fault's window is unexplained); gym executions alive at the end (asked of the
 gym); monitor records open at the end, lost (the rollout worker's own rejections absent from

@@ -6,30 +6,22 @@ plain SQL at hand-picked times, so every expected figure below is worked out by 
 
 from __future__ import annotations
 
-import importlib.util
 import json
 import sqlite3
-import sys
 from pathlib import Path
 
 import pytest
 
 from cua_rl.monitor.server.store import MonitorStore
+from tests.bench import load_bench
 
 ROOT = Path(__file__).resolve().parents[2]
 
 
 @pytest.fixture(scope="module")
 def bench():
-    spec = importlib.util.spec_from_file_location(
-        "async_rollouts", ROOT / "bench" / "async_rollouts.py"
-    )
-    module = importlib.util.module_from_spec(spec)
-    # Dataclasses resolve their annotations through sys.modules.
-    sys.modules[spec.name] = module
-    spec.loader.exec_module(module)
-    yield module
-    sys.modules.pop(spec.name, None)
+    with load_bench("async_rollouts") as module:
+        yield module
 
 
 def test_union_of_step_intervals(bench):

@@ -4,41 +4,25 @@ schedule, which fault a rejection falls under, lost records and the verdict. The
 
 from __future__ import annotations
 
-import importlib.util
-import sys
 from datetime import datetime
-from pathlib import Path
 
 import pytest
 
-ROOT = Path(__file__).resolve().parents[2]
+from tests.bench import load_bench
 
 
 @pytest.fixture(scope="module")
 def soak():
-    spec = importlib.util.spec_from_file_location(
-        "soak_accounting", ROOT / "bench" / "soak_accounting.py"
-    )
-    module = importlib.util.module_from_spec(spec)
-    sys.modules[spec.name] = module  # dataclasses resolve annotations through sys.modules
-    spec.loader.exec_module(module)
-    yield module
-    sys.modules.pop(spec.name, None)
+    with load_bench("soak_accounting") as module:
+        yield module
 
 
 def test_schedule_spaces_the_kinds_in_turn_and_ends_each_fault_in_time(soak):
     faults = soak.fault_schedule(100.0, 400.0)
     # The longest fault lasts 30 s, so one starts every 45 s: at 100, 145, ..., 370 (ends 400).
     assert [f.at_s for f in faults] == [100.0, 145.0, 190.0, 235.0, 280.0, 325.0, 370.0]
-    assert [f.kind for f in faults] == [
-        "gym_5xx",
-        "slow_create",
-        "agent_kill",
-        "monitor_kill",
-        "model_drop",
-        "model_outage",
-        "gym_5xx",
-    ]
+    assert [f.kind for f in faults] == [*soak.FAULT_KINDS, "gym_5xx"]
+    assert len(soak.FAULT_KINDS) == 6
     assert all(f.end_s <= 400.0 for f in faults)
     assert all(a.end_s <= b.at_s for a, b in zip(faults, faults[1:], strict=False))
 
