@@ -267,11 +267,11 @@ def run(args, stack: Stack, log) -> dict:
             out["warm_at"] = now
             out["warm"] = stack.sample()
             pending = fault_schedule(now + 5.0, deadline - 30.0)
-            out["faults"] = list(pending)
             log(f"warm after {now:.0f}s: {len(pending)} faults scheduled")
         while pending and pending[0].at_s <= now:
             f = pending.pop(0)
             inject(stack, f, log)
+            out["faults"].append(f)
             undo.append(f)
         for f in [f for f in undo if f.end_s <= now]:
             recover(stack, f, log)
@@ -318,6 +318,7 @@ def read_back(stack: Stack, faults: list[Fault]) -> dict:
         shots = reader.screenshot_totals()
         steps = len(reader.finished_steps(t["id"])) if t else 0
         status = t["status"] if t else "none"
+        error = (t["error_message"] or "") if t else ""
     finally:
         reader.close()
     episodes = [
@@ -342,6 +343,7 @@ def read_back(stack: Stack, faults: list[Fault]) -> dict:
         "db_bytes": db_bytes,
         "steps": steps,
         "status": status,
+        "error": error,
     }
 
 
@@ -354,7 +356,8 @@ def report(out: dict, back: dict, stack: Stack) -> list[str]:
     integ = back["integrity"]
     lines = [
         f"training: {back['status']}, {back['steps']} steps committed; exit {out['rc']}, "
-        f"{out['stop_s']:.0f}s from SIGTERM to exit (warm after {out['warm_at'] or 0:.0f}s)",
+        f"{out['stop_s']:.0f}s from SIGTERM to exit (warm after {out['warm_at'] or 0:.0f}s)"
+        + (f"; error: {back['error'][:300]}" if back["error"] else ""),
         f"episodes: started {acc.started}, finished {acc.finished}, rejected "
         f"{sum(acc.rejected.values())}, cancelled {acc.cancelled}, open {acc.open} "
         f"(+{back['surplus']} surplus, not recorded by design)",
