@@ -65,6 +65,12 @@ from cua_rl.app.demo import Child, free_port, wait_http  # noqa: E402
 from cua_rl.monitor.server.read import MonitorReader  # noqa: E402
 from cua_rl.testing.fault_proxy import FaultProxy  # noqa: E402
 
+DUPS = (
+    "duplicate_actions",
+    "duplicate_observations",
+    "duplicate_environments",
+    "duplicate_validations",
+)
 # What the trainer's end leaves time for after the SIGTERM before it is killed.
 STOP_GRACE_S = 180.0
 
@@ -386,8 +392,7 @@ def report(out: dict, back: dict, stack: Stack) -> list[str]:
         f"monitor: open at the end: {acc.open} rollouts, {integ['open_environments']} "
         f"environments; lost: {len(back['lost'])} rejections, {max(box_gap, 0)} gym executions "
         f"with no environment record (created - recorded boxes - surplus = {box_gap}); "
-        f"duplicated: {integ['duplicate_turns']} turns, {integ['duplicate_environments']} "
-        "environments",
+        "duplicated: " + ", ".join(f"{integ[k]} {k.removeprefix('duplicate_')}" for k in DUPS),
     ]
     lines += [f"  LOST {line}" for line in back["lost"]]
     lines.append(f"{'role':<13} {'procs':>5} {'RSS MiB warm':>12} {'end':>8} {'x':>5} "
@@ -406,7 +411,7 @@ def report(out: dict, back: dict, stack: Stack) -> list[str]:
         f"(file {back['db_bytes'] / 2**20:.1f} MiB over {acc.started} episodes)"
     )
     lost = len(back["lost"]) + max(box_gap, 0)
-    dup = integ["duplicate_turns"] + integ["duplicate_environments"]
+    dup = sum(integ[k] for k in DUPS)
     lines.append(verdict(acc, out["gym_live"], lost, dup, integ["open_environments"]))
     if out["early_exit"] or not acc.finished:
         lines[-1] = "verdict: FAIL: the training did not run to the deadline (see logs/train.log)"

@@ -4,10 +4,13 @@ schedule, which fault a rejection falls under, lost records and the verdict. The
 
 from __future__ import annotations
 
+import sqlite3
 from datetime import datetime
 
 import pytest
 
+from cua_rl.monitor.server.read import MonitorReader
+from cua_rl.monitor.server.store import MonitorStore
 from tests.bench import load_bench
 
 
@@ -119,3 +122,60 @@ def test_monitor_timestamps_become_seconds_after_the_start(soak):
     assert soak.seconds_after("2026-11-25 08:01:30.500000", t0) == pytest.approx(90.5)
     assert soak.seconds_after("2026-11-25T09:01:30+01:00", t0) == pytest.approx(90.0)
     assert soak.seconds_after(None, t0) is None
+
+
+def test_reader_gives_outcomes_and_counts_open_and_twice_stored_records(tmp_path):
+    path = tmp_path / "monitor.db"
+    MonitorStore(path).close()
+    db = sqlite3.connect(path)
+    db.execute("INSERT INTO training (id, run_name, log_path, model_name, status) "
+               "VALUES (1, 'r', 'l', 'm', 'cancelled')")  # fmt: skip
+    db.execute("INSERT INTO task (id, task_id, name, description) VALUES (1, 't', 't', '')")
+    db.execute("INSERT INTO step (id, training_id, step, status) VALUES (1, 1, 1, 'completed')")
+    db.execute("INSERT INTO eval (id, training_id, step, model_path) VALUES (1, 1, 1, 'm')")
+    rollouts = [(1, "step", "completed", None), (2, "step", "failed", "gym_error"),
+                (3, "eval", "completed", None)]  # fmt: skip
+    for rid, source, status, reason in rollouts:
+        db.execute(
+            f"INSERT INTO rollout (id, source_type, {source}_id, rollout_id, task_id, model_path,"
+            " status, status_message, end_time) VALUES (?, ?, 1, ?, 1, 'm', ?, ?, ?)",
+            (rid, source, f"u{rid}", status, reason, "2026-11-25 08:00:00"),
+        )
+    # Rollout 1: two environments (one still running, one naming a box); rollout 2: one
+    # terminated environment with a box, one validation stored twice.
+    for rid, status, box in ((1, "running", None), (1, "terminated", "b1"), (2, "error", "b2")):
+        db.execute(
+            "INSERT INTO environment (rollout_id, env_type, status, gbox_id) VALUES (?, 'a', ?, ?)",
+            (rid, status, box),
+        )
+    db.executemany("INSERT INTO validation (rollout_id, success) VALUES (?, 0)", [(2,), (2,)])
+    db.execute("INSERT INTO turn (id, rollout_id, turn) VALUES (1, 1, 1)")
+    # The same action three times and two different observations on one turn.
+    db.executemany(
+        "INSERT INTO action (turn_id, action_type, tokens) VALUES (1, 'tap', '[1, 2]')", [()] * 3
+    )
+    db.executemany(
+        "INSERT INTO obs (turn_id, obs_type, screenshot_uri) VALUES (1, 'shot', ?)",
+        [("a",), ("b",)],
+    )
+    db.commit()
+    db.close()
+    reader = MonitorReader(path)
+    try:
+        keys = ("rollout_id", "status", "status_message", "end_time")
+        outcomes = [tuple(r[k] for k in keys) for r in reader.training_rollout_outcomes(1)]
+        integrity = reader.record_integrity()
+    finally:
+        reader.close()
+    assert sorted(outcomes) == [
+        ("u1", "completed", None, "2026-11-25 08:00:00"),
+        ("u2", "failed", "gym_error", "2026-11-25 08:00:00"),
+    ]
+    assert integrity == {
+        "open_environments": 1,
+        "boxes": 2,
+        "duplicate_actions": 2,
+        "duplicate_observations": 0,
+        "duplicate_environments": 1,
+        "duplicate_validations": 1,
+    }

@@ -397,24 +397,33 @@ class MonitorReader:
 
     def record_integrity(self) -> dict[str, int]:
         """Over the whole file: environments not in a final status, environments that name a
-        gym box, turns recorded twice (one rollout, one turn number), rollouts with more than
-        one environment (bench/soak.py's lost and duplicated records)."""
+        gym box, and records stored twice (bench/soak.py's open, lost and duplicated records).
+        Turns and rollouts are unique by schema; a replayed batch could still add a second
+        identical action or observation to a turn, a second environment or validation to a
+        rollout."""
         final = ", ".join(f"'{s}'" for s in sorted(TERMINAL["environment"]))
-        one = self._one
-        return {
-            "open_environments": one(
+        twice = {
+            "duplicate_actions": "action GROUP BY turn_id, action_type, tool_name, tool_args, "
+            "tokens",
+            "duplicate_observations": "obs GROUP BY turn_id, obs_type, screenshot_uri, "
+            "text_content",
+            "duplicate_environments": "environment GROUP BY rollout_id",
+            "duplicate_validations": "validation GROUP BY rollout_id",
+        }
+        out = {
+            "open_environments": self._one(
                 f"SELECT COUNT(*) AS n FROM environment WHERE status NOT IN ({final})"  # noqa: S608
             )["n"],
-            "boxes": one("SELECT COUNT(*) AS n FROM environment WHERE gbox_id IS NOT NULL")["n"],
-            "duplicate_turns": one(
-                "SELECT COALESCE(SUM(n - 1), 0) AS n FROM (SELECT COUNT(*) AS n FROM turn "
-                "GROUP BY rollout_id, turn HAVING n > 1)"
-            )["n"],
-            "duplicate_environments": one(
-                "SELECT COALESCE(SUM(n - 1), 0) AS n FROM (SELECT COUNT(*) AS n FROM "
-                "environment GROUP BY rollout_id HAVING n > 1)"
-            )["n"],
+            "boxes": self._one("SELECT COUNT(*) AS n FROM environment WHERE gbox_id IS NOT NULL")[
+                "n"
+            ],
         }
+        for name, grouped in twice.items():
+            out[name] = self._one(
+                "SELECT COALESCE(SUM(n - 1), 0) AS n FROM "  # noqa: S608 - fixed names
+                f"(SELECT COUNT(*) AS n FROM {grouped} HAVING n > 1)"
+            )["n"]
+        return out
 
     # ------------------------------------------------------------------ one rollout
 
