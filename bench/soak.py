@@ -179,8 +179,8 @@ class Stack:
             out.append((p.pid, role or role_of(chain) or "trainer", chain[0]))
         return out
 
-    def sample(self) -> dict[str, tuple[int, float, int]]:
-        """role -> (processes, RSS MiB, open fds), summed over the role's processes."""
+    def sample(self) -> dict[str, tuple[int, float, int, int]]:
+        """role -> (processes, RSS MiB, open fds, of them sockets), summed over the role."""
         import psutil
 
         out: dict[str, list] = {}
@@ -188,12 +188,14 @@ class Stack:
             try:
                 p = psutil.Process(pid)
                 rss, fds = p.memory_info().rss, p.num_fds()
+                socks = len(p.net_connections(kind="all"))
             except (psutil.NoSuchProcess, psutil.AccessDenied):
                 continue
-            cur = out.setdefault(role, [0, 0.0, 0])
+            cur = out.setdefault(role, [0, 0.0, 0, 0])
             cur[0] += 1
             cur[1] += rss / 2**20
             cur[2] += fds
+            cur[3] += socks
         return {k: tuple(v) for k, v in out.items()}
 
     def stop_trainer(self) -> int:
@@ -396,13 +398,13 @@ def report(out: dict, back: dict, stack: Stack) -> list[str]:
     ]
     lines += [f"  LOST {line}" for line in back["lost"]]
     lines.append(f"{'role':<13} {'procs':>5} {'RSS MiB warm':>12} {'end':>8} {'x':>5} "
-                 f"{'fds warm':>8} {'end':>5}")  # fmt: skip
+                 f"{'fds warm':>8} {'end':>5} {'sockets warm':>12} {'end':>5}")  # fmt: skip
     for role in sorted(set(out["warm"]) | set(out["end"])):
-        w = out["warm"].get(role, (0, 0.0, 0))
-        e = out["end"].get(role, (0, 0.0, 0))
+        w = out["warm"].get(role, (0, 0.0, 0, 0))
+        e = out["end"].get(role, (0, 0.0, 0, 0))
         lines.append(
             f"{role:<13} {e[0]:>5} {w[1]:>12.0f} {e[1]:>8.0f} {ratio(e[1], w[1]):>5} "
-            f"{w[2]:>8} {e[2]:>5}"
+            f"{w[2]:>8} {e[2]:>5} {w[3]:>12} {e[3]:>5}"
         )
     n = max(acc.started, 1)
     lines.append(
