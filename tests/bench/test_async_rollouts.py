@@ -12,8 +12,7 @@ from pathlib import Path
 
 import pytest
 
-from cua_rl.monitor.server.store import MonitorStore
-from tests.bench import load_bench
+from tests.bench import load_bench, training_db
 
 ROOT = Path(__file__).resolve().parents[2]
 
@@ -36,11 +35,7 @@ def _at(seconds: int) -> str:
 
 
 def _run_db(path: Path) -> None:
-    MonitorStore(path).close()
-    db = sqlite3.connect(path)
-    db.execute("INSERT INTO training (id, run_name, log_path, model_name, status) "
-               "VALUES (1, 'r', 'l', 'm', 'completed')")  # fmt: skip
-    db.execute("INSERT INTO task (id, task_id, name, description) VALUES (1, 't', 't', '')")
+    db = training_db(path, "completed")
     db.execute("INSERT INTO baseline (id, training_id, model_path) VALUES (1, 1, 'm')")
     metrics = {
         "ppo_actor/n_seqs": 4,

@@ -4,14 +4,12 @@ schedule, which fault a rejection falls under, lost records and the verdict. The
 
 from __future__ import annotations
 
-import sqlite3
 from datetime import datetime
 
 import pytest
 
 from cua_rl.monitor.server.read import MonitorReader
-from cua_rl.monitor.server.store import MonitorStore
-from tests.bench import load_bench
+from tests.bench import load_bench, training_db
 
 
 @pytest.fixture(scope="module")
@@ -126,11 +124,7 @@ def test_monitor_timestamps_become_seconds_after_the_start(soak):
 
 def test_reader_gives_outcomes_and_counts_open_and_twice_stored_records(tmp_path):
     path = tmp_path / "monitor.db"
-    MonitorStore(path).close()
-    db = sqlite3.connect(path)
-    db.execute("INSERT INTO training (id, run_name, log_path, model_name, status) "
-               "VALUES (1, 'r', 'l', 'm', 'cancelled')")  # fmt: skip
-    db.execute("INSERT INTO task (id, task_id, name, description) VALUES (1, 't', 't', '')")
+    db = training_db(path, "cancelled")
     db.execute("INSERT INTO step (id, training_id, step, status) VALUES (1, 1, 1, 'completed')")
     db.execute("INSERT INTO eval (id, training_id, step, model_path) VALUES (1, 1, 1, 'm')")
     rollouts = [(1, "step", "completed", None), (2, "step", "failed", "gym_error"),
