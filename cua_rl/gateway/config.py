@@ -112,6 +112,14 @@ class GatewayConfig:
             "or answers 5xx (the partial output is kept); after that the agent gets 502."
         },
     )
+    model_server_url: str = field(
+        default="",
+        metadata={
+            "help": "Send every model call to this URL instead of the server the engine picks "
+            "(empty: the engine's). For a proxy in front of a single model server, e.g. "
+            "bench/soak.py's fault proxy; pauses, aborts and versions stay the engine's."
+        },
+    )
 
     def resolved_backend(self) -> str:
         return "vllm" if self.backend == "auto" else self.backend
@@ -134,6 +142,11 @@ class GatewayConfig:
             raise ConfigError(
                 f"gateway.public_host={self.public_host!r} must be a bare host name or IP "
                 "(no scheme, port or path); set gateway.public_port for the port"
+            )
+        if self.model_server_url and not self.model_server_url.startswith(("http://", "https://")):
+            raise ConfigError(
+                f"gateway.model_server_url={self.model_server_url!r} must be an http(s) URL "
+                "(or empty for the engine's servers)"
             )
         if self.max_connections < 0:
             raise ConfigError("gateway.max_connections must be >= 0 (0: sized from the rollout)")

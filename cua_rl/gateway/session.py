@@ -246,7 +246,7 @@ class EpisodeSession:
         if self._server is None:
             # One server per episode: its KV and image caches then serve every later turn.
             try:
-                self._server = self.spec.engine.choose_server()
+                self._server = self.config.model_server_url or self.spec.engine.choose_server()
             except (IndexError, RuntimeError, AttributeError) as exc:
                 # The engine is being torn down (the training ended under a late episode).
                 raise GatewayFailure(

@@ -6,30 +6,21 @@ plain SQL at hand-picked times, so every expected figure below is worked out by 
 
 from __future__ import annotations
 
-import importlib.util
 import json
 import sqlite3
-import sys
 from pathlib import Path
 
 import pytest
 
-from cua_rl.monitor.server.store import MonitorStore
+from tests.bench import load_bench, training_db
 
 ROOT = Path(__file__).resolve().parents[2]
 
 
 @pytest.fixture(scope="module")
 def bench():
-    spec = importlib.util.spec_from_file_location(
-        "async_rollouts", ROOT / "bench" / "async_rollouts.py"
-    )
-    module = importlib.util.module_from_spec(spec)
-    # Dataclasses resolve their annotations through sys.modules.
-    sys.modules[spec.name] = module
-    spec.loader.exec_module(module)
-    yield module
-    sys.modules.pop(spec.name, None)
+    with load_bench("async_rollouts") as module:
+        yield module
 
 
 def test_union_of_step_intervals(bench):
@@ -44,11 +35,7 @@ def _at(seconds: int) -> str:
 
 
 def _run_db(path: Path) -> None:
-    MonitorStore(path).close()
-    db = sqlite3.connect(path)
-    db.execute("INSERT INTO training (id, run_name, log_path, model_name, status) "
-               "VALUES (1, 'r', 'l', 'm', 'completed')")  # fmt: skip
-    db.execute("INSERT INTO task (id, task_id, name, description) VALUES (1, 't', 't', '')")
+    db = training_db(path, "completed")
     db.execute("INSERT INTO baseline (id, training_id, model_path) VALUES (1, 1, 'm')")
     metrics = {
         "ppo_actor/n_seqs": 4,

@@ -11,6 +11,7 @@ import pytest
 from cua_rl.gateway import Gateway, GatewayConfig, Sampling, SessionSpec
 from cua_rl.gateway.requests import token_bytes
 from cua_rl.serving import ThreadedServer
+from cua_rl.testing.fault_proxy import FaultProxy
 from cua_rl.testing.model_standin import ModelStandIn
 from cua_rl.trajectory.config import TrajectoryConfig
 from tests.gateway.conftest import FakeEngine, user
@@ -159,3 +160,38 @@ async def test_tools_are_refused_rather_than_dropped(standin_episode):
     assert _error(with_tools)["code"] == _error(tool_history)["code"] == "tools_unsupported"
     assert plain.status_code == 200 and standin.calls == 1
     gw.close(episode)
+
+
+async def test_model_server_url_sends_calls_through_a_proxy_that_may_cut_them(bpe_processor):
+    """gateway.model_server_url: every call goes to the proxy, not the engine's choice; one answer
+    cut mid-way is re-sent (a normal answer), cuts past gateway.retries fail the call (502)."""
+    standin = ModelStandIn()
+    server = ThreadedServer(standin.app, name="model-standin").start()
+    proxy = FaultProxy().start()
+    proxy.set_upstream(server.host, server.port)
+    gw = Gateway(GatewayConfig(model_server_url=proxy.url, retries=1)).start()
+    # The engine's own server is a closed port: only the proxy can answer.
+    engine = FakeEngine("127.0.0.1:1")
+    spec = SessionSpec(engine, Sampling(max_new_tokens=8), bpe_processor, "p", TrajectoryConfig())
+    try:
+        async with httpx.AsyncClient(timeout=60) as http:
+            url = gw.open("ep", spec)
+
+            async def call(text: str) -> httpx.Response:
+                # A new text each time: an identical request is a re-send, answered from memory.
+                body = {"messages": [user(text)]}
+                return await http.post(f"{url}/chat/completions", json=body)
+
+            assert (await call("a")).status_code == 200
+            proxy.drop_next(1)
+            assert (await call("b")).status_code == 200
+            assert proxy.dropped == 1 and standin.calls == 3
+            proxy.drop_next(2)  # the first send and its one re-send
+            r = await call("c")
+            assert r.status_code == 502 and _error(r)["code"] == "model_server_error"
+        assert engine.chosen == 0
+        assert [e.code for e in gw.close("ep").errors] == ["model_server_error"]
+    finally:
+        gw.stop()
+        proxy.stop()
+        server.stop()

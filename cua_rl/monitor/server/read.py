@@ -19,7 +19,7 @@ import threading
 from pathlib import Path
 from typing import Any
 
-from cua_rl.monitor.protocol import SOURCE_ID_COLUMNS, SOURCE_TYPES, STATUSES
+from cua_rl.monitor.protocol import SOURCE_ID_COLUMNS, SOURCE_TYPES, STATUSES, TERMINAL
 
 Row = dict[str, Any]
 # The training episodes of a run (not its baseline or evals), for ``training.id = ?``.
@@ -386,6 +386,44 @@ class MonitorReader:
             f"ON r.id = t.rollout_id WHERE {_TRAINING_ROLLOUT}",
             (training_id,),
         )
+
+    def training_rollout_outcomes(self, training_id: int) -> list[Row]:
+        """Every training episode's client id, status, reason (``status_message``) and end."""
+        return self._rows(
+            "SELECT r.rollout_id, r.status, r.status_message, r.end_time FROM rollout r "
+            f"WHERE {_TRAINING_ROLLOUT}",
+            (training_id,),
+        )
+
+    def record_integrity(self) -> dict[str, int]:
+        """Over the whole file: environments not in a final status, environments that name a
+        gym box, and records stored twice (bench/soak.py's open, lost and duplicated records).
+        Turns and rollouts are unique by schema; a replayed batch could still add a second
+        identical action or observation to a turn, a second environment or validation to a
+        rollout."""
+        final = ", ".join(f"'{s}'" for s in sorted(TERMINAL["environment"]))
+        twice = {
+            "duplicate_actions": "action GROUP BY turn_id, action_type, tool_name, tool_args, "
+            "tokens",
+            "duplicate_observations": "obs GROUP BY turn_id, obs_type, screenshot_uri, "
+            "text_content",
+            "duplicate_environments": "environment GROUP BY rollout_id",
+            "duplicate_validations": "validation GROUP BY rollout_id",
+        }
+        out = {
+            "open_environments": self._one(
+                f"SELECT COUNT(*) AS n FROM environment WHERE status NOT IN ({final})"  # noqa: S608
+            )["n"],
+            "boxes": self._one("SELECT COUNT(*) AS n FROM environment WHERE gbox_id IS NOT NULL")[
+                "n"
+            ],
+        }
+        for name, grouped in twice.items():
+            out[name] = self._one(
+                "SELECT COALESCE(SUM(n - 1), 0) AS n FROM "  # noqa: S608 - fixed names
+                f"(SELECT COUNT(*) AS n FROM {grouped} HAVING n > 1)"
+            )["n"]
+        return out
 
     # ------------------------------------------------------------------ one rollout
 
