@@ -60,6 +60,12 @@ _TRAINING_OF_ROLLOUT = (
     "WHEN 'eval' THEN (SELECT training_id FROM eval WHERE id = r.eval_id) "
     "ELSE (SELECT training_id FROM baseline WHERE id = r.baseline_id) END"
 )
+# How an open record under an ended training is closed: its end status, the column of its end
+# time, and the column that names its rollout.
+_CLOSE = {
+    "rollout": ("cancelled", "end_time", "id", OPEN_ROLLOUT),
+    "environment": ("terminated", "termination_time", "rollout_id", OPEN_ENVIRONMENT),
+}
 # What an open source record becomes when its training failed or was cancelled.
 _SOURCE_END = {"step": "failed", "eval": "cancelled", "baseline": "cancelled"}
 
@@ -86,19 +92,13 @@ def close_open_records(
             f"SELECT id FROM rollout WHERE source_type = '{kind}' AND {column} IN "
             f"(SELECT id FROM {kind} WHERE training_id = ?)"
         )
-        # Environments first: their rollout may still be open and is matched below.
-        closed["environment"] += conn.execute(
-            "UPDATE environment SET status = 'terminated', status_message = ?, "
-            "termination_time = COALESCE(termination_time, ?) "
-            f"WHERE status IN ({_words(OPEN_ENVIRONMENT)}) AND rollout_id IN ({rollouts})",
-            (message, at, training_id),
-        ).rowcount
-        closed["rollout"] += conn.execute(
-            "UPDATE rollout SET status = 'cancelled', status_message = ?, "
-            "end_time = COALESCE(end_time, ?) "
-            f"WHERE status IN ({_words(OPEN_ROLLOUT)}) AND id IN ({rollouts})",
-            (message, at, training_id),
-        ).rowcount
+        for table, (end, time_column, link, words) in _CLOSE.items():
+            closed[table] += conn.execute(
+                f"UPDATE {table} SET status = ?, status_message = ?, "
+                f"{time_column} = COALESCE({time_column}, ?) "
+                f"WHERE status IN ({_words(words)}) AND {link} IN ({rollouts})",
+                (end, message, at, training_id),
+            ).rowcount
     if status != "completed":
         # A completed run may have recorded a step it never trained (a prefetched batch): only
         # a run that failed or was cancelled ends its unfinished steps, evals and baseline.
