@@ -150,7 +150,10 @@ def test_closing_is_idempotent(store):
 def test_a_failed_training_also_ends_its_unfinished_step_eval_and_baseline(store):
     name = uid("fail-")
     store.ingest(_run(name))
-    store.ingest({"training": {"run_name": name, "status": "failed", "error_message": "OOM"}})
+    store.ingest(
+        {"training": {"run_name": name, "status": "failed", "status_message": "failed",
+                      "error_message": "OOM"}}
+    )  # fmt: skip
     conn = _db(store)
     t = store.find_id("training", name)
     ends = [

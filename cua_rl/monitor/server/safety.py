@@ -114,10 +114,14 @@ def close_open_records(
 
 def _why(conn: sqlite3.Connection, training_id: int) -> str:
     row = conn.execute(
-        "SELECT status_message, error_message FROM training WHERE id = ?", (training_id,)
+        "SELECT status, status_message, error_message FROM training WHERE id = ?", (training_id,)
     ).fetchone()
-    text = (row[0] or row[1] or "no reason given") if row else "no reason given"
-    return text[:300]
+    if row is None:
+        return "no reason given"
+    # A failure's error says why (train.py's status message is only "failed"); a cancel's
+    # status message names the signal.
+    first, second = (row[2], row[1]) if row[0] == "failed" else (row[1], row[2])
+    return (first or second or "no reason given")[:300]
 
 
 def close_under_ended(conn: sqlite3.Connection, training_ids, now: datetime) -> dict[int, dict]:
