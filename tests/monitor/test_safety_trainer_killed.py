@@ -112,3 +112,4 @@ def test_a_trainer_killed_mid_step_leaves_a_failed_training_with_nothing_open(
         "AND new_status = 'cancelled' AND status_message LIKE '%heartbeat lost%'",
     )[0][0]
     assert closed > 0
+    print(f"open rollouts at the kill: {open_before}; closed for heartbeat lost: {closed}")
