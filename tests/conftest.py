@@ -108,6 +108,25 @@ def _step_rollouts_running(db: Path) -> bool:
     return rows[0][0] > 0
 
 
+def train_command(
+    model_dir: Path, gym_url: str, agent_url: str, monitor: str, run_dir: Path, *overrides: str
+) -> list[str]:
+    """``python -m examples.cua_agent.train`` on configs/local.yaml against local services;
+    ``monitor`` is one override (``monitor.base_url=...`` or ``monitor.db_path=...``) and AReaL's
+    files go under ``run_dir``."""
+    return [
+        sys.executable, "-m", "examples.cua_agent.train",
+        "--config", "configs/local.yaml",
+        f"actor.path={model_dir}",
+        f"gym.base_url={gym_url}",
+        f"agent.base_url={agent_url}",
+        monitor,
+        f"cluster.fileroot={run_dir / 'areal'}",
+        f"cluster.name_resolve.nfs_record_root={run_dir / 'name_resolve'}",
+        *overrides,
+    ]  # fmt: skip
+
+
 def run_demo(run_dir: Path, *args: str, timeout: float) -> DemoRun:
     """``python -m cua_rl.app.demo --run-dir RUN_DIR ARGS`` in its own process group, killed
     whole if it outlives ``timeout``. While a training episode runs (the monitor's database

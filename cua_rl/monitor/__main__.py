@@ -13,6 +13,7 @@ import sys
 
 from cua_rl.monitor.server.app import DEFAULT_MAX_BODY_BYTES
 from cua_rl.monitor.server.dashboard import DEFAULT_STALE_AFTER_S
+from cua_rl.monitor.server.safety import DEFAULT_HEARTBEAT_TIMEOUT_S
 from cua_rl.monitor.server.screenshots import (
     DEFAULT_MAX_IMAGE_BYTES,
     DEFAULT_MAX_TOTAL_BYTES,
@@ -65,6 +66,14 @@ def _parser() -> argparse.ArgumentParser:
         help="the dashboard flags a running training whose heartbeat is older than this "
         f"(default {DEFAULT_STALE_AFTER_S:.0f})",
     )
+    serve.add_argument(
+        "--heartbeat-timeout-s",
+        type=float,
+        default=DEFAULT_HEARTBEAT_TIMEOUT_S,
+        help="the safety net marks an active training failed ('heartbeat lost') once it has "
+        "been silent this long, and closes its open rollouts and environments; 0 turns that "
+        f"off (default {DEFAULT_HEARTBEAT_TIMEOUT_S:.0f}; the trainer beats every 30 s)",
+    )
     serve.add_argument("--log-level", default="warning", help="uvicorn log level")
     return parser
 
@@ -83,6 +92,8 @@ def _check(parser: argparse.ArgumentParser, args: argparse.Namespace) -> int:
         )
     if args.stale_after_s <= 0:
         parser.error("--stale-after-s must be > 0")
+    if args.heartbeat_timeout_s < 0:
+        parser.error("--heartbeat-timeout-s must be >= 0 (0 turns the reaping off)")
     return retention
 
 
@@ -110,6 +121,7 @@ def main(argv: list[str] | None = None) -> int:
         max_body_bytes=args.max_body_bytes,
         screenshots=shots,
         stale_after_s=args.stale_after_s,
+        heartbeat_timeout_s=args.heartbeat_timeout_s or None,
     )
     print(
         f"monitor: serving {args.db} on http://{args.host}:{args.port} "

@@ -11,6 +11,7 @@ read connection.
 
 from __future__ import annotations
 
+import asyncio
 import json
 from typing import Any
 
@@ -24,6 +25,7 @@ from cua_rl.logs import get_logger
 from cua_rl.monitor.protocol import ScreenshotError
 from cua_rl.monitor.server.dashboard import DEFAULT_STALE_AFTER_S, DashboardAuth, install_dashboard
 from cua_rl.monitor.server.read import MonitorReader
+from cua_rl.monitor.server.safety import DEFAULT_HEARTBEAT_TIMEOUT_S
 from cua_rl.monitor.server.screenshots import ScreenshotStore
 from cua_rl.monitor.server.store import IngestValidationError, MonitorStore
 
@@ -89,10 +91,14 @@ def create_app(
     screenshots: ScreenshotStore | None = None,
     dashboard: bool = True,
     stale_after_s: float = DEFAULT_STALE_AFTER_S,
+    heartbeat_timeout_s: float | None = DEFAULT_HEARTBEAT_TIMEOUT_S,
 ) -> FastAPI:
     """The ASGI app over ``store``: the API, the screenshot store (``screenshots``; default: a
     store beside the database) and the dashboard pages. With ``token`` set, every route but
-    ``/healthz`` and ``/login`` needs it (Bearer, or the dashboard's session cookie for reads)."""
+    ``/healthz`` and ``/login`` needs it (Bearer, or the dashboard's session cookie for reads).
+    The safety net's reaper (cua_rl/monitor/server/safety.py) runs at startup and then every
+    tenth of ``heartbeat_timeout_s`` (at most every 30 s); None turns the reaping off (open
+    records under ended trainings are still closed at startup)."""
     app = FastAPI(title="cua-rl Training Monitor", docs_url=None, redoc_url=None, openapi_url=None)
     app.state.store = store
     if screenshots is None:
@@ -106,6 +112,7 @@ def create_app(
     async def healthz():
         return _json({"ok": True})
 
+    _install_reaper(app, store, heartbeat_timeout_s)
     _install_ingest(app, store, auth, max_body_bytes)
     _install_trainings(app, store.read, auth)
     _install_rollouts(app, store.read, auth)
@@ -113,6 +120,44 @@ def create_app(
     if dashboard:
         install_dashboard(app, store.path, auth, stale_after_s=stale_after_s)
     return app
+
+
+def _install_reaper(app: FastAPI, store: MonitorStore, timeout_s: float | None) -> None:
+    tasks: list[asyncio.Task] = []
+
+    async def reap_once() -> None:
+        try:
+            done = await anyio.to_thread.run_sync(store.reap, timeout_s)
+        except Exception:  # the next pass tries again; the API keeps serving meanwhile
+            log.exception("monitor: the safety net's pass failed")
+            return
+        for training_id, closed in done["closed"].items():
+            log.warning(
+                "monitor: closed open records of ended training %s: %s", training_id, closed
+            )
+        for r in done["reaped"]:
+            log.warning(
+                "monitor: training %s (%s) failed: heartbeat silent for %.0f s",
+                r["id"], r["run_name"], r["silent_s"],
+            )  # fmt: skip
+
+    async def loop(every_s: float) -> None:
+        while True:
+            await asyncio.sleep(every_s)
+            await reap_once()
+
+    async def start() -> None:
+        await reap_once()
+        if timeout_s is not None:
+            tasks.append(asyncio.create_task(loop(min(30.0, max(0.2, timeout_s / 10)))))
+
+    async def stop() -> None:
+        for task in tasks:
+            task.cancel()
+        await asyncio.gather(*tasks, return_exceptions=True)
+
+    app.router.on_startup.append(start)
+    app.router.on_shutdown.append(stop)
 
 
 def _install_error_handlers(app: FastAPI) -> None:

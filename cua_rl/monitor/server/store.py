@@ -28,6 +28,7 @@ from __future__ import annotations
 
 import sqlite3
 import threading
+from datetime import UTC, datetime
 from pathlib import Path
 from typing import Any
 
@@ -38,7 +39,7 @@ from cua_rl.monitor.protocol import (
     SOURCE_TYPES,
     STATUSES,
 )
-from cua_rl.monitor.server import compat
+from cua_rl.monitor.server import compat, safety
 from cua_rl.monitor.server.batch import (
     BATCH_KEYS,
     SPECS,
@@ -121,6 +122,7 @@ class MonitorStore:
                 if not isinstance(records, dict):
                     raise IngestValidationError("must be one object", kind="training")
                 cid, rid = self._upsert(ctx, spec, 0, records)
+                safety.revive_if_back(conn, rid, records)
                 ctx.write_keys()
                 result["training_id"] = rid
                 result["training"] = {"client_id": cid, "id": rid}
@@ -142,7 +144,22 @@ class MonitorStore:
             self._flush_group(ctx, spec, group)
             ctx.write_keys()
             result[spec.key] = out
+        self._settle(conn, result)
         return result
+
+    @staticmethod
+    def _settle(conn: sqlite3.Connection, result: dict[str, Any]) -> None:
+        """The safety net, in the batch's transaction: a training this batch ended, or one
+        already ended that the batch wrote open records under, gets them closed."""
+        ended = safety.ended_owners(
+            conn,
+            [r["id"] for r in result.get("rollouts", ())],
+            [r["id"] for r in result.get("environments", ())],
+        )
+        if result.get("training_id") is not None:
+            ended |= safety.ended_owners_of(conn, [result["training_id"]])
+        if ended:
+            safety.close_under_ended(conn, ended, datetime.now(UTC))
 
     def _upsert(
         self,
@@ -402,6 +419,27 @@ class MonitorStore:
             for other, col in SOURCE_ID_COLUMNS.items():
                 if other != source and values.get(col) is not None:
                     raise BadField(col, f"must be empty when source_type is {source!r}")
+
+    # ------------------------------------------------------------------ safety net
+
+    def reap(self, heartbeat_timeout_s: float | None, now: datetime | None = None) -> dict:
+        """One pass of the safety net in one transaction: close what is open under ended
+        trainings, then fail the trainings silent past ``heartbeat_timeout_s`` (None: no
+        reaping) and close theirs. ``now`` is injectable for tests."""
+        now = now or datetime.now(UTC)
+        with self._lock:
+            conn = self._write
+            conn.execute("BEGIN IMMEDIATE")
+            try:
+                closed = safety.close_under_ended(conn, safety.all_ended_owners(conn), now)
+                reaped = []
+                if heartbeat_timeout_s is not None:
+                    reaped = safety.reap_silent(conn, heartbeat_timeout_s, now)
+                conn.execute("COMMIT")
+            except BaseException:
+                conn.execute("ROLLBACK")
+                raise
+        return {"closed": closed, "reaped": reaped}
 
     # ------------------------------------------------------------------ reads
     # The read model answers; these names stay for the API's and the tests' callers.

@@ -43,6 +43,8 @@ PHASE_TIMERS = {
     "eval_s": "timeperf/eval",
 }
 ACTIVE_TRAINING = ("pending", "initializing", "running", "paused")
+# The status message the safety net (safety.py) gives a training it failed for silence.
+HEARTBEAT_LOST = "heartbeat lost"
 FINISHED = TERMINAL["rollout"]
 _NO_OUTCOMES = {"accepted": 0, "rejected": 0, "stopped": 0, "running": 0}
 LOW_TOKENS = 3  # how many least likely tokens a turn marks
@@ -97,15 +99,25 @@ def _finite(v: Any) -> float | None:
 # ---------------------------------------------------------------------------- trainings
 
 
+def heartbeat_view(training: dict, now: datetime, stale_after_s: float) -> None:
+    """Adds the heartbeat's age, the stale flag (an active training gone quiet) and the status
+    note (``heartbeat lost`` for a training the monitor failed for silence)."""
+    beat = parse_time(training.get("last_heartbeat"))
+    training["heartbeat_age_s"] = (now - beat).total_seconds() if beat else None
+    training["stale"] = bool(
+        training["status"] in ACTIVE_TRAINING
+        and (training["heartbeat_age_s"] is None or training["heartbeat_age_s"] > stale_after_s)
+    )
+    lost = training["status"] == "failed" and str(training.get("status_message") or "").startswith(
+        HEARTBEAT_LOST
+    )
+    training["status_note"] = HEARTBEAT_LOST if lost else None
+
+
 def trainings_page(read: MonitorReader, *, now: datetime, stale_after_s: float) -> dict:
     trainings = read.trainings_overview()
     for t in trainings:
-        beat = parse_time(t.get("last_heartbeat"))
-        t["heartbeat_age_s"] = (now - beat).total_seconds() if beat else None
-        t["stale"] = bool(
-            t["status"] in ACTIVE_TRAINING
-            and (t["heartbeat_age_s"] is None or t["heartbeat_age_s"] > stale_after_s)
-        )
+        heartbeat_view(t, now, stale_after_s)
         t["last_success"] = _metric(_json(t.pop("last_step_metrics")), "success")
     live = any(t["status"] not in FINISHED for t in trainings)
     return {"trainings": trainings, "live": live or not trainings, "stale_after_s": stale_after_s}
@@ -118,12 +130,7 @@ def training_page(read: MonitorReader, training_id: int, *, now: datetime, stale
     training = read.training(training_id)
     if training is None:
         return None
-    beat = parse_time(training.get("last_heartbeat"))
-    training["heartbeat_age_s"] = (now - beat).total_seconds() if beat else None
-    training["stale"] = bool(
-        training["status"] in ACTIVE_TRAINING
-        and (training["heartbeat_age_s"] is None or training["heartbeat_age_s"] > stale_after_s)
-    )
+    heartbeat_view(training, now, stale_after_s)
     config = _json(training.pop("config_json"))
     steps = read.step_table(training_id)
     evals = read.eval_table(training_id)
