@@ -80,6 +80,56 @@ async def test_spools_while_down_then_replays_in_order(fake, tmp_path, store):
     await client.close()
 
 
+async def test_clients_on_one_spool_path_each_write_their_own_file(fake, tmp_path, store):
+    # Two clients configured with one path (a config's spool_path shared by the trainer and its
+    # rollout workers): each claims its own file, both replay, nothing is lost.
+    fake.down = True
+    a, b = make_client(fake, tmp_path), make_client(fake, tmp_path)
+    for client in (a, b):
+        await client.start()
+    for i in range(3):
+        a.enqueue("tasks", _task(f"a{i}"))
+        b.enqueue("tasks", _task(f"b{i}"))
+        # Each batch is spooled before the next is queued: the spools interleave batch by batch.
+        for client in (a, b):
+            assert not await client.flush(timeout=0.2)
+    assert (a.counters.spooled, b.counters.spooled) == (3, 3)
+    files = sorted(p.name for p in tmp_path.glob("spool*.jsonl"))
+    assert files == ["spool.1.jsonl", "spool.jsonl"]
+    fake.down = False
+    for client in (a, b):
+        assert await client.flush(timeout=10)
+        await client.close()
+    assert (a.counters.replayed, b.counters.replayed, task_count(store)) == (3, 3, 6)
+    assert list(tmp_path.glob("spool*")) == []  # files and their locks gone once replayed
+
+
+async def test_a_new_client_replays_what_a_dead_one_left(fake, tmp_path, store):
+    fake.down = True
+    first = make_client(fake, tmp_path)
+    await first.start()
+    first.enqueue("tasks", _task("left"))
+    # Held while it runs: a second client spools beside it, never into its file.
+    other = make_client(fake, tmp_path)
+    await other.start()
+    other.enqueue("tasks", _task("beside"))
+    assert not await other.flush(timeout=0.2)
+    assert (tmp_path / "spool.1.jsonl").exists()
+    await other.close(timeout=0.2)
+    await first.close(timeout=0.2)  # down: its batch stays in the spool, the claim is given up
+    assert len((tmp_path / "spool.jsonl").read_text().splitlines()) == 1
+    fake.down = False
+    async with make_client(fake, tmp_path) as second:
+        assert await second.flush(timeout=10)
+        assert second.counters.replayed == 1  # the first's file: the lowest free name
+    assert task_count(store) == 1 and not (tmp_path / "spool.jsonl").exists()
+    # The other's file goes to the next client that starts on the path.
+    async with make_client(fake, tmp_path) as third:
+        assert await third.flush(timeout=10)
+        assert third.counters.replayed == 1
+    assert task_count(store) == 2 and list(tmp_path.glob("spool*")) == []
+
+
 async def test_refused_record_is_dropped_alone(fake, tmp_path, store):
     async with make_client(fake, tmp_path, flush_interval_s=0.3) as client:
         client.enqueue("tasks", _task("good-1"))

@@ -34,8 +34,8 @@ from cua_rl.monitor.protocol import (
     eval_client_id,
     step_client_id,
 )
+from cua_rl.monitor.worker import spool
 from cua_rl.monitor.worker.settings import MonitorClientConfig, MonitorCounters
-from cua_rl.monitor.worker.spool import append_line, drop_prefix, read_lines
 from cua_rl.monitor.worker.uploader import PreparedScreenshot, ScreenshotUploader
 
 log = get_logger(__name__)
@@ -94,8 +94,14 @@ class MonitorClient:
         self._closing = False
         self._stopping = False
         self._inflight: dict[str, Any] | None = None
-        self._spool = Path(config.spool_path)
-        self._spool_pending = self._spool.exists() and self._spool.stat().st_size > 0
+        # Claimed at the first spooled batch (docs in spool.py), or now to replay what a dead
+        # client left at the configured path.
+        self._spool: Path | None = None
+        self._spool_fd: int | None = None
+        self._spool_pending = False
+        left = spool.adopt(Path(config.spool_path))
+        if left is not None:
+            (self._spool, self._spool_fd), self._spool_pending = left, True
         self._next_replay = 0.0
         self.screenshots = ScreenshotUploader(
             config.base_url,
@@ -207,6 +213,9 @@ class MonitorClient:
             await self._http.aclose()
             self._http = None  # a later start() makes a fresh one
         self._task = None
+        if self._spool_fd is not None:  # a later client may now claim and replay what is left
+            spool.release(self._spool, self._spool_fd)
+            self._spool, self._spool_fd, self._spool_pending = None, None, False
 
     @property
     def pending(self) -> int:
@@ -420,7 +429,9 @@ class MonitorClient:
             return
         line = _dumps(batch) + b"\n"
         try:
-            await asyncio.to_thread(append_line, self._spool, line)
+            if self._spool is None:
+                self._spool, self._spool_fd = spool.claim(Path(self.config.spool_path))
+            await asyncio.to_thread(spool.append_line, self._spool, line)
         except OSError as exc:
             self.counters.dropped += _count(batch)
             self.counters.last_error = f"spool write failed: {exc}"
@@ -435,7 +446,7 @@ class MonitorClient:
         if self._loop.time() < self._next_replay and not self._closing:
             return
         self._next_replay = self._loop.time() + self.config.replay_interval_s
-        lines = await asyncio.to_thread(read_lines, self._spool)
+        lines = await asyncio.to_thread(spool.read_lines, self._spool)
         done = 0
         for line in lines:
             try:
@@ -454,7 +465,7 @@ class MonitorClient:
             self.counters.replayed += self.counters.sent - sent_before
             done += 1
         # Only the replayed prefix goes; lines appended meanwhile stay, in order.
-        remaining = await asyncio.to_thread(drop_prefix, self._spool, done)
+        remaining = await asyncio.to_thread(spool.drop_prefix, self._spool, done)
         self._spool_pending = remaining > 0
 
 
