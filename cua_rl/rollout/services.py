@@ -1,8 +1,12 @@
-"""The service clients one workflow instance uses: gym, agent and monitor.
+"""The service clients the workflows of one process use: gym, agent and monitor.
 
-httpx clients are bound to the event loop they were created on, and AReaL may run workflows on
-a new loop after a restart, so the gym and agent clients are kept per loop. The monitor client
-is one per workflow instance (it batches records on its own task and never raises into training).
+AReaL builds a new workflow instance for every episode it submits (the workflow travels to the
+rollout worker as a dotted path and kwargs), so clients owned by an instance were a connection
+pool and a monitor client (with its task and spool) per episode, never closed: the rollout
+worker's open sockets grew with every step. ``Services.shared`` gives every instance of a process
+with the same service settings one set. httpx clients are bound to the event loop they were
+created on, and AReaL may run workflows on a new loop after a restart, so the gym and agent
+clients are kept per loop. ``aclose`` closes them; a later call makes fresh ones.
 """
 
 from __future__ import annotations
@@ -17,6 +21,8 @@ from cua_rl.monitor.worker.client import MonitorClient, MonitorClientConfig
 
 
 class Services:
+    """Lazily made clients; see the module docstring for why one set serves a process."""
+
     def __init__(
         self,
         *,
@@ -31,6 +37,16 @@ class Services:
         self._monitor_config = monitor
         self._per_loop: dict[int, tuple[GenvClient, MiniAgentClient, httpx.AsyncClient]] = {}
         self.monitor: MonitorClient | None = None
+
+    @classmethod
+    def shared(cls, s) -> Services:
+        """This process's Services for the service settings of ``s`` (made on first use)."""
+        made = cls.from_settings(s)
+        return _SHARED.setdefault(made.key, made)
+
+    @property
+    def key(self) -> str:
+        return repr((self._gym, self._agent_url, self._monitor_config))
 
     @classmethod
     def from_settings(cls, s) -> Services:
@@ -76,3 +92,6 @@ class Services:
         for *_, http in self._per_loop.values():
             await http.aclose()
         self._per_loop.clear()
+
+
+_SHARED: dict[str, Services] = {}

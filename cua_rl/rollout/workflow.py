@@ -58,7 +58,7 @@ class CUAAgentWorkflow(RolloutWorkflow):
         self.settings = settings
         self._outcomes = OutcomeLog(settings.outcome_dir) if settings.outcome_dir else None
         self._processor = processor
-        self.services = Services.from_settings(settings)
+        self.services = Services.shared(settings)
 
     @property
     def processor(self):

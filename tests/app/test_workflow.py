@@ -339,6 +339,35 @@ def test_rollouts_after_the_last_step_are_not_recorded_against_a_step():
     assert not wf("eval", 2).is_surplus(2)  # the eval after the last step has its own record
 
 
+async def test_workflow_instances_of_a_process_share_their_service_clients():
+    # AReaL builds a workflow per submitted episode: clients per instance leaked a connection
+    # pool and a monitor client per episode.
+    def settings(monitor_url: str) -> WorkflowSettings:
+        return WorkflowSettings(
+            gym=GymSection(base_url="http://127.0.0.1:3", gym_id="sim"),
+            agent=AgentSection(base_url="http://127.0.0.1:4"),
+            endpoint=EndpointSection(),
+            trajectory=TrajectoryConfig(),
+            reward=RewardConfig(),
+            processor_path="unused",
+            monitor_base_url=monitor_url,
+        )
+
+    a, b = (
+        CUAAgentWorkflow(settings("http://127.0.0.1:1")),
+        CUAAgentWorkflow(settings("http://127.0.0.1:1")),
+    )
+    other = CUAAgentWorkflow(settings("http://127.0.0.1:2"))
+    assert a.services is b.services and a.services is not other.services
+    http = a.services.clients()[2]
+    assert b.services.clients()[2] is http
+    await a.aclose()
+    assert http.is_closed
+    fresh = b.services.clients()[2]  # closed services make fresh clients when used again
+    assert fresh is not http and not fresh.is_closed
+    await b.aclose()
+
+
 @pytest.mark.parametrize("temperature", [1.0, 0.7])
 async def test_agent_without_token_data_trains_through_the_gateway(
     gym, agent, vllm_bpe_server, tiny_vl_bpe_model_dir, easy_task, temperature
