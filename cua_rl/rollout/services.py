@@ -5,13 +5,14 @@ rollout worker as a dotted path and kwargs), so clients owned by an instance wer
 pool and a monitor client (with its task and spool) per episode, never closed: the rollout
 worker's open sockets grew with every step. ``Services.shared`` gives every instance of a process
 with the same service settings one set. httpx clients are bound to the event loop they were
-created on, and AReaL may run workflows on a new loop after a restart, so the gym and agent
-clients are kept per loop. ``aclose`` closes them; a later call makes fresh ones.
+created on, and AReaL may run workflows on a new loop after a restart, so the clients are kept
+per loop. ``aclose`` closes them; a later call makes fresh ones.
 """
 
 from __future__ import annotations
 
 import asyncio
+import weakref
 
 import httpx
 
@@ -35,8 +36,13 @@ class Services:
         self._gym = (gym_base_url, gym_id, gym_timeouts)
         self._agent_url = agent_base_url
         self._monitor_config = monitor
-        self._per_loop: dict[int, tuple[GenvClient, MiniAgentClient, httpx.AsyncClient]] = {}
-        self.monitor: MonitorClient | None = None
+        # Keyed by the loop itself, weakly: a loop's id can be reused once it is gone.
+        self._per_loop: weakref.WeakKeyDictionary[
+            asyncio.AbstractEventLoop, tuple[GenvClient, MiniAgentClient, httpx.AsyncClient]
+        ] = weakref.WeakKeyDictionary()
+        self._monitors: weakref.WeakKeyDictionary[asyncio.AbstractEventLoop, MonitorClient] = (
+            weakref.WeakKeyDictionary()
+        )
 
     @classmethod
     def shared(cls, s) -> Services:
@@ -68,30 +74,42 @@ class Services:
 
     def clients(self) -> tuple[GenvClient, MiniAgentClient, httpx.AsyncClient]:
         """(gym, agent, plain http) for the running loop."""
-        key = id(asyncio.get_running_loop())
-        if key not in self._per_loop:
+        loop = asyncio.get_running_loop()
+        if loop not in self._per_loop:
             base, gym_id, timeouts = self._gym
             http = httpx.AsyncClient(timeout=httpx.Timeout(60.0, connect=10.0))
             genv = GenvClient(base, gym_id, client=http, timeouts=timeouts)
-            self._per_loop[key] = (genv, MiniAgentClient(self._agent_url, client=http), http)
-        return self._per_loop[key]
+            self._per_loop[loop] = (genv, MiniAgentClient(self._agent_url, client=http), http)
+        return self._per_loop[loop]
+
+    @property
+    def monitor(self) -> MonitorClient | None:
+        """The running loop's monitor client, once one was made."""
+        try:
+            return self._monitors.get(asyncio.get_running_loop())
+        except RuntimeError:  # no running loop
+            return None
 
     async def monitor_client(self) -> MonitorClient | None:
         if self._monitor_config is None:
             return None
-        if self.monitor is None:
-            self.monitor = MonitorClient(self._monitor_config)
-            await self.monitor.start()
-        return self.monitor
+        loop = asyncio.get_running_loop()
+        if loop not in self._monitors:
+            client = MonitorClient(self._monitor_config)
+            await client.start()
+            self._monitors[loop] = client
+        return self._monitors[loop]
 
     async def aclose(self) -> None:
-        """Flush the monitor and close the HTTP clients."""
-        if self.monitor is not None:
-            await self.monitor.close()
-            self.monitor = None
-        for *_, http in self._per_loop.values():
-            await http.aclose()
-        self._per_loop.clear()
+        """Flush the running loop's monitor and close its HTTP clients (those of other loops
+        cannot be closed from here; they go with their loop)."""
+        loop = asyncio.get_running_loop()
+        monitor = self._monitors.pop(loop, None)
+        if monitor is not None:
+            await monitor.close()
+        clients = self._per_loop.pop(loop, None)
+        if clients is not None:
+            await clients[2].aclose()
 
 
 _SHARED: dict[str, Services] = {}
