@@ -38,19 +38,32 @@ BACKENDS = ("vllm", "sglang", "text")
 @dataclass
 class Parsed:
     """One answer: expanded prompt ids (None: the sent ids), sampled ids, logprobs, version
-    spans (None: unlabelled) and the finish reason (``stop`` / ``length`` / ``abort``)."""
+    spans (None: unlabelled), the finish reason (``stop`` / ``length`` / ``abort``) and, when
+    asked, each token's top candidates as ``(id, logprob)`` by rank."""
 
     prompt_ids: list[int] | None
     output_ids: list[int]
     logprobs: list[float]
     spans: Any
     finish_reason: str
+    top: list[list[tuple[int, float]]] | None = None
 
 
-def _checked(prompt, out, lps, spans, finish) -> Parsed:
+def _checked(prompt, out, lps, spans, finish, top=None) -> Parsed:
     if len(lps) != len(out):
         raise ModelServerError(f"{len(out)} sampled ids but {len(lps)} logprobs")
-    return Parsed(prompt, out, lps, spans, finish)
+    return Parsed(prompt, out, lps, spans, finish, top)
+
+
+def _top_candidates(entry: dict) -> list[tuple[int, float]]:
+    """vLLM's tokens-in candidates (the sampled token first, then by rank) -> ranked top k
+    (ranks are 1-based; an unranked entry is the sampled token outside the top)."""
+    ranked = [
+        (int(c["rank"]), int(c["token_id"]), float(c["logprob"]))
+        for c in entry.get("top_logprobs") or []
+        if c.get("rank") and "token_id" in c
+    ]
+    return [(tid, lp) for _, tid, lp in sorted(set(ranked))]
 
 
 class VLLMTokens:
@@ -168,6 +181,7 @@ def _parse_openai_choice(answer: Any) -> Parsed:
         out = [int(t) for t in choice.get("token_ids") or []]
         content = (choice.get("logprobs") or {}).get("content") or []
         lps = [float(c["logprob"]) for c in content]
+        top = [_top_candidates(c) for c in content]
         prompt = answer.get("prompt_token_ids")
         prompt = [int(t) for t in prompt] if prompt is not None else None
     except (KeyError, IndexError, TypeError, ValueError) as exc:
@@ -177,7 +191,7 @@ def _parse_openai_choice(answer: Any) -> Parsed:
     if prompt is None:
         raise ModelServerError("the answer has no prompt_token_ids")
     finish = str(choice.get("finish_reason") or "stop")
-    return _checked(prompt, out, lps, choice.get("weight_versions"), finish)
+    return _checked(prompt, out, lps, choice.get("weight_versions"), finish, top)
 
 
 def with_images(template_messages: list[dict], images: list[Image]) -> list[dict]:
