@@ -281,3 +281,138 @@ async def test_a_stop_string_cuts_the_reply_and_the_row_keeps_what_the_agent_got
     assert tok.decode(turn.output_ids) == "tap the OK button"
     assert len(choice["logprobs"]["content"]) == len(turn.output_ids) == len(turn.logprobs)
     assert "stop" not in turn.overridden
+
+
+@pytest.fixture(scope="module")
+def qwen25_vllm():
+    from cua_rl.testing.vllm_server import VLLMServer
+
+    with VLLMServer(ensure_model("qwen2.5-vl"), model="tiny-qwen2.5-vl") as server:
+        yield server
+
+
+@pytest.fixture
+def vllm_episode(qwen25_vllm, qwen25_processor):
+    """vllm_episode(sampling) -> (gateway, episode id, base URL) on the real vLLM server."""
+    gw = Gateway(GatewayConfig()).start()
+    opened = []
+
+    def make(sampling: Sampling):
+        episode = f"ep-{len(opened)}"
+        spec = SessionSpec(
+            FakeEngine(f"{qwen25_vllm.host}:{qwen25_vllm.port}"),
+            sampling,
+            qwen25_processor,
+            qwen25_vllm.model,
+            TrajectoryConfig(),
+        )
+        opened.append(episode)
+        return gw, episode, gw.open(episode, spec)
+
+    yield make
+    gw.stop()
+
+
+def _history() -> list[dict]:
+    """A GUI agent's conversation that already holds a call and its result."""
+    call = {
+        "id": "call_1",
+        "type": "function",
+        "function": {"name": "tap", "arguments": '{"x": 10, "y": 20}'},
+    }
+    return [
+        SYSTEM,
+        user("Open the settings", shot(1)),
+        {"role": "assistant", "content": "Tapping settings.", "tool_calls": [call]},
+        {"role": "tool", "tool_call_id": "call_1", "content": "tapped at 10,20"},
+        user("Screen after the tap", shot(2)),
+    ]
+
+
+@pytest.mark.slow
+async def test_real_vllm_tool_history_renders_as_the_template_and_the_row_reproduces(
+    vllm_episode, qwen25_processor
+):
+    from cua_rl.testing.forward import load_vl_model, trained_gap
+
+    gw, episode, url = vllm_episode(Sampling(temperature=1.0, max_new_tokens=24))
+    client = openai.AsyncOpenAI(base_url=url, api_key="unused")
+    messages = _history()
+    replies = []
+    for n in range(3):
+        r = await client.chat.completions.create(
+            model="policy", messages=messages, tools=TOOLS, logprobs=True, top_logprobs=3
+        )
+        replies.append(r)
+        message = r.choices[0].message
+        messages.append(message.model_dump(exclude_none=True))
+        for call in message.tool_calls or []:
+            messages.append({"role": "tool", "tool_call_id": call.id, "content": execute(call)})
+        messages.append(user(f"Screen {n + 3}", shot(n + 3)))
+    await client.close()
+    capture = gw.close(episode)
+
+    # The first prompt is the template's rendering of the agent's history, tool call and tool
+    # result included (one pad per image as sent; the server expanded them).
+    tok = qwen25_processor.tokenizer
+    pad, _ = image_token_ids(qwen25_processor)
+    first = tok.decode(collapse_pads(capture.turns[0].prompt_ids, pad), skip_special_tokens=False)
+    assert first == _render(qwen25_processor, _history())
+    # The reply was parsed from what the model sampled, as vLLM's Hermes parser would.
+    from cua_rl.gateway.tools import parse_hermes
+
+    for r, turn in zip(replies, capture.turns, strict=True):
+        parsed = parse_hermes(turn.text)
+        assert r.choices[0].message.content == parsed.content
+        assert len(r.choices[0].message.tool_calls or []) == len(parsed.calls)
+        _check_top_logprobs(r.choices[0].logprobs.content, turn)
+    assert {t.segment for t in capture.turns} == {1} and all(t.extended for t in capture.turns)
+
+    res = convert_turns(
+        capture.row_turns([]),
+        processor=qwen25_processor,
+        reward=1.0,
+        version=0,
+        fetched_images=capture.images(),
+    )
+    assert res.row is not None, res.reason
+    assert res.stats["trained_turns"] == 3
+    gap = trained_gap(load_vl_model(ensure_model("qwen2.5-vl")), res.row).max().item()
+    print(f"forward max |dlogprob| {gap:.2e}")
+    assert gap < 1e-3
+
+
+def _check_top_logprobs(entries, turn) -> None:
+    """Top candidates: 3 per token, by logprob, the sampled one's logprob where it is among
+    them; the sampled token's own logprob is the one trained on."""
+    assert [e.logprob for e in entries] == pytest.approx(turn.logprobs)
+    assert len(entries) == len(turn.output_ids)
+    for e in entries:
+        tops = e.top_logprobs
+        assert len(tops) == 3
+        assert [t.logprob for t in tops] == sorted((t.logprob for t in tops), reverse=True)
+        assert tops[0].logprob >= e.logprob - 1e-6
+        same = [t for t in tops if t.bytes == e.bytes]
+        if same:
+            assert same[0].logprob == pytest.approx(e.logprob, abs=1e-6)
+
+
+@pytest.mark.slow
+async def test_real_vllm_honours_stop_and_the_row_keeps_what_the_agent_got(vllm_episode):
+    greedy = Sampling(greedy=True, max_new_tokens=24)
+    body = {"messages": [user("Say something", shot(1))]}
+    async with httpx.AsyncClient(timeout=300) as http:
+        _, _, url = vllm_episode(greedy)
+        free = (await http.post(f"{url}/chat/completions", json=body)).json()
+        text = free["choices"][0]["message"]["content"]
+        assert len(text) > 8, text
+        stop = text[4:7]
+        gw, episode, url = vllm_episode(greedy)
+        cut = await http.post(f"{url}/chat/completions", json={**body, "stop": stop})
+    choice = cut.json()["choices"][0]
+    assert choice["finish_reason"] == "stop"
+    content = choice["message"]["content"]
+    assert text.startswith(content) and stop not in content
+    assert len(content) <= text.index(stop)
+    (turn,) = gw.close(episode).turns
+    assert turn.text == content
