@@ -262,6 +262,26 @@ async def test_tool_choice_none_answers_text_and_forcing_a_call_is_refused(
     gw.close(episode)
 
 
+async def test_a_streamed_answer_carries_its_tool_calls(standin_gateway, qwen25_processor):
+    standin = ModelStandIn(script=(sampled(qwen25_processor, "Tap.\n" + TAP),))
+    gw, episode, url = standin_gateway(standin)
+    client = openai.AsyncOpenAI(base_url=url, api_key="unused")
+    stream = await client.chat.completions.create(
+        model="policy", messages=[user("x")], tools=TOOLS, stream=True
+    )
+    deltas, finish = [], None
+    async for chunk in stream:
+        deltas.append(chunk.choices[0].delta)
+        finish = chunk.choices[0].finish_reason or finish
+    await client.close()
+    calls = [c for d in deltas for c in d.tool_calls or []]
+    assert [(c.index, c.function.name, json.loads(c.function.arguments)) for c in calls] == [
+        (0, "tap", {"x": 10, "y": 20})
+    ]
+    assert "".join(d.content or "" for d in deltas) == "Tap.\n" and finish == "tool_calls"
+    gw.close(episode)
+
+
 async def test_a_stop_string_cuts_the_reply_and_the_row_keeps_what_the_agent_got(
     standin_gateway, qwen25_processor
 ):
