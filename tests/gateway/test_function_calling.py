@@ -22,10 +22,9 @@ from cua_rl.gateway.render import collapse_pads
 from cua_rl.serving import ThreadedServer
 from cua_rl.testing.cache import ensure_model
 from cua_rl.testing.model_standin import ModelStandIn
-from cua_rl.trajectory import convert_turns
 from cua_rl.trajectory.config import TrajectoryConfig
 from cua_rl.trajectory.images import image_token_ids
-from tests.gateway.conftest import FakeEngine, data_url, png, user
+from tests.gateway.conftest import FakeEngine, data_url, png, row_of, user
 
 TOOLS = [
     {
@@ -179,15 +178,7 @@ async def test_an_sdk_agent_executes_tool_calls_over_several_turns_in_one_exact_
     notes = [t.notes() for t in capture.turns]
     assert notes[0]["tools_schema"] == TOOLS and "tools_schema" not in notes[1]
     assert [n.get("tool_calls") for n in notes] == [["tap"], ["type_text"], None]
-    res = convert_turns(
-        capture.row_turns([]),
-        processor=qwen25_processor,
-        reward=1.0,
-        version=0,
-        fetched_images=capture.images(),
-    )
-    assert res.row is not None, res.reason
-    assert res.stats["trained_turns"] == 3
+    row_of(capture, qwen25_processor, 3)
 
 
 def _render(processor, messages: list[dict]) -> str:
@@ -388,16 +379,8 @@ async def test_real_vllm_tool_history_renders_as_the_template_and_the_row_reprod
         _check_top_logprobs(r.choices[0].logprobs.content, turn)
     assert {t.segment for t in capture.turns} == {1} and all(t.extended for t in capture.turns)
 
-    res = convert_turns(
-        capture.row_turns([]),
-        processor=qwen25_processor,
-        reward=1.0,
-        version=0,
-        fetched_images=capture.images(),
-    )
-    assert res.row is not None, res.reason
-    assert res.stats["trained_turns"] == 3
-    gap = trained_gap(load_vl_model(ensure_model("qwen2.5-vl")), res.row).max().item()
+    row = row_of(capture, qwen25_processor, 3)
+    gap = trained_gap(load_vl_model(ensure_model("qwen2.5-vl")), row).max().item()
     print(f"forward max |dlogprob| {gap:.2e}")
     assert gap < 1e-3
 
