@@ -11,7 +11,6 @@ episode are served one at a time, in arrival order.
 from __future__ import annotations
 
 import asyncio
-import time
 import uuid
 from collections.abc import Awaitable, Callable
 from dataclasses import dataclass, replace
@@ -20,6 +19,7 @@ from typing import Any
 import httpx
 
 from cua_rl.errors import CuaRlError, ModelServerError, RejectedEpisode
+from cua_rl.gateway.answer import chat_completion
 from cua_rl.gateway.backends import VLLMText, backend_named
 from cua_rl.gateway.capture import CapturedTurn, EpisodeCapture, GatewayError
 from cua_rl.gateway.config import GatewayConfig, Sampling
@@ -41,7 +41,6 @@ from cua_rl.gateway.requests import (
     cut_at_stop,
     sampling_differences,
     stop_strings,
-    token_bytes,
     top_logprobs,
     trainer_values,
 )
@@ -444,51 +443,7 @@ class EpisodeSession:
         return {src: self._images[ids[src]] for src in urls}
 
     def answer(self, turn: CapturedTurn, body: dict) -> dict:
-        calls = turn.message.get("tool_calls")
-        choice: dict[str, Any] = {
-            "index": 0,
-            "message": dict(turn.message),
-            # vLLM's rule: a reply parsed into calls finishes "tool_calls".
-            "finish_reason": "tool_calls" if calls else turn.finish_reason,
-            "logprobs": None,
-        }
-        if body.get("logprobs"):
-            choice["logprobs"] = {"content": self._logprobs(turn, top_logprobs(body))}
-        out: dict[str, Any] = {
-            "id": turn.response_id,
-            "object": "chat.completion",
-            "created": int(time.time()),
-            "model": self.spec.model_name,
-            "choices": [choice],
-            "usage": {
-                "prompt_tokens": len(turn.prompt_ids),
-                "completion_tokens": len(turn.output_ids),
-                "total_tokens": len(turn.prompt_ids) + len(turn.output_ids),
-            },
-        }
-        if body.get("return_token_ids"):
-            choice["token_ids"] = list(turn.output_ids)
-            out["prompt_token_ids"] = list(turn.prompt_ids)
-        return out
-
-    def _entry(self, token_id: int, logprob: float) -> dict:
-        return {
-            "token": self.tokenizer.decode([token_id]),
-            "logprob": logprob,
-            "bytes": list(token_bytes(self.tokenizer, token_id)),
-        }
-
-    def _logprobs(self, turn: CapturedTurn, k: int) -> list[dict]:
-        """OpenAI's per-token logprobs: the sampled token's (the one trained on) and, when
-        asked, the server's top ``k`` candidates of the same distribution."""
-        tops = turn.top or [[] for _ in turn.output_ids]
-        return [
-            {
-                **self._entry(t, lp),
-                "top_logprobs": [self._entry(c, clp) for c, clp in top[:k]],
-            }
-            for t, lp, top in zip(turn.output_ids, turn.logprobs, tops, strict=True)
-        ]
+        return chat_completion(turn, body, self.tokenizer, self.spec.model_name)
 
     def close(self) -> EpisodeCapture:
         self.closed = True
