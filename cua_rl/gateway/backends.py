@@ -25,6 +25,7 @@
 from __future__ import annotations
 
 import base64
+import json
 from dataclasses import dataclass
 from typing import Any
 
@@ -207,8 +208,20 @@ def with_images(template_messages: list[dict], images: list[Image]) -> list[dict
                 else part
                 for part in content
             ]
-        out.append({**msg, "content": content})
+        msg = {**msg, "content": content}
+        if msg.get("tool_calls"):
+            # Templates read the arguments as objects; OpenAI's messages carry them as JSON text.
+            msg["tool_calls"] = [
+                {**c, "function": {**c["function"], "arguments": _json_text(c["function"])}}
+                for c in msg["tool_calls"]
+            ]
+        out.append(msg)
     return out
+
+
+def _json_text(fn: dict) -> str:
+    args = fn.get("arguments", {})
+    return args if isinstance(args, str) else json.dumps(args, ensure_ascii=False)
 
 
 def backend_named(name: str):

@@ -245,11 +245,13 @@ async def generate(
     messages: list[dict] | None = None,
     max_aborts: int = 16,
     max_pause_wait_s: float = 3600.0,
+    text_extra: dict | None = None,
 ) -> Generation:
     """Sample up to ``max_tokens`` after ``ids``; an abort or a dropped connection re-submits
     the prompt plus what was sampled so far, after any weight update in progress. ``backend``
     (``cua_rl.gateway.backends``, vLLM tokens-in by default) shapes the request; a text backend
-    sends ``messages`` and samples an aborted call again from its start."""
+    sends ``messages`` (and ``text_extra``, e.g. the tools the server must render) and samples an
+    aborted call again from its start."""
     backend = backend or VLLMTokens()
     t0 = time.monotonic()
     st = _Attempts()
@@ -265,6 +267,8 @@ async def generate(
         body = backend.body(
             ids + st.out, images, messages, sampling, max_tokens - len(st.out), model
         )
+        if text_extra and not backend.tokens_in:
+            body.update(text_extra)
         resp = await _post(client, server, backend.path, body, timeout_s, retries, st)
         if resp is None:
             continue

@@ -135,6 +135,8 @@ def normalize(
             raise BadRequest(f"messages[{i}] must be an object with a 'role'")
         content, pkey = _content(msg.get("content"), images, order, i)
         template: dict[str, Any] = {"role": msg["role"], "content": content}
+        if msg["role"] == "tool" and isinstance(msg.get("tool_call_id"), str):
+            template["tool_call_id"] = msg["tool_call_id"]  # not rendered, not compared
         calls = msg.get("tool_calls")
         if calls and msg["role"] == "assistant":
             template["tool_calls"], ckey = _calls(calls, i)
@@ -190,6 +192,8 @@ def _calls(calls: Any, i: int) -> tuple[list[dict], tuple]:
         args = fn.get("arguments", {})
         out.append(
             {
+                # The id is not rendered (nor compared); text in passes it on as OpenAI needs.
+                "id": str(call.get("id") or f"call_{i}_{j}"),
                 "type": "function",
                 "function": {"name": fn["name"], "arguments": arguments_object(args)},
             }

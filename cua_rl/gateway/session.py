@@ -268,15 +268,11 @@ class EpisodeSession:
         self._pick_server()
         try:
             try:
-                gen = await self._generate(
-                    clients.model, prompt.send_ids, images, template, sampling
-                )
+                gen = await self._generate(clients.model, prompt, template, sampling, tools)
             except TokensInUnavailable as exc:
                 log.warning("%s; episode %s goes on with text in", exc, self.episode_id)
                 self.backend = VLLMText()
-                gen = await self._generate(
-                    clients.model, prompt.send_ids, images, template, sampling
-                )
+                gen = await self._generate(clients.model, prompt, template, sampling, tools)
         except BadRequest as exc:
             raise GatewayFailure(str(exc), status=400, code=exc.code) from exc
         except WaitFailed as exc:
@@ -374,7 +370,8 @@ class EpisodeSession:
         self.capture.turns.append(turn)
         return self.answer(turn, body)
 
-    async def _generate(self, client, send_ids, images, template, sampling: Sampling):
+    async def _generate(self, client, prompt, template, sampling: Sampling, tools):
+        send_ids, images = prompt.send_ids, prompt.images
         ids = send_ids
         pad_id, _ = image_token_ids(self.spec.processor)
         counts: list[int] = []
@@ -407,6 +404,9 @@ class EpisodeSession:
             messages=template,
             max_aborts=self.config.max_aborts,
             max_pause_wait_s=self.config.max_pause_wait_s,
+            # Text in: the server renders the tools; it must not parse calls (the gateway
+            # does), and vLLM parses only when started with a tool parser.
+            text_extra={"tools": tools, "tool_choice": "none"} if tools else None,
         )
 
     def _pad_counts(self, images: list[Image]) -> list[int]:

@@ -308,7 +308,7 @@ def vllm_episode(qwen25_vllm, qwen25_processor):
     gw = Gateway(GatewayConfig()).start()
     opened = []
 
-    def make(sampling: Sampling):
+    def make(sampling: Sampling, gateway: Gateway | None = None):
         episode = f"ep-{len(opened)}"
         spec = SessionSpec(
             FakeEngine(f"{qwen25_vllm.host}:{qwen25_vllm.port}"),
@@ -318,7 +318,7 @@ def vllm_episode(qwen25_vllm, qwen25_processor):
             TrajectoryConfig(),
         )
         opened.append(episode)
-        return gw, episode, gw.open(episode, spec)
+        return (gateway or gw), episode, (gateway or gw).open(episode, spec)
 
     yield make
     gw.stop()
@@ -419,3 +419,23 @@ async def test_real_vllm_honours_stop_and_the_row_keeps_what_the_agent_got(vllm_
     assert len(content) <= text.index(stop)
     (turn,) = gw.close(episode).turns
     assert turn.text == content
+
+
+@pytest.mark.slow
+async def test_text_in_sends_the_tools_for_the_server_to_render(vllm_episode, qwen25_processor):
+    text_gw = Gateway(GatewayConfig(backend="text")).start()
+    try:
+        gw, episode, url = vllm_episode(Sampling(max_new_tokens=8), text_gw)
+        async with httpx.AsyncClient(timeout=300) as http:
+            r = await http.post(
+                f"{url}/chat/completions", json={"messages": _history(), "tools": TOOLS}
+            )
+        assert r.status_code == 200, r.text
+        (turn,) = gw.close(episode).turns
+    finally:
+        text_gw.stop()
+    assert turn.backend == "text"
+    tok = qwen25_processor.tokenizer
+    pad, _ = image_token_ids(qwen25_processor)
+    prompt = tok.decode(collapse_pads(turn.prompt_ids, pad), skip_special_tokens=False)
+    assert prompt == _render(qwen25_processor, _history())
