@@ -1,7 +1,7 @@
 """The gateway's HTTP surface: an OpenAI-compatible base URL per episode.
 
 ``/episodes/{episode_id}/v1`` serves ``POST /chat/completions`` (plain or ``stream: true``, which
-gets the whole answer as one chunk) and ``GET /models``. Every failure answers OpenAI's error
+gets the whole answer, tool calls included, as one chunk) and ``GET /models``. Every failure answers OpenAI's error
 shape, ``{"error": {"message", "type", "param", "code"}}``, so agents built on the OpenAI SDK
 report it as such: 404 for an episode the gateway does not know (or has closed), 413 for a body
 over the limit (checked while reading, before parsing), 400 for malformed JSON or a request it
@@ -53,12 +53,15 @@ async def read_body(request: Request, limit: int) -> bytes:
 def _chunks(answer: dict) -> list[dict]:
     choice = answer["choices"][0]
     base = {k: answer[k] for k in ("id", "created", "model")} | {"object": "chat.completion.chunk"}
+    delta = {"role": "assistant", "content": choice["message"]["content"]}
+    if calls := choice["message"].get("tool_calls"):
+        delta["tool_calls"] = [{"index": i, **call} for i, call in enumerate(calls)]
     first = {
         **base,
         "choices": [
             {
                 "index": 0,
-                "delta": {"role": "assistant", "content": choice["message"]["content"]},
+                "delta": delta,
                 "logprobs": choice.get("logprobs"),
                 "finish_reason": None,
             }
@@ -114,44 +117,12 @@ def pooled(max_connections: int) -> httpx.AsyncClient:
     return httpx.AsyncClient(limits=limits, timeout=httpx.Timeout(60.0, pool=None))
 
 
-def create_app(
-    lookup: Callable[[str], EpisodeSession | None],
-    *,
-    max_body_bytes: int,
-    models: Callable[[str], list[str]],
-    client_factory: Callable[[], httpx.AsyncClient] | None = None,
-    keepalive_s: float = 15.0,
-    max_connections: int = 0,
-) -> FastAPI:
-    """``lookup(episode_id)`` finds an open episode; the app owns the model-server and image
-    clients, one pool each (``max_connections`` each, 0: unbounded, as AReaL's own client)."""
-    state: dict[str, httpx.AsyncClient] = {}
-
-    @asynccontextmanager
-    async def lifespan(app):
-        state["clients"] = Clients(
-            (client_factory or (lambda: pooled(max_connections)))(), pooled(max_connections)
-        )
-        try:
-            yield
-        finally:
-            await state["clients"].model.aclose()
-            await state["clients"].images.aclose()
-
-    app = FastAPI(title="cua-rl rollout gateway", lifespan=lifespan)
-
-    def unknown(episode_id: str):
-        return openai_error(
-            404,
-            f"no open episode {episode_id!r} on this gateway (it ended, or the URL is wrong)",
-            "episode_not_found",
-        )
-
+def _chat_route(app: FastAPI, lookup, state: dict, max_body_bytes: int, keepalive_s: float):
     @app.post("/episodes/{episode_id}/v1/chat/completions")
     async def chat(episode_id: str, request: Request):
         session = lookup(episode_id)
         if session is None:
-            return unknown(episode_id)
+            return _unknown(episode_id)
         try:
             raw = await read_body(request, max_body_bytes)
         except BodyTooLarge as exc:
@@ -177,6 +148,8 @@ def create_app(
             session.inflight.discard(task)
         return JSONResponse(answer)
 
+
+def _model_routes(app: FastAPI, lookup, models: Callable[[str], list[str]]) -> None:
     def model_list(episode_id: str) -> list[dict] | None:
         session = lookup(episode_id)
         if session is None:
@@ -190,18 +163,20 @@ def create_app(
     @app.get("/episodes/{episode_id}/v1/models")
     async def list_models(episode_id: str):
         data = model_list(episode_id)
-        return unknown(episode_id) if data is None else {"object": "list", "data": data}
+        return _unknown(episode_id) if data is None else {"object": "list", "data": data}
 
     @app.get("/episodes/{episode_id}/v1/models/{model:path}")
     async def get_model(episode_id: str, model: str):
         data = model_list(episode_id)
         if data is None:
-            return unknown(episode_id)
+            return _unknown(episode_id)
         found = [m for m in data if m["id"] == model]
         if not found:
             return openai_error(404, f"the model {model!r} does not exist", "model_not_found")
         return found[0]
 
+
+def _error_handlers(app: FastAPI) -> None:
     @app.exception_handler(StarletteHTTPException)
     async def http_error(request: Request, exc: StarletteHTTPException):
         code = {404: "not_found", 405: "method_not_allowed"}.get(exc.status_code, "http_error")
@@ -211,6 +186,44 @@ def create_app(
     @app.exception_handler(RequestValidationError)
     async def invalid(request: Request, exc: RequestValidationError):
         return openai_error(400, f"invalid request: {exc.errors()}", "invalid_request")
+
+
+def _unknown(episode_id: str):
+    return openai_error(
+        404,
+        f"no open episode {episode_id!r} on this gateway (it ended, or the URL is wrong)",
+        "episode_not_found",
+    )
+
+
+def create_app(
+    lookup: Callable[[str], EpisodeSession | None],
+    *,
+    max_body_bytes: int,
+    models: Callable[[str], list[str]],
+    client_factory: Callable[[], httpx.AsyncClient] | None = None,
+    keepalive_s: float = 15.0,
+    max_connections: int = 0,
+) -> FastAPI:
+    """``lookup(episode_id)`` finds an open episode; the app owns the model-server and image
+    clients, one pool each (``max_connections`` each, 0: unbounded, as AReaL's own client)."""
+    state: dict[str, Clients] = {}
+
+    @asynccontextmanager
+    async def lifespan(app):
+        state["clients"] = Clients(
+            (client_factory or (lambda: pooled(max_connections)))(), pooled(max_connections)
+        )
+        try:
+            yield
+        finally:
+            await state["clients"].model.aclose()
+            await state["clients"].images.aclose()
+
+    app = FastAPI(title="cua-rl rollout gateway", lifespan=lifespan)
+    _chat_route(app, lookup, state, max_body_bytes, keepalive_s)
+    _model_routes(app, lookup, models)
+    _error_handlers(app)
 
     @app.get("/healthz")
     async def healthz():

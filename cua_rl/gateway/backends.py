@@ -25,6 +25,7 @@
 from __future__ import annotations
 
 import base64
+import json
 from dataclasses import dataclass
 from typing import Any
 
@@ -38,19 +39,32 @@ BACKENDS = ("vllm", "sglang", "text")
 @dataclass
 class Parsed:
     """One answer: expanded prompt ids (None: the sent ids), sampled ids, logprobs, version
-    spans (None: unlabelled) and the finish reason (``stop`` / ``length`` / ``abort``)."""
+    spans (None: unlabelled), the finish reason (``stop`` / ``length`` / ``abort``) and, when
+    asked, each token's top candidates as ``(id, logprob)`` by rank."""
 
     prompt_ids: list[int] | None
     output_ids: list[int]
     logprobs: list[float]
     spans: Any
     finish_reason: str
+    top: list[list[tuple[int, float]]] | None = None
 
 
-def _checked(prompt, out, lps, spans, finish) -> Parsed:
+def _checked(prompt, out, lps, spans, finish, top=None) -> Parsed:
     if len(lps) != len(out):
         raise ModelServerError(f"{len(out)} sampled ids but {len(lps)} logprobs")
-    return Parsed(prompt, out, lps, spans, finish)
+    return Parsed(prompt, out, lps, spans, finish, top)
+
+
+def _top_candidates(entry: dict) -> list[tuple[int, float]]:
+    """vLLM's tokens-in candidates (the sampled token first, then by rank) -> ranked top k
+    (ranks are 1-based; an unranked entry is the sampled token outside the top)."""
+    ranked = [
+        (int(c["rank"]), int(c["token_id"]), float(c["logprob"]))
+        for c in entry.get("top_logprobs") or []
+        if c.get("rank") and "token_id" in c
+    ]
+    return [(tid, lp) for _, tid, lp in sorted(set(ranked))]
 
 
 class VLLMTokens:
@@ -168,6 +182,7 @@ def _parse_openai_choice(answer: Any) -> Parsed:
         out = [int(t) for t in choice.get("token_ids") or []]
         content = (choice.get("logprobs") or {}).get("content") or []
         lps = [float(c["logprob"]) for c in content]
+        top = [_top_candidates(c) for c in content]
         prompt = answer.get("prompt_token_ids")
         prompt = [int(t) for t in prompt] if prompt is not None else None
     except (KeyError, IndexError, TypeError, ValueError) as exc:
@@ -177,7 +192,7 @@ def _parse_openai_choice(answer: Any) -> Parsed:
     if prompt is None:
         raise ModelServerError("the answer has no prompt_token_ids")
     finish = str(choice.get("finish_reason") or "stop")
-    return _checked(prompt, out, lps, choice.get("weight_versions"), finish)
+    return _checked(prompt, out, lps, choice.get("weight_versions"), finish, top)
 
 
 def with_images(template_messages: list[dict], images: list[Image]) -> list[dict]:
@@ -193,8 +208,20 @@ def with_images(template_messages: list[dict], images: list[Image]) -> list[dict
                 else part
                 for part in content
             ]
-        out.append({**msg, "content": content})
+        msg = {**msg, "content": content}
+        if msg.get("tool_calls"):
+            # Templates read the arguments as objects; OpenAI's messages carry them as JSON text.
+            msg["tool_calls"] = [
+                {**c, "function": {**c["function"], "arguments": _json_text(c["function"])}}
+                for c in msg["tool_calls"]
+            ]
+        out.append(msg)
     return out
+
+
+def _json_text(fn: dict) -> str:
+    args = fn.get("arguments", {})
+    return args if isinstance(args, str) else json.dumps(args, ensure_ascii=False)
 
 
 def backend_named(name: str):

@@ -41,6 +41,15 @@ class CapturedTurn:
     paused_s: float = 0.0
     seconds: float = 0.0
     server: str = ""
+    # The answer's message as the agent got it: content, and the tool calls parsed from ``text``.
+    message: dict[str, Any] = field(default_factory=dict)
+    tools: list | None = None  # the function schemas the prompt rendered
+    tools_first_seen: bool = False  # the first turn of the episode with these tools
+    top: list = field(default_factory=list)  # per token: the server's top (id, logprob)
+
+    def __post_init__(self):
+        if not self.message:
+            self.message = {"role": "assistant", "content": self.text}
 
     def notes(self) -> dict[str, Any]:
         notes: dict[str, Any] = {"versions": sorted(set(self.versions))}
@@ -49,6 +58,13 @@ class CapturedTurn:
         for key in ("aborts", "retries", "cut"):
             if getattr(self, key):
                 notes[key] = getattr(self, key)
+        if self.tools:
+            # The schema once per episode (where it first reached the prompt), names after.
+            notes["tools"] = [t["function"]["name"] for t in self.tools]
+            if self.tools_first_seen:
+                notes["tools_schema"] = self.tools
+        if calls := self.message.get("tool_calls"):
+            notes["tool_calls"] = [c["function"]["name"] for c in calls]
         return notes
 
     def image_keys(self) -> list[str]:
@@ -136,6 +152,7 @@ class EpisodeCapture:
                     action_ok=ev.action_ok if ev else False,
                     output_versions=list(c.versions),
                     response_id=c.response_id,
+                    notes=c.notes(),
                 )
             )
         return out

@@ -182,6 +182,10 @@ class Sampling:
     stop_token_ids: list[int] = field(default_factory=list)
     greedy: bool = False
     max_tokens: int = 0  # prompt + reply, as gconfig.max_tokens; 0: no cap
+    # Per call, what the agent asked that leaves the distribution alone: the top-k candidates
+    # to report per token (OpenAI's ``top_logprobs``) and its ``stop`` strings.
+    top_logprobs: int = 0
+    stop: list[str] = field(default_factory=list)
 
     def room(self, prompt_len: int) -> int:
         """New tokens one call may sample: AReaL's rule, max_new_tokens within max_tokens."""
@@ -218,10 +222,14 @@ class Sampling:
             **self.distribution(),
             "max_tokens": max_tokens,
             "min_tokens": min(self.min_new_tokens, max_tokens),
-            "logprobs": 0,
+            # vLLM lists the sampled token first, then the candidates by rank, cut at this count:
+            # one more than asked keeps the top k whatever was sampled (vLLM's cap is 20).
+            "logprobs": min(self.top_logprobs + 1, 20) if self.top_logprobs else 0,
         }
         if self.stop_token_ids:
             params["stop_token_ids"] = list(self.stop_token_ids)
+        if self.stop:
+            params["stop"] = list(self.stop)
         return params
 
 

@@ -120,6 +120,7 @@ class Generation:
     paused_s: float = 0.0  # time spent waiting for weight updates
     cut: int = 0  # a sampled vision token dropped from the end (see session.py)
     seconds: float = 0.0
+    top: list[list[tuple[int, float]]] = field(default_factory=list)  # per token, when asked
 
 
 def server_url(address: str) -> str:
@@ -141,6 +142,93 @@ def spans_to_versions(spans: Any, n: int, fallback: int) -> list[int]:
     return versions
 
 
+@dataclass
+class _Attempts:
+    """What the attempts of one call gathered so far (aborts and retries append to it)."""
+
+    gen: Generation | None = None
+    out: list[int] = field(default_factory=list)
+    lps: list[float] = field(default_factory=list)
+    versions: list[int] = field(default_factory=list)
+    top: list[list[tuple[int, float]]] = field(default_factory=list)
+    aborts: int = 0
+    failures: int = 0
+    idle_aborts: int = 0
+    paused_s: float = 0.0
+
+    def restart(self) -> None:
+        """A text request cannot carry the tokens sampled so far: the call starts over."""
+        self.gen, self.out, self.lps, self.versions, self.top = None, [], [], [], []
+
+
+async def _post(client, server: str, path: str, body: dict, timeout_s: float, retries: int, st):
+    """One attempt; None when it failed in a way worth re-sending (after a back-off)."""
+    try:
+        resp = await client.post(f"{server_url(server)}{path}", json=body, timeout=timeout_s)
+    except httpx.HTTPError as exc:
+        st.failures += 1
+        if st.failures > retries:
+            raise ModelServerError(f"model server {server}: {type(exc).__name__}: {exc}") from exc
+        log.warning("model server %s: %r; re-sending (%d/%d)", server, exc, st.failures, retries)
+        await asyncio.sleep(min(0.5 * 2 ** (st.failures - 1), 8.0))
+        return None
+    if resp.status_code >= 500:
+        st.failures += 1
+        if st.failures > retries:
+            raise ModelServerError(
+                f"model server {server} answered {resp.status_code}: {resp.text[:300]}",
+                status=resp.status_code,
+            )
+        await asyncio.sleep(min(0.5 * 2 ** (st.failures - 1), 8.0))
+        return None
+    return resp
+
+
+def _answer_of(resp: httpx.Response, server: str, backend) -> Any:
+    # A missing route, not a missing model (vLLM answers an unknown model 404 too, with an
+    # error that names it): only then is text in the way to go on.
+    missing_route = resp.status_code == 405 or (
+        resp.status_code == 404 and "model" not in resp.text.lower()
+    )
+    if missing_route and backend.tokens_in:
+        raise TokensInUnavailable(
+            f"model server {server} has no {backend.path} ({resp.status_code})",
+            status=resp.status_code,
+        )
+    if resp.status_code != 200:
+        raise BadRequest(
+            f"model server refused the prompt: {resp.text[:500]}", code="model_refused"
+        )
+    try:
+        return resp.json()
+    except ValueError as exc:
+        raise ModelServerError(f"model server {server} answered non-JSON") from exc
+
+
+def _absorb(st: _Attempts, parsed, ids: list[int], engine: EngineView, server: str, limit: int):
+    if st.gen is None:
+        # No prompt in the answer: the ids sent, pads included, are the prompt.
+        st.gen = Generation(prompt_ids=parsed.prompt_ids or list(ids))
+    st.out += parsed.output_ids
+    st.lps += parsed.logprobs
+    st.top += parsed.top or [[] for _ in parsed.output_ids]
+    st.versions += spans_to_versions(parsed.spans, len(parsed.output_ids), engine.get_version())
+    if parsed.finish_reason != "abort":
+        return
+    st.aborts += 1
+    # An abort with no token and no pause is not a weight update: a server aborting everything
+    # (overloaded, shutting down) must not be asked forever.
+    idle = not parsed.output_ids and not engine.is_paused()
+    st.idle_aborts = st.idle_aborts + 1 if idle else 0
+    if st.idle_aborts >= limit:
+        raise WaitFailed(
+            f"model server {server} aborted the call {st.idle_aborts} times in a row with "
+            "no token sampled and no weight update in progress",
+            "abort_loop",
+            st.paused_s,
+        )
+
+
 async def generate(
     client: httpx.AsyncClient,
     engine: EngineView,
@@ -157,93 +245,40 @@ async def generate(
     messages: list[dict] | None = None,
     max_aborts: int = 16,
     max_pause_wait_s: float = 3600.0,
+    text_extra: dict | None = None,
 ) -> Generation:
     """Sample up to ``max_tokens`` after ``ids``; an abort or a dropped connection re-submits
     the prompt plus what was sampled so far, after any weight update in progress. ``backend``
     (``cua_rl.gateway.backends``, vLLM tokens-in by default) shapes the request; a text backend
-    sends ``messages`` and samples an aborted call again from its start."""
+    sends ``messages`` (and ``text_extra``, e.g. the tools the server must render) and samples an
+    aborted call again from its start."""
     backend = backend or VLLMTokens()
     t0 = time.monotonic()
-    gen: Generation | None = None
-    out: list[int] = []
-    lps: list[float] = []
-    versions: list[int] = []
-    aborts = failures = idle_aborts = 0
-    paused_s = 0.0
+    st = _Attempts()
     finish = "abort"
-    while finish == "abort" and len(out) < max_tokens:
+    while finish == "abort" and len(st.out) < max_tokens:
         try:
-            paused_s += await wait_while_paused(engine, max_pause_wait_s - paused_s)
+            st.paused_s += await wait_while_paused(engine, max_pause_wait_s - st.paused_s)
         except WaitFailed as exc:
-            exc.waited_s += paused_s
+            exc.waited_s += st.paused_s
             raise
-        if not backend.tokens_in and out:
-            gen, out, lps, versions = None, [], [], []
-        body = backend.body(ids + out, images, messages, sampling, max_tokens - len(out), model)
-        try:
-            resp = await client.post(
-                f"{server_url(server)}{backend.path}", json=body, timeout=timeout_s
-            )
-        except httpx.HTTPError as exc:
-            failures += 1
-            if failures > retries:
-                raise ModelServerError(
-                    f"model server {server}: {type(exc).__name__}: {exc}"
-                ) from exc
-            log.warning("model server %s: %r; re-sending (%d/%d)", server, exc, failures, retries)
-            await asyncio.sleep(min(0.5 * 2 ** (failures - 1), 8.0))
-            continue
-        if resp.status_code >= 500:
-            failures += 1
-            if failures > retries:
-                raise ModelServerError(
-                    f"model server {server} answered {resp.status_code}: {resp.text[:300]}",
-                    status=resp.status_code,
-                )
-            await asyncio.sleep(min(0.5 * 2 ** (failures - 1), 8.0))
-            continue
-        # A missing route, not a missing model (vLLM answers an unknown model 404 too, with
-        # an error that names it): only then is text in the way to go on.
-        missing_route = resp.status_code == 405 or (
-            resp.status_code == 404 and "model" not in resp.text.lower()
+        if not backend.tokens_in and st.out:
+            st.restart()
+        body = backend.body(
+            ids + st.out, images, messages, sampling, max_tokens - len(st.out), model
         )
-        if missing_route and backend.tokens_in:
-            raise TokensInUnavailable(
-                f"model server {server} has no {backend.path} ({resp.status_code})",
-                status=resp.status_code,
-            )
-        if resp.status_code != 200:
-            raise BadRequest(
-                f"model server refused the prompt: {resp.text[:500]}", code="model_refused"
-            )
-        try:
-            answer = resp.json()
-        except ValueError as exc:
-            raise ModelServerError(f"model server {server} answered non-JSON") from exc
-        parsed = backend.parse(answer)
+        if text_extra and not backend.tokens_in:
+            body.update(text_extra)
+        resp = await _post(client, server, backend.path, body, timeout_s, retries, st)
+        if resp is None:
+            continue
+        parsed = backend.parse(_answer_of(resp, server, backend))
         finish = parsed.finish_reason
-        if gen is None:
-            # No prompt in the answer: the ids sent, pads included, are the prompt.
-            gen = Generation(prompt_ids=parsed.prompt_ids or list(ids))
-        out += parsed.output_ids
-        lps += parsed.logprobs
-        versions += spans_to_versions(parsed.spans, len(parsed.output_ids), engine.get_version())
-        if finish == "abort":
-            aborts += 1
-            # An abort with no token and no pause is not a weight update: a server aborting
-            # everything (overloaded, shutting down) must not be asked forever.
-            idle = not parsed.output_ids and not engine.is_paused()
-            idle_aborts = idle_aborts + 1 if idle else 0
-            if idle_aborts >= max_aborts:
-                raise WaitFailed(
-                    f"model server {server} aborted the call {idle_aborts} times in a row with "
-                    "no token sampled and no weight update in progress",
-                    "abort_loop",
-                    paused_s,
-                )
-    gen.output_ids, gen.logprobs, gen.versions = out, lps, versions
+        _absorb(st, parsed, ids, engine, server, max_aborts)
+    gen = st.gen
+    gen.output_ids, gen.logprobs, gen.versions, gen.top = st.out, st.lps, st.versions, st.top
     # An abort that left no room is a call that ran out of tokens.
     gen.finish_reason = "length" if finish == "abort" else finish
-    gen.aborts, gen.retries, gen.paused_s = aborts, failures, paused_s
+    gen.aborts, gen.retries, gen.paused_s = st.aborts, st.failures, st.paused_s
     gen.seconds = time.monotonic() - t0
     return gen

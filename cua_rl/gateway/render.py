@@ -18,9 +18,12 @@ from __future__ import annotations
 
 import base64
 import hashlib
+import json
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any
+
+from cua_rl.gateway.tools import arguments_object, canonical_arguments
 
 
 class BadRequest(ValueError):
@@ -111,50 +114,92 @@ def image_sources(messages: Sequence[Any]) -> list[str]:
     return out
 
 
-def normalize(messages: Any, images: Mapping[str, Image]) -> tuple[list[dict], list[Image], tuple]:
+def normalize(
+    messages: Any, images: Mapping[str, Image], tools: list | None = None
+) -> tuple[list[dict], list[Image], tuple]:
     """Agent messages -> (template messages, images in order, comparison key).
 
-    Template messages keep only what a chat template reads (role, text, an image placeholder);
-    the key identifies a message list by role, text and image hashes.
+    Template messages keep only what a chat template reads (role, text, an image placeholder,
+    an assistant's tool calls); the key identifies a message list by the tools, role, text,
+    image hashes and calls (arguments compared as objects, call ids ignored).
     """
     if not isinstance(messages, list) or not messages:
         raise BadRequest("'messages' must be a non-empty list")
     out: list[dict] = []
     order: list[Image] = []
     key: list[tuple] = []
+    if tools:
+        key.append(("\x00tools", json.dumps(tools, sort_keys=True)))
     for i, msg in enumerate(messages):
         if not isinstance(msg, Mapping) or not isinstance(msg.get("role"), str):
             raise BadRequest(f"messages[{i}] must be an object with a 'role'")
-        content = msg.get("content")
-        if content is None or isinstance(content, str):
-            text = content or ""
-            out.append({"role": msg["role"], "content": text})
-            key.append((msg["role"], text))
-            continue
-        if not isinstance(content, list):
-            raise BadRequest(f"messages[{i}].content must be a string or a list of parts")
-        parts: list[dict] = []
-        pkey: list[str] = []
-        for j, part in enumerate(content):
-            if not isinstance(part, Mapping):
-                raise BadRequest(f"messages[{i}].content[{j}] must be an object")
-            src = image_source(part)
-            if src is not None:
-                img = images[src]
-                order.append(img)
-                parts.append({"type": "image"})
-                pkey.append("\x00img:" + img.sha256)
-            elif part.get("type", "text") == "text" and isinstance(part.get("text"), str):
-                parts.append({"type": "text", "text": part["text"]})
-                pkey.append(part["text"])
-            else:
-                raise BadRequest(
-                    f"messages[{i}].content[{j}] has type {part.get('type')!r}; the gateway "
-                    "serves text and image parts"
-                )
-        out.append({"role": msg["role"], "content": parts})
+        content, pkey = _content(msg.get("content"), images, order, i)
+        template: dict[str, Any] = {"role": msg["role"], "content": content}
+        if msg["role"] == "tool" and isinstance(msg.get("tool_call_id"), str):
+            template["tool_call_id"] = msg["tool_call_id"]  # not rendered, not compared
+        calls = msg.get("tool_calls")
+        if calls and msg["role"] == "assistant":
+            template["tool_calls"], ckey = _calls(calls, i)
+            pkey = (*pkey, *ckey)
+        out.append(template)
         key.append((msg["role"], *pkey))
     return out, order, tuple(key)
+
+
+def message_key(message: Mapping[str, Any]) -> tuple:
+    """The comparison key of one text message (an answer as the agent will send it back)."""
+    return normalize([message], {})[2][-1]
+
+
+def _content(content: Any, images: Mapping[str, Image], order: list[Image], i: int):
+    """One message's content for the template, and its key parts."""
+    if content is None or isinstance(content, str):
+        return content or "", (content or "",)
+    if not isinstance(content, list):
+        raise BadRequest(f"messages[{i}].content must be a string or a list of parts")
+    parts: list[dict] = []
+    pkey: list[str] = []
+    for j, part in enumerate(content):
+        if not isinstance(part, Mapping):
+            raise BadRequest(f"messages[{i}].content[{j}] must be an object")
+        src = image_source(part)
+        if src is not None:
+            img = images[src]
+            order.append(img)
+            parts.append({"type": "image"})
+            pkey.append("\x00img:" + img.sha256)
+        elif part.get("type", "text") == "text" and isinstance(part.get("text"), str):
+            parts.append({"type": "text", "text": part["text"]})
+            pkey.append(part["text"])
+        else:
+            raise BadRequest(
+                f"messages[{i}].content[{j}] has type {part.get('type')!r}; the gateway "
+                "serves text and image parts"
+            )
+    return parts, tuple(pkey)
+
+
+def _calls(calls: Any, i: int) -> tuple[list[dict], tuple]:
+    """An assistant's OpenAI ``tool_calls`` as templates read them (arguments as objects)."""
+    if not isinstance(calls, list):
+        raise BadRequest(f"messages[{i}].tool_calls must be a list")
+    out: list[dict] = []
+    key: list[str] = []
+    for j, call in enumerate(calls):
+        fn = call.get("function") if isinstance(call, Mapping) else None
+        if not isinstance(fn, Mapping) or not isinstance(fn.get("name"), str):
+            raise BadRequest(f"messages[{i}].tool_calls[{j}] must hold a function with a name")
+        args = fn.get("arguments", {})
+        out.append(
+            {
+                # The id is not rendered (nor compared); text in passes it on as OpenAI needs.
+                "id": str(call.get("id") or f"call_{i}_{j}"),
+                "type": "function",
+                "function": {"name": fn["name"], "arguments": arguments_object(args)},
+            }
+        )
+        key.append(f"\x00call:{fn['name']}:{canonical_arguments(args)}")
+    return out, tuple(key)
 
 
 def collapse_pads(ids: Sequence[int], pad_id: int) -> list[int]:
@@ -205,15 +250,18 @@ class _Last:
     key: tuple
     template_messages: list[dict]
     ids: list[int]  # its prompt as the server expanded it + the sampled ids
-    reply: str
+    reply: str  # the sampled text
     ended_with: int | None  # the sampled stop token, if the reply ended on one
+    reply_key: tuple = ()  # the answer's key, as the agent sends it back (content, tool calls)
+    tools: list | None = None
 
 
 @dataclass
 class Conversation:
     """Token state of one episode; ``prompt`` then ``commit`` once per model call."""
 
-    render: Callable[[list[dict], bool], str]  # (messages, add_generation_prompt) -> text
+    # (messages, add_generation_prompt, tools) -> text
+    render: Callable[[list[dict], bool, list | None], str]
     encode: Callable[[str], list[int]]
     decode_token: Callable[[int], str]
     pad_id: int
@@ -234,9 +282,9 @@ class Conversation:
         if isinstance(im_end, int) and im_end != tok.unk_token_id:
             stops.add(im_end)
 
-        def render(messages: list[dict], generation: bool) -> str:
+        def render(messages: list[dict], generation: bool, tools: list | None = None) -> str:
             return processor.apply_chat_template(
-                messages, tokenize=False, add_generation_prompt=generation
+                messages, tools=tools or None, tokenize=False, add_generation_prompt=generation
             )
 
         return cls(
@@ -247,11 +295,17 @@ class Conversation:
             stop_ids=frozenset(stops),
         )
 
-    def prompt(self, template_messages: list[dict], images: list[Image], key: tuple) -> Prompt:
-        delta = self._delta(template_messages, key)
+    def prompt(
+        self,
+        template_messages: list[dict],
+        images: list[Image],
+        key: tuple,
+        tools: list | None = None,
+    ) -> Prompt:
+        delta = self._delta(template_messages, key, tools)
         if delta is None:
             # Counted at commit: a prompt whose answer nobody received starts no segment.
-            text = self.render(template_messages, True)
+            text = self.render(template_messages, True, tools)
             return Prompt(self.encode(text), images, None, self.segments + 1)
         last = self._last
         return Prompt(
@@ -261,18 +315,22 @@ class Conversation:
             self.segments,
         )
 
-    def _delta(self, template_messages: list[dict], key: tuple) -> str | None:
+    def _delta(self, template_messages: list[dict], key: tuple, tools: list | None) -> str | None:
         """The text to append to the stored ids, or None when the request starts afresh."""
         last = self._last
         if last is None:
             return None
-        before = (*last.key, ("assistant", last.reply))
+        before = (*last.key, last.reply_key or ("assistant", last.reply))
         if key[: len(before)] != before or len(key) == len(before):
             return None
-        replied = [*last.template_messages, {"role": "assistant", "content": last.reply}]
-        closed = self.render(replied, False)
-        full = self.render(template_messages, True)
-        opened = self.render(last.template_messages, True)
+        # The reply is the sampled text whatever the agent sent back (its content and tool
+        # calls, which the template may write with other spacing): the stored ids are kept.
+        sampled = {"role": "assistant", "content": last.reply}
+        n = len(last.template_messages)
+        replied = [*last.template_messages, sampled]
+        closed = self.render(replied, False, tools)
+        full = self.render([*replied, *template_messages[n + 1 :]], True, tools)
+        opened = self.render(last.template_messages, True, tools)
         if not full.startswith(closed) or not closed.startswith(opened):
             return None
         turn = closed[len(opened) :]
@@ -287,7 +345,9 @@ class Conversation:
 
     def _closing(self, turn: str) -> str:
         probe = self.render(
-            [{"role": "user", "content": "u"}, {"role": "assistant", "content": "\x01"}], False
+            [{"role": "user", "content": "u"}, {"role": "assistant", "content": "\x01"}],
+            False,
+            None,
         )
         tail = probe.split("\x01", 1)[-1]
         return turn[turn.rfind(tail) :] if tail and tail in turn else tail
@@ -300,11 +360,15 @@ class Conversation:
         output_ids: Sequence[int],
         reply: str,
         segment: int,
+        reply_key: tuple = (),
+        tools: list | None = None,
     ) -> None:
-        """The answered call (``segment``: its prompt's) becomes the turn to extend."""
+        """The answered call (``segment``: its prompt's) becomes the turn to extend;
+        ``reply_key``: the key of the answer as given (``message_key``)."""
         self.segments = max(self.segments, segment)
         ended = int(output_ids[-1]) if output_ids and output_ids[-1] in self.stop_ids else None
-        self._last = _Last(key, list(template_messages), [*prompt_ids, *output_ids], reply, ended)
+        ids = [*prompt_ids, *output_ids]
+        self._last = _Last(key, list(template_messages), ids, reply, ended, reply_key, tools)
 
 
 def extends_stored(prompt: Prompt, server_prompt_ids: Sequence[int]) -> bool:

@@ -1,15 +1,18 @@
 """What one chat-completion request may ask, checked before anything is fetched or sampled.
 
 The sampling settings are the trainer's: what the agent asked is compared with them through the
-one rule (``Sampling.distribution``) and recorded, replaced or refused. Function calling is not
-served yet, so requests that rely on it are refused rather than answered without their tools.
+one rule (``Sampling.distribution``) and recorded, replaced or refused. Tools are
+rendered only where the model's template writes tools, and ``tool_choice`` is honoured or
+refused. ``stop`` and ``top_logprobs`` leave the distribution alone and are served.
 Token ``bytes`` for OpenAI's logprobs shape are each token's own bytes.
 """
 
 from __future__ import annotations
 
 import functools
+import json
 import math
+from collections.abc import Callable, Sequence
 from typing import Any
 
 from cua_rl.errors import CuaRlError
@@ -33,7 +36,6 @@ FOREIGN_KEYS = (
     "min_p",
     "min_tokens",
     "seed",
-    "stop",
     "logit_bias",
     "allowed_token_ids",
     "bad_words",
@@ -76,24 +78,100 @@ def sampling_differences(body: dict, sampling: Sampling) -> tuple[dict, dict]:
     return asked, overridden
 
 
-def refuse_tools(body: dict) -> None:
-    """Function calling is not served yet: a request that relies on it is refused, never
-    answered as if its tools were not there (the schema would not reach the prompt)."""
-    if body.get("tools"):
+def check_tools(body: dict, tool_format: Callable[[], str | None]) -> tuple[list | None, bool]:
+    """(the tools to render, whether to parse the reply for calls) for one request.
+
+    ``tool_format()`` is the chat template's (``tools.template_format``); None: the template
+    writes no tools, so a request that relies on them is refused, never answered as if they
+    were not there. ``tool_choice`` "auto" (the default) parses the reply; "none" renders the
+    same prompt (tools included, so the conversation's ids do not depend on it) and returns the
+    text as content. "required" and a named function would need constrained decoding, which
+    changes the distribution sampled from (the trainer's recompute would not match): refused.
+    """
+    tools = body.get("tools") or None
+    history = any(
+        isinstance(m, dict) and (m.get("tool_calls") or m.get("role") == "tool")
+        for m in body.get("messages") or []
+    )
+    if tools is not None and (
+        not isinstance(tools, list)
+        or not all(
+            isinstance(t, dict)
+            and t.get("type", "function") == "function"
+            and isinstance(t.get("function"), dict)
+            and isinstance(t["function"].get("name"), str)
+            for t in tools
+        )
+    ):
         raise GatewayFailure(
-            "this gateway does not render 'tools' or parse tool calls yet: send the actions as "
-            "text",
+            '\'tools\' must be a list of {"type": "function", "function": {"name": ...}}',
+            status=400,
+            code="invalid_request",
+        )
+    if (tools or history) and tool_format() is None:
+        raise GatewayFailure(
+            "the served model's chat template writes no tools or tool calls, so function "
+            "calling cannot be served: send the actions as text, or serve a model whose "
+            "template has tools (Qwen2.5-VL, Qwen3-VL)",
             status=400,
             code="tools_unsupported",
         )
-    for i, msg in enumerate(body.get("messages") or []):
-        if isinstance(msg, dict) and (msg.get("tool_calls") or msg.get("role") == "tool"):
-            raise GatewayFailure(
-                f"messages[{i}] holds a tool call or a tool result, which this gateway does not "
-                "render yet",
-                status=400,
-                code="tools_unsupported",
-            )
+    choice = body.get("tool_choice")
+    if choice not in (None, "auto", "none"):
+        raise GatewayFailure(
+            f"tool_choice {json.dumps(choice)} cannot be honoured: forcing a call needs "
+            "constrained decoding, which changes the distribution sampled from and so the "
+            'logprobs the trainer learns from. Use "auto" (the model decides) or "none"',
+            status=400,
+            code="tool_choice_unsupported",
+        )
+    return tools, bool(tools) and choice != "none"
+
+
+def stop_strings(body: dict) -> list[str]:
+    """The agent's ``stop``: a string or up to 4 strings (OpenAI's limit)."""
+    stop = body.get("stop")
+    if stop is None or stop == []:
+        return []
+    stops = [stop] if isinstance(stop, str) else stop
+    if (
+        not isinstance(stops, list)
+        or len(stops) > 4
+        or not all(isinstance(x, str) and x for x in stops)
+    ):
+        raise GatewayFailure(
+            "'stop' must be a non-empty string or a list of up to 4 of them",
+            status=400,
+            code="invalid_request",
+        )
+    return stops
+
+
+def top_logprobs(body: dict) -> int:
+    """How many candidates per token the agent asked for (0: none; OpenAI's range 0-20)."""
+    k = body.get("top_logprobs")
+    if k is None or not body.get("logprobs"):
+        return 0
+    if not isinstance(k, int) or isinstance(k, bool) or not 0 <= k <= 20:
+        raise GatewayFailure(
+            "'top_logprobs' must be an integer from 0 to 20", status=400, code="invalid_request"
+        )
+    return k
+
+
+def cut_at_stop(ids: Sequence[int], decode: Callable[[list[int]], str], stops: list[str]):
+    """How many of ``ids`` the agent receives: the longest prefix whose text ends before the
+    first stop string (a token that holds part of it is dropped), or None when no stop string
+    occurs. The row keeps exactly these tokens, so it matches the text the agent got."""
+    text = decode(list(ids))
+    found = [i for s in stops if (i := text.find(s)) >= 0]
+    if not found:
+        return None
+    end = min(found)
+    keep = 0
+    while keep < len(ids) and len(decode(list(ids[: keep + 1]))) <= end:
+        keep += 1
+    return keep
 
 
 @functools.cache

@@ -11,7 +11,6 @@ episode are served one at a time, in arrival order.
 from __future__ import annotations
 
 import asyncio
-import time
 import uuid
 from collections.abc import Awaitable, Callable
 from dataclasses import dataclass, replace
@@ -20,6 +19,7 @@ from typing import Any
 import httpx
 
 from cua_rl.errors import CuaRlError, ModelServerError, RejectedEpisode
+from cua_rl.gateway.answer import chat_completion
 from cua_rl.gateway.backends import VLLMText, backend_named
 from cua_rl.gateway.capture import CapturedTurn, EpisodeCapture, GatewayError
 from cua_rl.gateway.config import GatewayConfig, Sampling
@@ -32,15 +32,19 @@ from cua_rl.gateway.render import (
     extends_stored,
     image_identity,
     image_sources,
+    message_key,
     normalize,
 )
 from cua_rl.gateway.requests import (
     GatewayFailure,
-    refuse_tools,
+    check_tools,
+    cut_at_stop,
     sampling_differences,
-    token_bytes,
+    stop_strings,
+    top_logprobs,
     trainer_values,
 )
+from cua_rl.gateway.tools import PARSERS, template_format
 from cua_rl.logs import get_logger
 from cua_rl.trajectory.config import TrajectoryConfig
 from cua_rl.trajectory.images import (
@@ -96,6 +100,8 @@ class Sampled:
     gen: Any
     asked: dict
     overridden: dict
+    tools: list | None = None
+    parse_calls: bool = False  # tool_choice "auto" with tools: the reply is parsed for calls
 
 
 @dataclass
@@ -135,6 +141,15 @@ class EpisodeSession:
         self.inflight: set[asyncio.Task] = set()
         self._pending: tuple[str, asyncio.Task] | None = None  # a call whose client left
         self._last: tuple[str, dict] | None = None  # the last answered call: key, answer
+        self._tool_format: str | None | bool = False  # False: not probed yet
+
+    @property
+    def tool_format(self) -> str | None:
+        """The tool-call format the model's chat template writes (None: it renders no tools)."""
+        if self._tool_format is False:
+            render = self.conversation.render
+            self._tool_format = template_format(lambda m, tools: render(m, True, tools))
+        return self._tool_format
 
     async def chat(
         self,
@@ -211,14 +226,16 @@ class EpisodeSession:
             self._pending[1].cancel()
             self._pending = None
 
-    async def _sample(self, body: Any, clients: Clients) -> Sampled:
+    def _check(self, body: Any) -> tuple[dict, dict, list | None, bool, Sampling]:
+        """What the request asks, refused before anything is fetched: (asked, overridden,
+        tools, whether to parse calls, this call's sampling)."""
         if not isinstance(body, dict):
             raise GatewayFailure("the body must be a JSON object", status=400, code="invalid_json")
         if body.get("n") not in (None, 1):
             raise GatewayFailure(
                 "n must be 1: one sample per call", status=400, code="unsupported_n"
             )
-        refuse_tools(body)
+        tools, parse = check_tools(body, lambda: self.tool_format)
         asked, overridden = sampling_differences(body, self.spec.sampling)
         if overridden and self.config.sampling_mismatch == "error":
             raise GatewayFailure(
@@ -227,9 +244,14 @@ class EpisodeSession:
                 status=400,
                 code="sampling_mismatch",
             )
+        sampling = replace(self.sampling, top_logprobs=top_logprobs(body), stop=stop_strings(body))
+        return asked, overridden, tools, parse, sampling
+
+    async def _sample(self, body: Any, clients: Clients) -> Sampled:
+        asked, overridden, tools, parse, sampling = self._check(body)
         try:
             known = await self._resolve_images(body.get("messages"), clients.images)
-            template, images, key = normalize(body.get("messages"), known)
+            template, images, key = normalize(body.get("messages"), known, tools)
         except BadRequest as exc:
             raise GatewayFailure(str(exc), status=400, code=exc.code) from exc
         except RejectedEpisode as exc:
@@ -242,26 +264,15 @@ class EpisodeSession:
                 status=400,
                 code="too_many_images",
             )
-        prompt = self.conversation.prompt(template, images, key)
-        if self._server is None:
-            # One server per episode: its KV and image caches then serve every later turn.
-            try:
-                self._server = self.config.model_server_url or self.spec.engine.choose_server()
-            except (IndexError, RuntimeError, AttributeError) as exc:
-                # The engine is being torn down (the training ended under a late episode).
-                raise GatewayFailure(
-                    f"no inference server to sample from: {type(exc).__name__}: {exc}",
-                    status=503,
-                    code="engine_unavailable",
-                    kind="api_error",
-                ) from exc
+        prompt = self.conversation.prompt(template, images, key, tools)
+        self._pick_server()
         try:
             try:
-                gen = await self._generate(clients.model, prompt.send_ids, images, template)
+                gen = await self._generate(clients.model, prompt, template, sampling, tools)
             except TokensInUnavailable as exc:
                 log.warning("%s; episode %s goes on with text in", exc, self.episode_id)
                 self.backend = VLLMText()
-                gen = await self._generate(clients.model, prompt.send_ids, images, template)
+                gen = await self._generate(clients.model, prompt, template, sampling, tools)
         except BadRequest as exc:
             raise GatewayFailure(str(exc), status=400, code=exc.code) from exc
         except WaitFailed as exc:
@@ -271,20 +282,65 @@ class EpisodeSession:
             raise GatewayFailure(
                 str(exc), status=502, code="model_server_error", kind="api_error"
             ) from exc
+        self._trim(gen, sampling.stop)
+        return Sampled(
+            template, key, images, prompt.segment, prompt, gen, asked, overridden, tools, parse
+        )
+
+    def _pick_server(self) -> None:
+        if self._server is not None:
+            return
+        # One server per episode: its KV and image caches then serve every later turn.
+        try:
+            self._server = self.config.model_server_url or self.spec.engine.choose_server()
+        except (IndexError, RuntimeError, AttributeError) as exc:
+            # The engine is being torn down (the training ended under a late episode).
+            raise GatewayFailure(
+                f"no inference server to sample from: {type(exc).__name__}: {exc}",
+                status=503,
+                code="engine_unavailable",
+                kind="api_error",
+            ) from exc
+
+    def _trim(self, gen, stops: list[str]) -> None:
+        """A sampled vision token ends the reply and is dropped; a stop string ends it before
+        the token that holds it (the agent and the row get the same tokens)."""
+        keep = None
         if gen.output_ids and gen.output_ids[-1] in self.vision_ids:
-            gen.output_ids, gen.logprobs, gen.versions = (
-                gen.output_ids[:-1],
-                gen.logprobs[:-1],
-                gen.versions[:-1],
-            )
-            gen.finish_reason, gen.cut = "stop", 1
-        return Sampled(template, key, images, prompt.segment, prompt, gen, asked, overridden)
+            keep, gen.cut = len(gen.output_ids) - 1, 1
+        if stops:
+            ids = gen.output_ids[:keep]
+            decode = lambda t: self.tokenizer.decode(t, skip_special_tokens=True)  # noqa: E731
+            at = cut_at_stop(ids, decode, stops)
+            keep = at if at is not None else keep
+        if keep is None:
+            return
+        gen.output_ids, gen.logprobs = gen.output_ids[:keep], gen.logprobs[:keep]
+        gen.versions, gen.top = gen.versions[:keep], gen.top[:keep]
+        gen.finish_reason = "stop"
 
     def _commit(self, s: Sampled, body: dict) -> dict:
         """The call was received: its turn joins the conversation and the capture."""
         gen = s.gen
         text = self.tokenizer.decode(gen.output_ids, skip_special_tokens=True)
-        self.conversation.commit(s.template, s.key, gen.prompt_ids, gen.output_ids, text, s.segment)
+        message: dict[str, Any] = {"role": "assistant", "content": text}
+        if s.parse_calls and (parsed := PARSERS[self.tool_format](text)).calls:
+            message = {
+                "role": "assistant",
+                "content": parsed.content,
+                "tool_calls": [call.openai() for call in parsed.calls],
+            }
+        self.conversation.commit(
+            s.template,
+            s.key,
+            gen.prompt_ids,
+            gen.output_ids,
+            text,
+            s.segment,
+            reply_key=message_key(message),
+            tools=s.tools,
+        )
+        new_tools = s.tools and all(t.tools != s.tools for t in self.capture.turns)
         turn = CapturedTurn(
             index=len(self.capture.turns),
             response_id=f"chatcmpl-{uuid.uuid4().hex}",
@@ -306,11 +362,16 @@ class EpisodeSession:
             paused_s=gen.paused_s,
             seconds=gen.seconds,
             server=self._server,
+            message=message,
+            tools=s.tools,
+            tools_first_seen=bool(new_tools),
+            top=gen.top,
         )
         self.capture.turns.append(turn)
         return self.answer(turn, body)
 
-    async def _generate(self, client, send_ids, images, template):
+    async def _generate(self, client, prompt, template, sampling: Sampling, tools):
+        send_ids, images = prompt.send_ids, prompt.images
         ids = send_ids
         pad_id, _ = image_token_ids(self.spec.processor)
         counts: list[int] = []
@@ -320,10 +381,10 @@ class EpisodeSession:
         if not self.backend.expands_pads:
             ids = expand_pads(send_ids, pad_id, counts)
         # The prompt as the model sees it (every image's pads) counts against max_tokens.
-        room = self.sampling.room(len(send_ids) - len(images) + sum(counts))
+        room = sampling.room(len(send_ids) - len(images) + sum(counts))
         if room <= 0:
             raise GatewayFailure(
-                f"the prompt fills gconfig.max_tokens={self.sampling.max_tokens}: no room to "
+                f"the prompt fills gconfig.max_tokens={sampling.max_tokens}: no room to "
                 "sample (shorten the history, or raise gconfig.max_tokens)",
                 status=400,
                 code="context_length_exceeded",
@@ -334,7 +395,7 @@ class EpisodeSession:
             self._server,
             ids,
             images,
-            self.sampling,
+            sampling,
             max_tokens=room,
             model=self.spec.model_name,
             timeout_s=self.config.request_timeout_s,
@@ -343,6 +404,9 @@ class EpisodeSession:
             messages=template,
             max_aborts=self.config.max_aborts,
             max_pause_wait_s=self.config.max_pause_wait_s,
+            # Text in: the server renders the tools; it must not parse calls (the gateway
+            # does), and vLLM parses only when started with a tool parser.
+            text_extra={"tools": tools, "tool_choice": "none"} if tools else None,
         )
 
     def _pad_counts(self, images: list[Image]) -> list[int]:
@@ -379,40 +443,7 @@ class EpisodeSession:
         return {src: self._images[ids[src]] for src in urls}
 
     def answer(self, turn: CapturedTurn, body: dict) -> dict:
-        choice: dict[str, Any] = {
-            "index": 0,
-            "message": {"role": "assistant", "content": turn.text},
-            "finish_reason": turn.finish_reason,
-            "logprobs": None,
-        }
-        if body.get("logprobs"):
-            choice["logprobs"] = {
-                "content": [
-                    {
-                        "token": self.tokenizer.decode([t]),
-                        "logprob": lp,
-                        "bytes": list(token_bytes(self.tokenizer, t)),
-                        "top_logprobs": [],
-                    }
-                    for t, lp in zip(turn.output_ids, turn.logprobs, strict=True)
-                ]
-            }
-        out: dict[str, Any] = {
-            "id": turn.response_id,
-            "object": "chat.completion",
-            "created": int(time.time()),
-            "model": self.spec.model_name,
-            "choices": [choice],
-            "usage": {
-                "prompt_tokens": len(turn.prompt_ids),
-                "completion_tokens": len(turn.output_ids),
-                "total_tokens": len(turn.prompt_ids) + len(turn.output_ids),
-            },
-        }
-        if body.get("return_token_ids"):
-            choice["token_ids"] = list(turn.output_ids)
-            out["prompt_token_ids"] = list(turn.prompt_ids)
-        return out
+        return chat_completion(turn, body, self.tokenizer, self.spec.model_name)
 
     def close(self) -> EpisodeCapture:
         self.closed = True

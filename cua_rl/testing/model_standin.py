@@ -3,8 +3,8 @@
 ``POST /inference/v1/generate`` answers in vLLM's shape (the prompt ids as sent, ``output_ids``
 as sampled, a logprob per token) after ``latency_s``; ``mode="abort"`` aborts every call with no
 token, as a server shutting down does. ``hold`` (a ``threading.Event``) keeps every answer back
-until it is set, so a test decides when a call is "still running" instead of timing it. Counts
-the calls it got. Serve it with ``cua_rl.serving.ThreadedServer``.
+until it is set, so a test decides when a call is "still running" instead of timing it;
+``script`` gives each call its own answer (a tool call, say). Counts the calls it got. Serve it with ``cua_rl.serving.ThreadedServer``.
 """
 
 from __future__ import annotations
@@ -39,8 +39,11 @@ class ModelStandIn:
         latency_s: float = 0.0,
         mode: str = "stop",
         hold: threading.Event | None = None,
+        script: tuple[tuple[int, ...], ...] = (),
     ):
         self.output_ids, self.latency_s, self.mode, self.hold = output_ids, latency_s, mode, hold
+        # The n-th call answers script[n] (the last one again after that); empty: output_ids.
+        self.script = script
         self.calls = 0
         self.last: dict = {}  # the last request body
         self._arrived = threading.Condition()
@@ -58,6 +61,7 @@ class ModelStandIn:
         with self._arrived:
             self.calls += 1
             self.last = body
+            n = self.calls
             self._arrived.notify_all()
         if self.hold is not None:
             await asyncio.to_thread(self.hold.wait)
@@ -67,7 +71,8 @@ class ModelStandIn:
             out: list[int] = []
         else:
             room = int(body["sampling_params"]["max_tokens"])
-            out = list(self.output_ids[:room])
+            script = self.script[min(n, len(self.script)) - 1] if self.script else None
+            out = list((script if script is not None else self.output_ids)[:room])
         return {
             "prompt_token_ids": body["token_ids"],
             "choices": [

@@ -63,6 +63,22 @@ def user(text: str, url: str | None = None) -> dict:
     return {"role": "user", "content": parts}
 
 
+def row_of(capture, processor, trained_turns: int) -> dict:
+    """The training row of a capture (every turn trained, nothing rejected)."""
+    from cua_rl.trajectory import convert_turns
+
+    res = convert_turns(
+        capture.row_turns([]),
+        processor=processor,
+        reward=1.0,
+        version=0,
+        fetched_images=capture.images(),
+    )
+    assert res.row is not None, res.reason
+    assert res.stats["trained_turns"] == trained_turns
+    return res.row
+
+
 @pytest.fixture(scope="module")
 def bpe_processor(tiny_vl_bpe_model_dir):
     from transformers import AutoProcessor

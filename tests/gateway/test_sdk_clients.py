@@ -20,8 +20,7 @@ import openai
 import pytest
 
 from cua_rl.testing.forward import load_vl_model, trained_gap
-from cua_rl.trajectory import convert_turns
-from tests.gateway.conftest import data_url, png, user
+from tests.gateway.conftest import data_url, png, row_of, user
 
 pytestmark = pytest.mark.slow
 
@@ -40,16 +39,8 @@ def check_capture(capture, received: list[str], processor, model_dir) -> dict:
     assert {t.segment for t in capture.turns} == {1}
     stats = capture.stats()
     assert stats["gateway/new_segments"] == 0
-    res = convert_turns(
-        capture.row_turns([]),
-        processor=processor,
-        reward=1.0,
-        version=0,
-        fetched_images=capture.images(),
-    )
-    assert res.row is not None, res.reason
-    assert res.stats["trained_turns"] == len(received)
-    assert trained_gap(load_vl_model(model_dir), res.row).max().item() < 1e-3
+    row = row_of(capture, processor, len(received))
+    assert trained_gap(load_vl_model(model_dir), row).max().item() < 1e-3
     return stats
 
 

@@ -141,7 +141,9 @@ def _not_utf8(raw: bytes) -> bool:
     return False
 
 
-async def test_tools_are_refused_rather_than_dropped(standin_episode):
+async def test_tools_are_refused_where_the_template_writes_none(standin_episode):
+    # The tiny Qwen2-VL's template (the ChatML frame only) renders no tools: refused, never
+    # answered as if they were not there.
     standin = ModelStandIn()
     gw, episode, url, _ = standin_episode(standin)
     tool = {"type": "function", "function": {"name": "tap", "parameters": {"type": "object"}}}
