@@ -6,11 +6,12 @@ import asyncio
 import itertools
 import time
 from collections import OrderedDict
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from typing import Any
 
 import httpx
 
+from cua_rl.core.fields import doc
 from cua_rl.sim.actions import ActionParseError, action_regex, to_event_args, to_gym_action
 from cua_rl.sim.agent.runs import EndRun, Run, iso, validate_run_body
 from cua_rl.sim.flavours import get_flavour
@@ -25,24 +26,19 @@ USER_REPLY = "No further information is available; continue with the task as giv
 class AgentServerConfig:
     """Settings of the local agent service."""
 
-    image_mode: str = field(
-        default="data",
-        metadata={"help": "how screenshots reach the model: 'data' (data URL) or 'url' (gym URL)"},
+    image_mode: str = doc(
+        "data", "how screenshots reach the model: 'data' (data URL) or 'url' (gym URL)"
     )
-    max_tokens: int = field(default=32, metadata={"help": "default max_tokens per model call"})
-    step_latency_s: float = field(
-        default=0.0,
-        metadata={
-            "help": "seconds each step waits after its action, like a real device settling "
+    max_tokens: int = doc(32, "default max_tokens per model call")
+    step_latency_s: float = doc(
+        0.0,
+        (
+            "seconds each step waits after its action, like a real device settling "
             "(benchmarks and demos of asynchronous training use it)"
-        },
+        ),
     )
-    http_timeout_s: float = field(
-        default=60.0, metadata={"help": "timeout of each gym / model HTTP call"}
-    )
-    max_runs_kept: int = field(
-        default=512, metadata={"help": "finished runs kept for GET before the oldest are dropped"}
-    )
+    http_timeout_s: float = doc(60.0, "timeout of each gym / model HTTP call")
+    max_runs_kept: int = doc(512, "finished runs kept for GET before the oldest are dropped")
 
     def __post_init__(self) -> None:
         from cua_rl.errors import ConfigError
