@@ -171,6 +171,13 @@ class AgentService:
         return body["maxSteps"]
 
     async def _step(self, run, step, gym, model, messages, record, prev_step) -> bool:
+        """One step: screenshot, model call, one action; whether the run is finished."""
+        shot = await self._observe(step, gym, model, messages, record, prev_step)
+        text = await self._ask_model(run, step, model, messages, record, shot)
+        return await self._act(run, step, gym, model, record, shot, text)
+
+    async def _observe(self, step, gym, model, messages, record, prev_step) -> dict:
+        """Take the screenshot (the previous step's "after"), add it to the conversation."""
         shot = await self._gym_post(f"{gym}/screenshot", None)
         if prev_step is not None:
             for act in prev_step["actions"]:
@@ -195,6 +202,10 @@ class AgentService:
                 ],
             }
         )
+        return shot
+
+    async def _ask_model(self, run, step, model, messages, record, shot) -> str:
+        """The model's reply text; its tokens and logprobs go to ``run.tokens``."""
         request = await self._build_request(model, messages, shot)
         run.emit("model_call", step, modelSpecificInput=request)
         t0 = time.time()
@@ -221,7 +232,11 @@ class AgentService:
         record["messages"].append({"role": "assistant", "content": text})
         record["text"] = text
         record["thinking"] = ""
+        return text
 
+    async def _act(self, run, step, gym, model, record, shot, text) -> bool:
+        """Parse the reply and run its action on the gym (a reply that does not parse is an
+        ``invalid`` action); whether the run is finished."""
         start_ms = int(time.time() * 1000)
         finished = False
         try:
