@@ -288,6 +288,13 @@ class TrainingMonitor:
 
     # ------------------------------------------------------------------ steps
 
+    def _step_ref(self, step: int) -> dict[str, Any]:
+        return {
+            "client_id": step_client_id(self.run, step),
+            "training_client_id": self.run,
+            "step": step,
+        }
+
     def step_started(self, step: int, *, total_steps: int | None = None) -> None:
         if step in self._step_started:
             return
@@ -296,9 +303,7 @@ class TrainingMonitor:
         self._send(
             "steps",
             {
-                "client_id": step_client_id(self.run, step),
-                "training_client_id": self.run,
-                "step": step,
+                **self._step_ref(step),
                 "batch": 0,
                 "status": ROLLOUT_RUNNING,
                 "current_phase": "rollout_execution",
@@ -315,9 +320,7 @@ class TrainingMonitor:
         self._send(
             "steps",
             {
-                "client_id": step_client_id(self.run, step),
-                "training_client_id": self.run,
-                "step": step,
+                **self._step_ref(step),
                 "status": status,
                 "current_phase": phase,
                 **fields,
@@ -332,9 +335,7 @@ class TrainingMonitor:
         self._send(
             "steps",
             {
-                "client_id": step_client_id(self.run, step),
-                "training_client_id": self.run,
-                "step": step,
+                **self._step_ref(step),
                 "status": COMPLETED,
                 "current_phase": "completed",
                 "progress_percent": 100.0,
