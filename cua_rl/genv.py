@@ -54,9 +54,7 @@ T = TypeVar("T")
 class GenvTimeouts:
     connect_s: float = doc(10.0, "TCP connect timeout for every call")
     request_s: float = doc(60.0, "list / get task calls, per attempt")
-    create_s: float = doc(
-        600.0, "how long the caller waits for a create (a box may take minutes to boot)"
-    )
+    create_s: float = doc(600.0, "how long a create may take (a box may take minutes to boot)")
     create_refused_attempts: int = doc(
         3, "create attempts while the gym answers 429 (a definite refusal: nothing was created)"
     )
@@ -66,12 +64,8 @@ class GenvTimeouts:
     )
     evaluate_s: float = doc(300.0, "evaluate call, per attempt")
     terminate_s: float = doc(30.0, "terminate call, per attempt")
-    terminate_attempts: int = doc(
-        4, "terminate attempts before giving up (terminate is idempotent)"
-    )
-    terminate_budget_s: float = doc(
-        90.0, "total bound on terminating one execution, retries included"
-    )
+    terminate_attempts: int = doc(4, "terminate attempts before giving up (it is idempotent)")
+    terminate_budget_s: float = doc(90.0, "bound on terminating one execution, retries included")
     read_attempts: int = doc(3, "attempts for list / get task (idempotent reads)")
     evaluate_attempts: int = doc(2, "attempts for evaluate (it reads the execution's state)")
     backoff_s: float = doc(0.5, "first retry delay; doubles per attempt")
