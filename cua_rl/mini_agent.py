@@ -156,11 +156,8 @@ class MiniAgentClient:
 
     async def get_events(self, run_id: str, from_: Any = None, to: Any = None) -> list[dict]:
         """``GET /runs/{id}/events``; ``from_`` inclusive, ``to`` exclusive; [] when none yet."""
-        params = {}
-        if from_ is not None:
-            params["from"] = str(from_)
-        if to is not None:
-            params["to"] = str(to)
+        bounds = (("from", from_), ("to", to))
+        params = {name: str(value) for name, value in bounds if value is not None}
         data = await self._request("GET", f"/runs/{run_id}/events", params=params, none_on_404=True)
         if data is None:
             return []

@@ -105,13 +105,13 @@ class GatewayConfig:
             "or answers 5xx (the partial output is kept); after that the agent gets 502."
         ),
     )
-    model_server_url: str = field(
-        default="",
-        metadata={
-            "help": "Send every model call to this URL instead of the server the engine picks "
+    model_server_url: str = doc(
+        "",
+        (
+            "Send every model call to this URL instead of the server the engine picks "
             "(empty: the engine's). For a proxy in front of a single model server, e.g. "
             "bench/soak.py's fault proxy; pauses, aborts and versions stay the engine's."
-        },
+        ),
     )
 
     def resolved_backend(self) -> str:
