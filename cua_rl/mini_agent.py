@@ -269,13 +269,13 @@ class DriverConfig:
     max_consecutive_errors: int = doc(
         8, "failed status polls in a row tolerated before giving up (reason agent_error)"
     )
-    create_connect_wait_s: float = field(
-        default=30.0,
-        metadata={
-            "help": "how long a run's create keeps retrying while the agent cannot be reached at "
+    create_connect_wait_s: float = doc(
+        30.0,
+        (
+            "how long a run's create keeps retrying while the agent cannot be reached at "
             "all (connection refused: an agent restarting); 0 fails at once. A create whose "
             "answer was lost is never retried (it could start a second run)"
-        },
+        ),
     )
 
     def __post_init__(self) -> None:
