@@ -29,13 +29,14 @@ import asyncio
 from collections import Counter
 from collections.abc import AsyncIterator, Awaitable, Callable
 from contextlib import asynccontextmanager
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from typing import Any, TypeVar
 from urllib.parse import quote
 
 import httpx
 
 from cua_rl.aio import within
+from cua_rl.core.fields import doc
 from cua_rl.errors import ConfigError, GymError
 from cua_rl.genv_answers import (
     CreatedExecution,
@@ -51,45 +52,23 @@ T = TypeVar("T")
 
 @dataclass
 class GenvTimeouts:
-    connect_s: float = field(default=10.0, metadata={"help": "TCP connect timeout for every call"})
-    request_s: float = field(default=60.0, metadata={"help": "list / get task calls, per attempt"})
-    create_s: float = field(
-        default=600.0,
-        metadata={
-            "help": "how long the caller waits for a create (a box may take minutes to boot)"
-        },
+    connect_s: float = doc(10.0, "TCP connect timeout for every call")
+    request_s: float = doc(60.0, "list / get task calls, per attempt")
+    create_s: float = doc(600.0, "how long a create may take (a box may take minutes to boot)")
+    create_refused_attempts: int = doc(
+        3, "create attempts while the gym answers 429 (a definite refusal: nothing was created)"
     )
-    create_refused_attempts: int = field(
-        default=3,
-        metadata={
-            "help": "create attempts while the gym answers 429 (a definite refusal: nothing was created)"
-        },
+    create_grace_s: float = doc(
+        300.0,
+        "after create_s, keep listening this long for a late answer so that execution is terminated",
     )
-    create_grace_s: float = field(
-        default=300.0,
-        metadata={
-            "help": "after create_s, keep listening this long for a late answer so that execution is terminated"
-        },
-    )
-    evaluate_s: float = field(default=300.0, metadata={"help": "evaluate call, per attempt"})
-    terminate_s: float = field(default=30.0, metadata={"help": "terminate call, per attempt"})
-    terminate_attempts: int = field(
-        default=4,
-        metadata={"help": "terminate attempts before giving up (terminate is idempotent)"},
-    )
-    terminate_budget_s: float = field(
-        default=90.0,
-        metadata={"help": "total bound on terminating one execution, retries included"},
-    )
-    read_attempts: int = field(
-        default=3, metadata={"help": "attempts for list / get task (idempotent reads)"}
-    )
-    evaluate_attempts: int = field(
-        default=2, metadata={"help": "attempts for evaluate (it reads the execution's state)"}
-    )
-    backoff_s: float = field(
-        default=0.5, metadata={"help": "first retry delay; doubles per attempt"}
-    )
+    evaluate_s: float = doc(300.0, "evaluate call, per attempt")
+    terminate_s: float = doc(30.0, "terminate call, per attempt")
+    terminate_attempts: int = doc(4, "terminate attempts before giving up (it is idempotent)")
+    terminate_budget_s: float = doc(90.0, "bound on terminating one execution, retries included")
+    read_attempts: int = doc(3, "attempts for list / get task (idempotent reads)")
+    evaluate_attempts: int = doc(2, "attempts for evaluate (it reads the execution's state)")
+    backoff_s: float = doc(0.5, "first retry delay; doubles per attempt")
 
     def __post_init__(self) -> None:
         for name in (

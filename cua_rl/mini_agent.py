@@ -23,6 +23,7 @@ from typing import Any
 import httpx
 
 from cua_rl.aio import within
+from cua_rl.core.fields import doc
 from cua_rl.errors import AgentError, ConfigError
 
 TERMINAL_STATUSES = frozenset({"completed", "failed"})
@@ -155,11 +156,8 @@ class MiniAgentClient:
 
     async def get_events(self, run_id: str, from_: Any = None, to: Any = None) -> list[dict]:
         """``GET /runs/{id}/events``; ``from_`` inclusive, ``to`` exclusive; [] when none yet."""
-        params = {}
-        if from_ is not None:
-            params["from"] = str(from_)
-        if to is not None:
-            params["to"] = str(to)
+        bounds = (("from", from_), ("to", to))
+        params = {name: str(value) for name, value in bounds if value is not None}
         data = await self._request("GET", f"/runs/{run_id}/events", params=params, none_on_404=True)
         if data is None:
             return []
@@ -199,29 +197,21 @@ def _positive(name: str, value: float | None, *, allow_none: bool = False) -> No
 class RunSpec:
     """What one run asks the agent to do; becomes the ``POST /runs`` body."""
 
-    task: str = field(metadata={"help": "the task instruction given to the agent"})
-    model_base_url: str = field(metadata={"help": "OpenAI-compatible base URL ending in /v1"})
-    model_name: str = field(metadata={"help": "served model name at model_base_url"})
-    gym_base_url: str = field(metadata={"help": "gym server URL without /api/v1 or trailing /"})
-    gym_id: str = field(metadata={"help": "gym id (no default is safe to assume)"})
-    execution_id: str = field(metadata={"help": "the genv execution the agent drives"})
-    agent: str = field(default="mai-ui", metadata={"help": "agent flavour: mai-ui or qwen3-vl"})
-    max_steps: int = field(default=15, metadata={"help": "maxSteps: agent-side step limit"})
-    max_run_time_s: float | None = field(
-        default=None, metadata={"help": "maxRunTimeSec: agent-side run time limit"}
-    )
-    max_step_time_s: float | None = field(
-        default=None, metadata={"help": "maxStepTimeSec: agent-side limit per step"}
-    )
-    provider: str = field(default="openai", metadata={"help": "model provider (openai API)"})
-    action_space: str = field(
-        default="mobile", metadata={"help": "standardActionSpace: mobile or pc"}
-    )
-    model_options: dict = field(
-        default_factory=dict,
-        metadata={
-            "help": "extra keys merged into the run's model object (e.g. logprobs, constrain)"
-        },
+    task: str = doc(help="the task instruction given to the agent")
+    model_base_url: str = doc(help="OpenAI-compatible base URL ending in /v1")
+    model_name: str = doc(help="served model name at model_base_url")
+    gym_base_url: str = doc(help="gym server URL without /api/v1 or trailing /")
+    gym_id: str = doc(help="gym id (no default is safe to assume)")
+    execution_id: str = doc(help="the genv execution the agent drives")
+    agent: str = doc("mai-ui", "agent flavour: mai-ui or qwen3-vl")
+    max_steps: int = doc(15, "maxSteps: agent-side step limit")
+    max_run_time_s: float | None = doc(None, "maxRunTimeSec: agent-side run time limit")
+    max_step_time_s: float | None = doc(None, "maxStepTimeSec: agent-side limit per step")
+    provider: str = doc("openai", "model provider (openai API)")
+    action_space: str = doc("mobile", "standardActionSpace: mobile or pc")
+    model_options: dict = doc(
+        factory=dict,
+        help="extra keys merged into the run's model object (e.g. logprobs, constrain)",
     )
 
     def __post_init__(self) -> None:
@@ -272,25 +262,20 @@ class RunSpec:
 class DriverConfig:
     """How the client side waits for a run."""
 
-    deadline_s: float = field(
-        default=900.0, metadata={"help": "client deadline for the whole run, creation included"}
+    deadline_s: float = doc(900.0, "client deadline for the whole run, creation included")
+    poll_initial_s: float = doc(0.2, "first poll interval")
+    poll_max_s: float = doc(5.0, "cap of the poll interval")
+    poll_factor: float = doc(1.5, "backoff multiplier per idle poll")
+    max_consecutive_errors: int = doc(
+        8, "failed status polls in a row tolerated before giving up (reason agent_error)"
     )
-    poll_initial_s: float = field(default=0.2, metadata={"help": "first poll interval"})
-    poll_max_s: float = field(default=5.0, metadata={"help": "cap of the poll interval"})
-    poll_factor: float = field(default=1.5, metadata={"help": "backoff multiplier per idle poll"})
-    max_consecutive_errors: int = field(
-        default=8,
-        metadata={
-            "help": "failed status polls in a row tolerated before giving up (reason agent_error)"
-        },
-    )
-    create_connect_wait_s: float = field(
-        default=30.0,
-        metadata={
-            "help": "how long a run's create keeps retrying while the agent cannot be reached at "
+    create_connect_wait_s: float = doc(
+        30.0,
+        (
+            "how long a run's create keeps retrying while the agent cannot be reached at "
             "all (connection refused: an agent restarting); 0 fails at once. A create whose "
             "answer was lost is never retried (it could start a second run)"
-        },
+        ),
     )
 
     def __post_init__(self) -> None:

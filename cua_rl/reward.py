@@ -25,9 +25,10 @@ from __future__ import annotations
 import inspect
 import math
 from collections.abc import Callable, Iterable, Mapping, Sequence
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from typing import Any
 
+from cua_rl.core.fields import doc
 from cua_rl.core.reasons import Reason
 from cua_rl.errors import ConfigError, RejectedEpisode
 
@@ -316,20 +317,20 @@ def build_shaping(specs: Iterable[Mapping[str, Any] | str] | None) -> ComposeRew
 
 @dataclass
 class RewardConfig:
-    shaping: list = field(
-        default_factory=list,
-        metadata={
-            "help": "Shaping terms applied in order after the verdict, e.g. "
+    shaping: list = doc(
+        factory=list,
+        help=(
+            "Shaping terms applied in order after the verdict, e.g. "
             "[{name: parse_error_penalty, penalty: 0.05}, {name: step_cost, cost: 0.01}]; "
             f"terms: {', '.join(sorted(TRANSFORMS))}."
-        },
+        ),
     )
-    success_threshold: float = field(
-        default=1.0,
-        metadata={
-            "help": "Score at or above which an episode counts as a success when the gym "
+    success_threshold: float = doc(
+        1.0,
+        (
+            "Score at or above which an episode counts as a success when the gym "
             "gives no success flag (used for the success statistic only, not the reward)."
-        },
+        ),
     )
 
     def __post_init__(self) -> None:

@@ -19,6 +19,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
+from cua_rl.core.fields import doc
 from cua_rl.errors import ConfigError, TaskSelectionError
 
 if TYPE_CHECKING:
@@ -167,14 +168,10 @@ async def load_tasks_gym(
 
 @dataclass
 class TaskSourceConfig:
-    kind: str = field(
-        default="gym", metadata={"help": "where tasks come from: gym, file or inline"}
-    )
-    path: str | None = field(default=None, metadata={"help": "JSON / JSONL task file (kind=file)"})
-    tasks: list[dict] = field(default_factory=list, metadata={"help": "task objects (kind=inline)"})
-    details: bool = field(
-        default=False, metadata={"help": "gym only: also GET each task's full object"}
-    )
+    kind: str = doc("gym", "where tasks come from: gym, file or inline")
+    path: str | None = doc(None, "JSON / JSONL task file (kind=file)")
+    tasks: list[dict] = doc(factory=list, help="task objects (kind=inline)")
+    details: bool = doc(False, "gym only: also GET each task's full object")
 
     def __post_init__(self) -> None:
         if self.kind not in ("gym", "file", "inline"):
@@ -215,35 +212,20 @@ def parse_number_range(spec: str) -> set[int]:
 
 @dataclass
 class TaskSelectionConfig:
-    train_ratio: float = field(
-        default=0.8,
-        metadata={
-            "help": "share of tasks in train after a seeded shuffle (ignored with eval_number_range)"
-        },
+    train_ratio: float = doc(
+        0.8, "share of tasks in train after a seeded shuffle (ignored with eval_number_range)"
     )
-    eval_number_range: str | None = field(
-        default=None,
-        metadata={
-            "help": "task numbers that form the eval split, e.g. '001-032'; the rest is train"
-        },
+    eval_number_range: str | None = doc(
+        None, "task numbers that form the eval split, e.g. '001-032'; the rest is train"
     )
-    seed: int = field(default=0, metadata={"help": "seed of the split shuffle and of the limits"})
-    task_names: list[str] = field(
-        default_factory=list,
-        metadata={
-            "help": "keep tasks matching any entry: id, name, number, seed id, or (when it names no task exactly) an id/name prefix"
-        },
+    seed: int = doc(0, "seed of the split shuffle and of the limits")
+    task_names: list[str] = doc(
+        factory=list,
+        help="keep tasks matching any entry: id, name, number, seed id, or (when it names no task exactly) an id/name prefix",
     )
-    tags: list[str] = field(
-        default_factory=list,
-        metadata={"help": "keep tasks with any of these tags (case-insensitive)"},
-    )
-    limit: int | None = field(
-        default=None, metadata={"help": "at most this many train tasks (seeded sample)"}
-    )
-    eval_limit: int | None = field(
-        default=None, metadata={"help": "at most this many eval tasks (seeded sample)"}
-    )
+    tags: list[str] = doc(factory=list, help="keep tasks with any of these tags (case-insensitive)")
+    limit: int | None = doc(None, "at most this many train tasks (seeded sample)")
+    eval_limit: int | None = doc(None, "at most this many eval tasks (seeded sample)")
 
     def __post_init__(self) -> None:
         if not 0.0 <= self.train_ratio <= 1.0:

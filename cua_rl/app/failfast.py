@@ -16,9 +16,10 @@ import os
 import threading
 from collections import deque
 from collections.abc import Callable
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from pathlib import Path
 
+from cua_rl.core.fields import doc
 from cua_rl.core.reasons import AGENT_PREFIX, Reason, gateway_reason
 from cua_rl.errors import ConfigError
 from cua_rl.logs import get_logger
@@ -62,16 +63,14 @@ def advice_for(reason: str) -> str:
 
 @dataclass
 class FailFastConfig:
-    window: int = field(
-        default=32,
-        metadata={
-            "help": "Stop the training as failed when this many consecutive episodes were all "
+    window: int = doc(
+        32,
+        (
+            "Stop the training as failed when this many consecutive episodes were all "
             "rejected for the same reason; 0 turns the check off."
-        },
+        ),
     )
-    poll_s: float = field(
-        default=2.0, metadata={"help": "How often the controller reads the outcome files (s)."}
-    )
+    poll_s: float = doc(2.0, "How often the controller reads the outcome files (s).")
 
     def __post_init__(self) -> None:
         if self.window < 0:

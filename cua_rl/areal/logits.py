@@ -7,23 +7,24 @@ used. docs/logits.md explains the design and the measurements.
 
 from __future__ import annotations
 
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 
 from cua_rl.areal.support import SUPPORTED_AREAL, check_areal_version
+from cua_rl.core.fields import doc
 from cua_rl.errors import ConfigError
 
 
 @dataclass
 class LogitsConfig:
-    selective: bool = field(
-        default=True,
-        metadata={
-            "help": "Run the LM head and log-softmax only at the positions the PPO loss reads "
+    selective: bool = doc(
+        True,
+        (
+            "Run the LM head and log-softmax only at the positions the PPO loss reads "
             "(AReaL's FSDP actor otherwise computes full-vocabulary logits at every token of "
             "a packed micro-batch, screenshot tokens included). Same logprobs, loss, "
             f"gradients and logged statistics; needs AReaL {SUPPORTED_AREAL} and applies to "
             "the fsdp backend's actor, reference and teacher (docs/logits.md)"
-        },
+        ),
     )
 
     def __post_init__(self) -> None:

@@ -4,6 +4,8 @@
 - ``images``: image data URLs, type sniffing and the image URL policy (allowed hosts, sizes)
   that the trajectory converter, the gateway and the monitor's screenshots apply alike.
 - ``row``: the training row's contract (keys, dtypes, shapes) and its validator.
+- ``fields``: ``doc(default, help)``, a config dataclass field with its help text (the
+  ``metadata={"help": ...}`` AReaL's config classes use).
 
 Nothing here imports AReaL, vLLM or another ``cua_rl`` package but ``cua_rl.errors``.
 """

@@ -40,13 +40,18 @@ class ImageRefused(RejectedEpisode, ValueError):
     """An image was refused; ``reason`` is a ``Reason`` (its string is the counted code)."""
 
 
-def sniff_mime(data: bytes) -> str | None:
-    """``image/png``, ``image/jpeg`` or ``image/webp`` by the magic bytes; None otherwise."""
+def sniff_mime(data: bytes, *, gif: bool = False) -> str | None:
+    """``image/png``, ``image/jpeg`` or ``image/webp`` by the magic bytes; None otherwise.
+
+    ``gif=True`` also knows ``image/gif``: the model servers take GIF (the gateway passes it on),
+    the monitor's screenshot store does not."""
     for magic, mime in MAGIC:
         if data.startswith(magic):
             return mime
     if len(data) >= 12 and data[:4] == b"RIFF" and data[8:12] == b"WEBP":
         return "image/webp"
+    if gif and data[:6] in (b"GIF87a", b"GIF89a"):
+        return "image/gif"
     return None
 
 

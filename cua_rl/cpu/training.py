@@ -20,6 +20,7 @@ stands between it and a CPU run is the inference server and a few config default
 
 from __future__ import annotations
 
+import functools
 import os
 import shlex
 import sys
@@ -87,11 +88,7 @@ def enable_cpu_training(
     _refuse_what_cpu_cannot_run(config, vllm_python)
     scheduler = getattr(config.scheduler, "type", None)
 
-    def setattr_logged(obj: Any, name: str, value: Any, where: str) -> None:
-        old = getattr(obj, name)
-        if old != value:
-            setattr(obj, name, value)
-            changes.append(f"{where}.{name}: {old!r} -> {value!r}")
+    setattr_logged = functools.partial(_setattr_logged, changes)
 
     # No NCCL: weights go through a checkpoint folder and /areal_update_weights.
     setattr_logged(config.actor, "weight_update_mode", "disk", "actor")
@@ -112,47 +109,67 @@ def enable_cpu_training(
             setattr_logged(section, "attn_impl", "sdpa", role)
         for i, spec in enumerate(section.scheduling_spec):
             where = f"{role}.scheduling_spec[{i}]"
-            if spec.cmd in (None, _AREAL_WORKER_CMD):
-                setattr_logged(spec, "cmd", WORKER_CMD, where)
-            elif "cua_rl.cpu.rpc_worker" not in spec.cmd:
-                raise ConfigError(
-                    f"{where}.cmd={spec.cmd!r}: workers must start with {WORKER_CMD!r} on CPU "
-                    "(it applies the worker-side patches)"
-                )
-            if spec.gpu:
-                setattr_logged(spec, "gpu", 0, where)
-            # SchedulingSpec.cpu becomes OMP_NUM_THREADS; the default (8) oversubscribes a small box.
-            setattr_logged(spec, "cpu", threads_per_worker, where)
-            if scheduler in ("ray", "slurm"):
-                # Ray and Slurm reserve SchedulingSpec.mem (GiB, default 32) per worker: more
-                # than a small node offers, so the worker would never be scheduled.
-                setattr_logged(spec, "mem", WORKER_MEM_GIB, where)
-            env = dict(spec.env_vars)
-            # Read by patch_worker() in the rollout worker, whose environment the server
-            # inherits (filtered by server_env). No PYTHONPATH here: AReaL builds
-            # the workers' PYTHONPATH from the controller's sys.path (launcher.get_env_vars).
-            env[ENV_VLLM_PYTHON] = vllm_python
-            # A tiny model needs a tiny KV cache; vLLM CPU's default is 4 GiB.
-            env.setdefault("VLLM_CPU_KVCACHE_SPACE", "1")
-            # vLLM CPU pins its engine to cores by default; on a shared small box let the OS place it.
-            env.setdefault("VLLM_CPU_OMP_THREADS_BIND", "nobind")
-            if env != spec.env_vars:
-                spec.env_vars = env
-                changes.append(
-                    f"{where}.env_vars: {ENV_VLLM_PYTHON}, VLLM_CPU_KVCACHE_SPACE, VLLM_CPU_OMP_THREADS_BIND"
-                )
-            if scheduler == "slurm":
-                # AReaL's Slurm scheduler passes env_vars only into an Apptainer container; a
-                # native task (native_slurm) gets them as exports before its command.
-                exports = [f"export {k}={shlex.quote(str(v))}" for k, v in env.items()]
-                bash = list(spec.additional_bash_cmds or [])
-                if bash[: len(exports)] != exports:
-                    spec.additional_bash_cmds = exports + bash
-                    changes.append(f"{where}.additional_bash_cmds: export the env_vars")
+            _cpu_worker_spec(spec, where, changes, scheduler, vllm_python, threads_per_worker)
     if config.enable_offload:
         # torch_memory_saver offload is CUDA-only.
         setattr_logged(config, "enable_offload", False, "config")
     return changes
+
+
+def _setattr_logged(changes: list[str], obj: Any, name: str, value: Any, where: str) -> None:
+    old = getattr(obj, name)
+    if old != value:
+        setattr(obj, name, value)
+        changes.append(f"{where}.{name}: {old!r} -> {value!r}")
+
+
+def _cpu_worker_spec(
+    spec: Any,
+    where: str,
+    changes: list[str],
+    scheduler: str | None,
+    vllm_python: str,
+    threads_per_worker: int,
+) -> None:
+    """One worker's ``SchedulingSpec`` for CPU: our worker command, no GPU, few threads, the
+    vLLM interpreter and CPU settings in its environment (exported too under Slurm)."""
+    if spec.cmd in (None, _AREAL_WORKER_CMD):
+        _setattr_logged(changes, spec, "cmd", WORKER_CMD, where)
+    elif "cua_rl.cpu.rpc_worker" not in spec.cmd:
+        raise ConfigError(
+            f"{where}.cmd={spec.cmd!r}: workers must start with {WORKER_CMD!r} on CPU "
+            "(it applies the worker-side patches)"
+        )
+    if spec.gpu:
+        _setattr_logged(changes, spec, "gpu", 0, where)
+    # SchedulingSpec.cpu becomes OMP_NUM_THREADS; the default (8) oversubscribes a small box.
+    _setattr_logged(changes, spec, "cpu", threads_per_worker, where)
+    if scheduler in ("ray", "slurm"):
+        # Ray and Slurm reserve SchedulingSpec.mem (GiB, default 32) per worker: more
+        # than a small node offers, so the worker would never be scheduled.
+        _setattr_logged(changes, spec, "mem", WORKER_MEM_GIB, where)
+    env = dict(spec.env_vars)
+    # Read by patch_worker() in the rollout worker, whose environment the server
+    # inherits (filtered by server_env). No PYTHONPATH here: AReaL builds
+    # the workers' PYTHONPATH from the controller's sys.path (launcher.get_env_vars).
+    env[ENV_VLLM_PYTHON] = vllm_python
+    # A tiny model needs a tiny KV cache; vLLM CPU's default is 4 GiB.
+    env.setdefault("VLLM_CPU_KVCACHE_SPACE", "1")
+    # vLLM CPU pins its engine to cores by default; on a shared small box let the OS place it.
+    env.setdefault("VLLM_CPU_OMP_THREADS_BIND", "nobind")
+    if env != spec.env_vars:
+        spec.env_vars = env
+        changes.append(
+            f"{where}.env_vars: {ENV_VLLM_PYTHON}, VLLM_CPU_KVCACHE_SPACE, VLLM_CPU_OMP_THREADS_BIND"
+        )
+    if scheduler == "slurm":
+        # AReaL's Slurm scheduler passes env_vars only into an Apptainer container; a
+        # native task (native_slurm) gets them as exports before its command.
+        exports = [f"export {k}={shlex.quote(str(v))}" for k, v in env.items()]
+        bash = list(spec.additional_bash_cmds or [])
+        if bash[: len(exports)] != exports:
+            spec.additional_bash_cmds = exports + bash
+            changes.append(f"{where}.additional_bash_cmds: export the env_vars")
 
 
 def _refuse_what_cpu_cannot_run(config: Any, vllm_python: str) -> None:

@@ -17,8 +17,9 @@ from __future__ import annotations
 import math
 import random
 from collections.abc import Iterable, Sequence
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 
+from cua_rl.core.fields import doc
 from cua_rl.errors import ConfigError
 
 KINDS = ("uniform", "ucb")
@@ -28,73 +29,63 @@ KINDS = ("uniform", "ucb")
 class CurriculumConfig:
     """The ``curriculum`` section of the training config."""
 
-    kind: str = field(
-        default="uniform",
-        metadata={
-            "help": "uniform: AReaL's shuffled epochs (the default until measured better on "
+    kind: str = doc(
+        "uniform",
+        (
+            "uniform: AReaL's shuffled epochs (the default until measured better on "
             "real task sets); ucb: draw each batch's tasks from their recorded outcomes "
             "(docs/curriculum.md). ucb reads the outcomes from the Training Monitor."
-        },
+        ),
     )
-    exploration: float = field(
-        default=0.2,
-        metadata={
-            "help": "UCB bonus coefficient c in c*sqrt(ln(1+N)/(1+n)) (N: all recorded tries, "
+    exploration: float = doc(
+        0.2,
+        (
+            "UCB bonus coefficient c in c*sqrt(ln(1+N)/(1+n)) (N: all recorded tries, "
             "n: the task's): larger tries seldom-tried tasks more often"
-        },
+        ),
     )
-    floor: float = field(
-        default=0.05,
-        metadata={
-            "help": "Share of each batch's slots drawn uniformly among the remaining tasks, so "
+    floor: float = doc(
+        0.05,
+        (
+            "Share of each batch's slots drawn uniformly among the remaining tasks, so "
             "no task starves (0 disables; 1 is uniform sampling without replacement)"
-        },
+        ),
     )
-    decay: float = field(
-        default=0.9,
-        metadata={
-            "help": "Weight of an outcome per policy version it is older than the task's newest "
+    decay: float = doc(
+        0.9,
+        (
+            "Weight of an outcome per policy version it is older than the task's newest "
             "outcome (1: all count the same; smaller: the estimate follows the policy's "
             "latest tries of the task, which training on it changes)"
-        },
+        ),
     )
-    prior_successes: float = field(
-        default=1.0,
-        metadata={"help": "Beta prior: pseudo-successes of a task before any outcome"},
-    )
-    prior_failures: float = field(
-        default=1.0,
-        metadata={"help": "Beta prior: pseudo-failures of a task before any outcome"},
-    )
-    seed: int | None = field(
-        default=None,
-        metadata={"help": "Seed of the draws (empty: the training's seed)"},
-    )
-    drop_zero_variance: bool = field(
-        default=False,
-        metadata={
-            "help": "Also drop groups whose rewards are all equal (their GRPO advantages are "
+    prior_successes: float = doc(1.0, "Beta prior: pseudo-successes of a task before any outcome")
+    prior_failures: float = doc(1.0, "Beta prior: pseudo-failures of a task before any outcome")
+    seed: int | None = doc(None, "Seed of the draws (empty: the training's seed)")
+    drop_zero_variance: bool = doc(
+        False,
+        (
+            "Also drop groups whose rewards are all equal (their GRPO advantages are "
             "zero), counted as rollout/cua/group/rejected/zero_variance. The trainer then "
             "draws more tasks until the batch is full."
-        },
+        ),
     )
-    zero_variance_tol: float = field(
-        default=1e-6,
-        metadata={"help": "Rewards of a group within this spread (max - min) count as equal"},
+    zero_variance_tol: float = doc(
+        1e-6, "Rewards of a group within this spread (max - min) count as equal"
     )
-    fetch_timeout_s: float = field(
-        default=10.0,
-        metadata={
-            "help": "Timeout of one read of the outcomes from the monitor; on failure the "
+    fetch_timeout_s: float = doc(
+        10.0,
+        (
+            "Timeout of one read of the outcomes from the monitor; on failure the "
             "last outcomes read are used (counted in curriculum/fetch_errors)"
-        },
+        ),
     )
-    log_decisions: bool = field(
-        default=True,
-        metadata={
-            "help": "Append every draw (the estimates it used and the tasks chosen) to "
+    log_decisions: bool = doc(
+        True,
+        (
+            "Append every draw (the estimates it used and the tasks chosen) to "
             "curriculum.jsonl in the run's log folder"
-        },
+        ),
     )
 
     def __post_init__(self) -> None:

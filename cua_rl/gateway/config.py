@@ -9,6 +9,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
+from cua_rl.core.fields import doc
 from cua_rl.errors import ConfigError
 
 GATEWAY_BACKENDS = ("auto", "vllm", "sglang", "text")
@@ -17,108 +18,100 @@ MISMATCH_POLICIES = ("override", "error")
 
 @dataclass
 class GatewayConfig:
-    bind_host: str = field(
-        default="127.0.0.1",
-        metadata={
-            "help": "Address the gateway listens on in each rollout worker. 127.0.0.1 when the "
+    bind_host: str = doc(
+        "127.0.0.1",
+        (
+            "Address the gateway listens on in each rollout worker. 127.0.0.1 when the "
             "agent runs on the same machine; 0.0.0.0 when it runs elsewhere."
-        },
+        ),
     )
-    bind_port: int = field(
-        default=0,
-        metadata={"help": "Port to listen on; 0 picks a free port per worker process."},
-    )
-    public_host: str = field(
-        default="",
-        metadata={
-            "help": "Host (name or IP) the agent uses to reach the gateway. Empty: the bind "
+    bind_port: int = doc(0, "Port to listen on; 0 picks a free port per worker process.")
+    public_host: str = doc(
+        "",
+        (
+            "Host (name or IP) the agent uses to reach the gateway. Empty: the bind "
             "host, or the worker's own IP address when bind_host is 0.0.0.0."
-        },
+        ),
     )
-    public_port: int = field(
-        default=0,
-        metadata={"help": "Port the agent uses (behind a port mapping); 0: the bound port."},
-    )
-    backend: str = field(
-        default="auto",
-        metadata={
-            "help": "Request shape of the inference servers: 'vllm' (tokens in on "
+    public_port: int = doc(0, "Port the agent uses (behind a port mapping); 0: the bound port.")
+    backend: str = doc(
+        "auto",
+        (
+            "Request shape of the inference servers: 'vllm' (tokens in on "
             "/inference/v1/generate), 'sglang' (tokens in on /generate), 'text' (chat "
             "completions: the server re-tokenises the history, prefix breaks are counted). "
             "'auto': the rollout backend's (rollout.backend), vllm when unknown. A vLLM "
             "without the tokens-in endpoint falls back to text by itself, with a warning."
-        },
+        ),
     )
-    sampling_mismatch: str = field(
-        default="override",
-        metadata={
-            "help": "What to do when the agent asks for sampling settings (temperature, top_p, "
+    sampling_mismatch: str = doc(
+        "override",
+        (
+            "What to do when the agent asks for sampling settings (temperature, top_p, "
             "top_k, max_tokens, logit_bias, ...) other than the trainer's: 'override' samples "
             "with the trainer's and records what the agent asked; 'error' answers 400."
-        },
+        ),
     )
-    max_body_bytes: int = field(
-        default=128 * 1024 * 1024,
-        metadata={
-            "help": "Largest request body accepted (the agent resends the whole history, "
+    max_body_bytes: int = doc(
+        128 * 1024 * 1024,
+        (
+            "Largest request body accepted (the agent resends the whole history, "
             "screenshots included, each turn); larger bodies get 413."
-        },
+        ),
     )
-    max_images: int = field(
-        default=64,
-        metadata={"help": "Most images one request may carry (keep <= vllm.limit_mm_per_prompt)."},
+    max_images: int = doc(
+        64, "Most images one request may carry (keep <= vllm.limit_mm_per_prompt)."
     )
-    request_timeout_s: float = field(
-        default=600.0,
-        metadata={"help": "Longest one generation request to the model server may take."},
+    request_timeout_s: float = doc(
+        600.0, "Longest one generation request to the model server may take."
     )
-    max_aborts: int = field(
-        default=16,
-        metadata={
-            "help": "Most times in a row the model server may abort one call without sampling a "
+    max_aborts: int = doc(
+        16,
+        (
+            "Most times in a row the model server may abort one call without sampling a "
             "token while the rollout is not paused (a server that aborts everything would "
             "otherwise be asked forever); then the agent gets 502."
-        },
+        ),
     )
-    max_pause_wait_s: float = field(
-        default=3600.0,
-        metadata={
-            "help": "Longest one call waits for a paused rollout (weight update, then the save "
+    max_pause_wait_s: float = doc(
+        3600.0,
+        (
+            "Longest one call waits for a paused rollout (weight update, then the save "
             "and evaluation the trainer runs before resuming); then the agent gets 503 "
             "'pause_timeout' and the error records the time waited. Keep it above the longest "
             "save + evaluation of your run."
-        },
+        ),
     )
-    max_connections: int = field(
-        default=0,
-        metadata={
-            "help": "Connections in each of the gateway's two pools (generations, image "
+    max_connections: int = doc(
+        0,
+        (
+            "Connections in each of the gateway's two pools (generations, image "
             "fetches). 0: rollout.max_concurrent_rollouts when the training config sets it "
             "(one call in flight per episode), else unbounded."
-        },
+        ),
     )
-    stream_keepalive_s: float = field(
-        default=15.0,
-        metadata={
-            "help": "A streamed call opens its event stream at once and sends an SSE comment "
+    stream_keepalive_s: float = doc(
+        15.0,
+        (
+            "A streamed call opens its event stream at once and sends an SSE comment "
             "this often while it waits (for a pause, the model), so idle-connection timeouts "
             "of clients and proxies do not cut it."
-        },
+        ),
     )
-    retries: int = field(
-        default=3,
-        metadata={
-            "help": "Times a generation is re-sent after the model server drops the connection "
+    retries: int = doc(
+        3,
+        (
+            "Times a generation is re-sent after the model server drops the connection "
             "or answers 5xx (the partial output is kept); after that the agent gets 502."
-        },
+        ),
     )
-    model_server_url: str = field(
-        default="",
-        metadata={
-            "help": "Send every model call to this URL instead of the server the engine picks "
+    model_server_url: str = doc(
+        "",
+        (
+            "Send every model call to this URL instead of the server the engine picks "
             "(empty: the engine's). For a proxy in front of a single model server, e.g. "
             "bench/soak.py's fault proxy; pauses, aborts and versions stay the engine's."
-        },
+        ),
     )
 
     def resolved_backend(self) -> str:

@@ -23,6 +23,7 @@ from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
+from cua_rl.core import images as core_images
 from cua_rl.gateway.tools import arguments_object, canonical_arguments
 
 
@@ -55,15 +56,10 @@ class Image:
 
 
 def sniff_mime(data: bytes) -> str:
-    if data.startswith(b"\x89PNG"):
-        return "image/png"
-    if data.startswith(b"\xff\xd8"):
-        return "image/jpeg"
-    if data[:4] == b"RIFF" and data[8:12] == b"WEBP":
-        return "image/webp"
-    if data[:6] in (b"GIF87a", b"GIF89a"):
-        return "image/gif"
-    raise BadRequest("an image part is not PNG, JPEG, WebP or GIF", code="invalid_image")
+    mime = core_images.sniff_mime(data, gif=True)
+    if mime is None:
+        raise BadRequest("an image part is not PNG, JPEG, WebP or GIF", code="invalid_image")
+    return mime
 
 
 def image_source(part: Mapping[str, Any]) -> str | None:

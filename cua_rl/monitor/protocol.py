@@ -14,6 +14,7 @@ from __future__ import annotations
 import re
 from typing import Any
 
+from cua_rl.core.images import sniff_mime  # noqa: F401  (the store's image types)
 from cua_rl.errors import CuaRlError
 
 # Batch key -> table, in dependency order: a record may only reference kinds listed before it.
@@ -32,6 +33,14 @@ RECORD_TABLES: dict[str, str] = {
     "validations": "validation",
 }
 RECORD_KINDS: tuple[str, ...] = tuple(RECORD_TABLES)
+
+# The status words the worker side writes, by name (each is a word of STATUSES below).
+PENDING = "pending"
+RUNNING = "running"
+COMPLETED = "completed"
+FAILED = "failed"
+CANCELLED = "cancelled"
+ROLLOUT_RUNNING = "rollout_running"
 
 # The status words of each stateful table (the seed schema's vocabularies).
 STATUSES: dict[str, tuple[str, ...]] = {
@@ -152,14 +161,3 @@ class ScreenshotError(CuaRlError, ValueError):
     def __init__(self, code: str, message: str):
         super().__init__(message)
         self.code = code
-
-
-def sniff_mime(data: bytes) -> str | None:
-    """The image type by its magic bytes (the types the store takes); None for anything else."""
-    if data.startswith(b"\x89PNG\r\n\x1a\n"):
-        return "image/png"
-    if data.startswith(b"\xff\xd8\xff"):
-        return "image/jpeg"
-    if len(data) >= 12 and data[:4] == b"RIFF" and data[8:12] == b"WEBP":
-        return "image/webp"
-    return None

@@ -19,9 +19,10 @@ from __future__ import annotations
 
 import asyncio
 import shutil
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 
 from cua_rl.aio import within
+from cua_rl.core.fields import doc
 from cua_rl.errors import ConfigError
 from cua_rl.logs import get_logger
 from cua_rl.sim import miniwob
@@ -66,32 +67,23 @@ MAX_WAIT_S = 10.0
 
 @dataclass
 class BrowserConfig:
-    executable: str = field(
-        default="",
-        metadata={"help": "the chromium binary; empty: `chromium` on PATH (`make browser`)"},
+    executable: str = doc("", "the chromium binary; empty: `chromium` on PATH (`make browser`)")
+    scale: float = doc(2.0, "screenshot pixels per CSS pixel of the 160x210 MiniWoB task area")
+    tasks: list[str] = doc(
+        factory=list, help="MiniWoB task names (or ids) served; empty: all of them"
     )
-    scale: float = field(
-        default=2.0,
-        metadata={"help": "screenshot pixels per CSS pixel of the 160x210 MiniWoB task area"},
-    )
-    tasks: list[str] = field(
-        default_factory=list,
-        metadata={"help": "MiniWoB task names (or ids) served; empty: all of them"},
-    )
-    reward: str = field(
-        default="raw",
-        metadata={
-            "help": "the evaluate score: 'raw' (MiniWoB's raw reward, -1..1), 'discounted' "
+    reward: str = doc(
+        "raw",
+        (
+            "the evaluate score: 'raw' (MiniWoB's raw reward, -1..1), 'discounted' "
             "(discounted by the time taken) or 'binary' (1 when the raw reward is positive)"
-        },
+        ),
     )
-    episode_max_time_s: float = field(
-        default=600.0,
-        metadata={"help": "MiniWoB's own episode timer; the page gives -1 when it runs out"},
+    episode_max_time_s: float = doc(
+        600.0, "MiniWoB's own episode timer; the page gives -1 when it runs out"
     )
-    op_timeout_s: float = field(
-        default=15.0,
-        metadata={"help": "a page operation taking longer fails its execution (hung page)"},
+    op_timeout_s: float = doc(
+        15.0, "a page operation taking longer fails its execution (hung page)"
     )
 
     def __post_init__(self) -> None:

@@ -16,6 +16,7 @@ from dataclasses import dataclass, field
 
 from fastapi import HTTPException, Request
 
+from cua_rl.core.fields import doc
 from cua_rl.errors import ConfigError
 from cua_rl.sim.browser import BrowserConfig
 from cua_rl.sim.device import BACKENDS, Backend, Device, DeviceFailure
@@ -25,16 +26,9 @@ OPS = ("create", "evaluate", "terminate")
 
 @dataclass
 class Fault:
-    fail_rate: float = field(
-        default=0.0, metadata={"help": "probability of answering 500 without doing the work"}
-    )
-    latency_s: float = field(
-        default=0.0, metadata={"help": "seconds to wait before handling the call"}
-    )
-    drop_rate: float = field(
-        default=0.0,
-        metadata={"help": "probability of dropping the connection after the work is done"},
-    )
+    fail_rate: float = doc(0.0, "probability of answering 500 without doing the work")
+    latency_s: float = doc(0.0, "seconds to wait before handling the call")
+    drop_rate: float = doc(0.0, "probability of dropping the connection after the work is done")
 
     def __post_init__(self) -> None:
         for name in ("fail_rate", "drop_rate"):
@@ -51,47 +45,28 @@ class Fault:
 
 @dataclass
 class SimGymConfig:
-    gym_id: str = field(
-        default="sim", metadata={"help": "the {gym_id} path segment this server answers for"}
+    gym_id: str = doc("sim", "the {gym_id} path segment this server answers for")
+    seed: int = doc(0, "seeds every execution's initial state and the fault dice")
+    max_live: int = doc(256, "live executions allowed at once; more creates answer 429")
+    idle_ttl_s: float = doc(900.0, "an execution untouched this long is expired (terminated)")
+    screenshot_retention_s: float = doc(
+        3600.0, "how long screenshots stay fetchable after terminate"
     )
-    seed: int = field(
-        default=0, metadata={"help": "seeds every execution's initial state and the fault dice"}
+    max_retained_executions: int = doc(
+        4096, "terminated executions whose screenshots are kept (oldest dropped first)"
     )
-    max_live: int = field(
-        default=256, metadata={"help": "live executions allowed at once; more creates answer 429"}
+    max_screenshots: int = doc(512, "screenshots one execution may capture")
+    max_retained_bytes: int = doc(
+        512 * 1024 * 1024, "PNG bytes kept for terminated executions (oldest dropped first)"
     )
-    idle_ttl_s: float = field(
-        default=900.0, metadata={"help": "an execution untouched this long is expired (terminated)"}
+    width: int = doc(360, "screenshot width in pixels")
+    height: int = doc(640, "screenshot height in pixels")
+    faults: dict[str, Fault] = doc(
+        factory=dict, help="per-operation fault injection: create, evaluate, terminate"
     )
-    screenshot_retention_s: float = field(
-        default=3600.0, metadata={"help": "how long screenshots stay fetchable after terminate"}
-    )
-    max_retained_executions: int = field(
-        default=4096,
-        metadata={
-            "help": "terminated executions whose screenshots are kept (oldest dropped first)"
-        },
-    )
-    max_screenshots: int = field(
-        default=512, metadata={"help": "screenshots one execution may capture"}
-    )
-    max_retained_bytes: int = field(
-        default=512 * 1024 * 1024,
-        metadata={"help": "PNG bytes kept for terminated executions (oldest dropped first)"},
-    )
-    width: int = field(default=360, metadata={"help": "screenshot width in pixels"})
-    height: int = field(default=640, metadata={"help": "screenshot height in pixels"})
-    faults: dict[str, Fault] = field(
-        default_factory=dict,
-        metadata={"help": "per-operation fault injection: create, evaluate, terminate"},
-    )
-    backend: str = field(
-        default="phone",
-        metadata={"help": "the device behind an execution: 'phone' (simulated) or 'browser'"},
-    )
-    browser: BrowserConfig = field(
-        default_factory=BrowserConfig,
-        metadata={"help": "the browser backend's settings (MiniWoB++ pages in Chromium)"},
+    backend: str = doc("phone", "the device behind an execution: 'phone' (simulated) or 'browser'")
+    browser: BrowserConfig = doc(
+        factory=BrowserConfig, help="the browser backend's settings (MiniWoB++ pages in Chromium)"
     )
 
     def __post_init__(self) -> None:

@@ -7,8 +7,9 @@ and the defaults are the strict ones: reject rather than guess.
 
 from __future__ import annotations
 
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 
+from cua_rl.core.fields import doc
 from cua_rl.errors import ConfigError
 
 PREFIX_BREAK_POLICIES = ("last_segment", "reject")
@@ -17,54 +18,43 @@ MISSING_TOKENS_POLICIES = ("reject", "retokenize")
 
 @dataclass
 class TrajectoryConfig:
-    prefix_break_policy: str = field(
-        default="last_segment",
-        metadata={
-            "help": "What to do when a turn's prompt ids do not start with the row so far: "
+    prefix_break_policy: str = doc(
+        "last_segment",
+        (
+            "What to do when a turn's prompt ids do not start with the row so far: "
             "'last_segment' trains the last consistent run of turns, 'reject' drops the episode."
-        },
+        ),
     )
-    missing_tokens_policy: str = field(
-        default="reject",
-        metadata={
-            "help": "What to do when a model output lacks prompt_token_ids, token_ids or "
+    missing_tokens_policy: str = doc(
+        "reject",
+        (
+            "What to do when a model output lacks prompt_token_ids, token_ids or "
             "logprobs: 'reject' drops the episode; 'retokenize' rebuilds ids from the request "
             "with the processor and is only allowed when trainer_recomputes_logprobs is true."
-        },
+        ),
     )
-    trainer_recomputes_logprobs: bool = field(
-        default=False,
-        metadata={
-            "help": "True when the trainer recomputes old logprobs (actor.recompute_logprob); "
+    trainer_recomputes_logprobs: bool = doc(
+        False,
+        (
+            "True when the trainer recomputes old logprobs (actor.recompute_logprob); "
             "required by missing_tokens_policy='retokenize', whose logprobs are placeholders."
-        },
+        ),
     )
-    allowed_image_hosts: tuple[str, ...] = field(
-        default=(),
-        metadata={
-            "help": "Hostnames (exact match, no port) that http(s) screenshot URLs may come "
+    allowed_image_hosts: tuple[str, ...] = doc(
+        (),
+        (
+            "Hostnames (exact match, no port) that http(s) screenshot URLs may come "
             "from; any other host is refused before a fetch. data: URLs are always allowed."
-        },
+        ),
     )
-    allow_http: bool = field(
-        default=False,
-        metadata={"help": "Allow plain http:// image URLs (https only when false)."},
+    allow_http: bool = doc(False, "Allow plain http:// image URLs (https only when false).")
+    max_image_bytes: int = doc(
+        20 * 1024 * 1024, "Largest encoded image accepted (data URL payload or HTTP body)."
     )
-    max_image_bytes: int = field(
-        default=20 * 1024 * 1024,
-        metadata={"help": "Largest encoded image accepted (data URL payload or HTTP body)."},
-    )
-    image_fetch_timeout_s: float = field(
-        default=10.0,
-        metadata={"help": "Total time allowed to fetch one image over HTTP."},
-    )
-    max_images: int = field(
-        default=256,
-        metadata={"help": "Most images one row may carry; more rejects the episode."},
-    )
-    max_row_tokens: int = field(
-        default=0,
-        metadata={"help": "Longest row in tokens; 0 means no limit. Longer rows are rejected."},
+    image_fetch_timeout_s: float = doc(10.0, "Total time allowed to fetch one image over HTTP.")
+    max_images: int = doc(256, "Most images one row may carry; more rejects the episode.")
+    max_row_tokens: int = doc(
+        0, "Longest row in tokens; 0 means no limit. Longer rows are rejected."
     )
 
     def __post_init__(self) -> None:

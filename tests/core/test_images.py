@@ -11,6 +11,7 @@ from PIL import Image
 
 from cua_rl.core.images import ImageRefused, check_image_url, decode_data_url, sniff_mime
 from cua_rl.errors import RejectedEpisode
+from cua_rl.monitor.protocol import ScreenshotError
 from cua_rl.monitor.worker import uploader
 from cua_rl.trajectory import TrajectoryConfig
 from cua_rl.trajectory import images as trajectory_images
@@ -33,6 +34,7 @@ def test_a_data_url_decodes_to_its_bytes_and_the_type_is_sniffed():
     assert sniff_mime(b"\xff\xd8\xff\xe0" + b"x" * 8) == "image/jpeg"
     assert sniff_mime(b"RIFF\0\0\0\0WEBPVP8 ") == "image/webp"
     assert sniff_mime(b"<html>") is None and sniff_mime(b"GIF89a" + b"x" * 8) is None
+    assert sniff_mime(b"GIF89a" + b"x" * 8, gif=True) == "image/gif"  # the gateway's types
 
 
 @pytest.mark.parametrize(
@@ -66,8 +68,9 @@ def test_the_trajectory_and_the_monitor_decode_alike():
     assert uploader.decode_data_url(_url(png)) == decode_data_url(_url(png)) == png
     assert uploader.sniff_mime(png) == sniff_mime(png) == "image/png"
     for bad in ("data:text/plain;base64,AAAA", "data:image/png;base64,@@@"):
-        with pytest.raises(ValueError):
+        with pytest.raises(ScreenshotError) as err:
             uploader.decode_data_url(bad)
+        assert err.value.code == "not_an_image"
         with pytest.raises(ValueError):
             decode_data_url(bad)
 

@@ -258,6 +258,20 @@ def test_status_vocabulary_enforced_by_database(conn, table):
         conn.execute(f"UPDATE {table} SET status = 'bogus'")
 
 
+def test_the_workers_named_status_words_are_the_seeds():
+    from cua_rl.monitor import protocol
+
+    seed = parse_seed_statuses()
+    named = {
+        "training": ("RUNNING", "COMPLETED", "FAILED", "CANCELLED"),
+        "step": ("ROLLOUT_RUNNING", "COMPLETED", "FAILED"),
+        "eval": ("PENDING", "RUNNING", "COMPLETED", "FAILED", "CANCELLED"),
+    }
+    for table, names in named.items():
+        for name in names:
+            assert getattr(protocol, name) in seed[table], (table, name)
+
+
 @pytest.mark.parametrize(
     ("source_type", "ids", "ok"),
     [

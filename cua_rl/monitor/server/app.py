@@ -237,6 +237,15 @@ async def _in_thread(fn, *args, **kwargs):
     return await anyio.to_thread.run_sync(lambda: fn(*args, **kwargs))
 
 
+async def _one_by_id(auth: DashboardAuth, request: Request, get, kind: str, row_id: int):
+    """``{kind: row}`` of ``get(row_id)`` in a thread; 404 when there is no such row."""
+    _check_auth(auth, request)
+    row = await _in_thread(get, row_id)
+    if row is None:
+        raise ApiError(404, "not_found", f"no {kind} with id {row_id}")
+    return _json({kind: row})
+
+
 def _install_ingest(app: FastAPI, store: MonitorStore, auth: DashboardAuth, limit: int) -> None:
     @app.post("/api/ingest/batch")
     async def ingest(request: Request):
@@ -265,11 +274,7 @@ def _install_trainings(app: FastAPI, read: MonitorReader, auth: DashboardAuth) -
 
     @app.get("/api/trainings/{training_id}")
     async def training(request: Request, training_id: int):
-        _check_auth(auth, request)
-        row = await _in_thread(read.get_training, training_id)
-        if row is None:
-            raise ApiError(404, "not_found", f"no training with id {training_id}")
-        return _json({"training": row})
+        return await _one_by_id(auth, request, read.get_training, "training", training_id)
 
     @app.get("/api/status-history/{entity_type}/{entity_id}")
     async def status_history(request: Request, entity_type: str, entity_id: int):
@@ -317,11 +322,7 @@ def _install_rollouts(app: FastAPI, read: MonitorReader, auth: DashboardAuth) ->
 
     @app.get("/api/rollouts/{rollout_id}")
     async def rollout(request: Request, rollout_id: int):
-        _check_auth(auth, request)
-        row = await _in_thread(read.get_rollout, rollout_id)
-        if row is None:
-            raise ApiError(404, "not_found", f"no rollout with id {rollout_id}")
-        return _json({"rollout": row})
+        return await _one_by_id(auth, request, read.get_rollout, "rollout", rollout_id)
 
 
 def _install_screenshots(

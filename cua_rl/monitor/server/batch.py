@@ -14,6 +14,8 @@ import hashlib
 import json
 import re
 import sqlite3
+from collections.abc import Iterator
+from contextlib import contextmanager
 from dataclasses import dataclass, field
 from datetime import UTC, datetime
 from typing import Any
@@ -199,6 +201,20 @@ def integrity_error(spec: EntitySpec, index: int, exc: sqlite3.IntegrityError):
         index=index,
         field=_integrity_field(spec.table, message),
     )
+
+
+@contextmanager
+def record_errors(spec: EntitySpec, index: int) -> Iterator[None]:
+    """A bad field, or a constraint the database refuses, as the batch's error for record
+    ``index`` of ``spec``'s kind."""
+    try:
+        yield
+    except BadField as exc:
+        raise IngestValidationError(
+            exc.message, kind=spec.key, index=index, field=exc.field
+        ) from None
+    except sqlite3.IntegrityError as exc:
+        raise integrity_error(spec, index, exc) from None
 
 
 def quote(name: str) -> str:

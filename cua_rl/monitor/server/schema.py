@@ -75,6 +75,26 @@ SEED_TABLES = (
     "status_history",
 )
 
+# The columns a baseline and an evaluation share (both evaluate a model on the eval tasks).
+_EVALUATION_COLUMNS = """\
+    progress_percent REAL DEFAULT 0.0,
+    current_task_index INTEGER,
+    total_tasks INTEGER,
+    completed_tasks INTEGER,
+    current_phase TEXT,
+    status_message TEXT,
+    error_message TEXT,
+    start_time TIMESTAMP,
+    end_time TIMESTAMP,
+    eval_time TIMESTAMP,
+    success_rate REAL,
+    avg_reward REAL,
+    avg_turns REAL,
+    successful_tasks INTEGER,
+    metrics_json TEXT,
+    created_at TIMESTAMP DEFAULT CURRENT_TIMESTAMP,
+    updated_at TIMESTAMP DEFAULT CURRENT_TIMESTAMP"""
+
 _TABLES_SQL = """
 CREATE TABLE training (
     id INTEGER PRIMARY KEY AUTOINCREMENT,
@@ -117,23 +137,7 @@ CREATE TABLE baseline (
     model_path TEXT NOT NULL,
     status TEXT DEFAULT 'pending'
         CONSTRAINT status_vocabulary CHECK (status IS NOT NULL AND status IN ({baseline})),
-    progress_percent REAL DEFAULT 0.0,
-    current_task_index INTEGER,
-    total_tasks INTEGER,
-    completed_tasks INTEGER,
-    current_phase TEXT,
-    status_message TEXT,
-    error_message TEXT,
-    start_time TIMESTAMP,
-    end_time TIMESTAMP,
-    eval_time TIMESTAMP,
-    success_rate REAL,
-    avg_reward REAL,
-    avg_turns REAL,
-    successful_tasks INTEGER,
-    metrics_json TEXT,
-    created_at TIMESTAMP DEFAULT CURRENT_TIMESTAMP,
-    updated_at TIMESTAMP DEFAULT CURRENT_TIMESTAMP
+{evaluation_columns}
 );
 CREATE TABLE eval (
     id INTEGER PRIMARY KEY AUTOINCREMENT,
@@ -142,23 +146,7 @@ CREATE TABLE eval (
     model_path TEXT NOT NULL,
     status TEXT DEFAULT 'pending'
         CONSTRAINT status_vocabulary CHECK (status IS NOT NULL AND status IN ({baseline})),
-    progress_percent REAL DEFAULT 0.0,
-    current_task_index INTEGER,
-    total_tasks INTEGER,
-    completed_tasks INTEGER,
-    current_phase TEXT,
-    status_message TEXT,
-    error_message TEXT,
-    start_time TIMESTAMP,
-    end_time TIMESTAMP,
-    eval_time TIMESTAMP,
-    success_rate REAL,
-    avg_reward REAL,
-    avg_turns REAL,
-    successful_tasks INTEGER,
-    metrics_json TEXT,
-    created_at TIMESTAMP DEFAULT CURRENT_TIMESTAMP,
-    updated_at TIMESTAMP DEFAULT CURRENT_TIMESTAMP,
+{evaluation_columns},
     UNIQUE(training_id, step)
 );
 CREATE TABLE task (
@@ -358,7 +346,7 @@ CREATE TABLE status_history (
     changed_at TIMESTAMP NOT NULL DEFAULT CURRENT_TIMESTAMP,
     created_at TIMESTAMP DEFAULT CURRENT_TIMESTAMP
 );
-"""
+""".replace("{evaluation_columns}", _EVALUATION_COLUMNS)
 
 
 def _quoted(values: tuple[str, ...]) -> str:

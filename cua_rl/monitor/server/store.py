@@ -51,9 +51,9 @@ from cua_rl.monitor.server.batch import (
     InsertGroup,
     convert,
     drop_extra,
-    integrity_error,
     merge_extras,
     quote,
+    record_errors,
 )
 from cua_rl.monitor.server.migrations import connect, migrate
 from cua_rl.monitor.server.read import MonitorReader
@@ -176,7 +176,7 @@ class MonitorStore:
         if client_id is not None and not isinstance(client_id, str):
             client_id = str(client_id)
         conn = ctx.conn
-        try:
+        with record_errors(spec, index):
             values, extras, training_row, env_ref = self._fields(ctx, spec, record)
             if table == "rollout" and "source_type" not in values:
                 present = [s for s, c in SOURCE_ID_COLUMNS.items() if values.get(c) is not None]
@@ -221,12 +221,6 @@ class MonitorStore:
                         self._flush_group(ctx, spec, group)
                     group.add(index, client_id, names, values, extras)
                     return client_id, None  # the id is filled in when the group is written
-        except BadField as exc:
-            raise IngestValidationError(
-                exc.message, kind=spec.key, index=index, field=exc.field
-            ) from None
-        except sqlite3.IntegrityError as exc:
-            raise integrity_error(spec, index, exc) from None
         mark = compat.history_mark(conn) if original is not None else 0
         row_id = self._write_record(ctx, spec, index, client_id, row_id, values, extras)
         if original is not None:
@@ -326,7 +320,7 @@ class MonitorStore:
         """Insert (falling back to the natural key's row) or update one prepared record."""
         table = spec.table
         conn = ctx.conn
-        try:
+        with record_errors(spec, index):
             inserted = False
             if row_id is None:
                 try:
@@ -355,12 +349,6 @@ class MonitorStore:
             ctx.remember(table, client_id, row_id, values)
             if extras:
                 merge_extras(conn, table, row_id, extras)
-        except BadField as exc:
-            raise IngestValidationError(
-                exc.message, kind=spec.key, index=index, field=exc.field
-            ) from None
-        except sqlite3.IntegrityError as exc:
-            raise integrity_error(spec, index, exc) from None
         return row_id
 
     def _flush_group(self, ctx: BatchContext, spec: EntitySpec, group: InsertGroup) -> None:

@@ -25,6 +25,7 @@ from typing import Any
 
 from cua_rl.logs import get_logger
 from cua_rl.monitor.protocol import (
+    TERMINAL,
     action_client_id,
     environment_client_id,
     observation_client_id,
@@ -149,7 +150,7 @@ class RolloutRecorder:
         now = utc_now()
         if status == "creating":
             record["creation_time"] = now
-        if status in ("terminated", "error"):
+        if status in TERMINAL["environment"]:
             record["termination_time"] = now
         record.update(fields)
         self._enqueue("environments", record)

@@ -8,63 +8,47 @@ from __future__ import annotations
 
 import os
 import tempfile
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from typing import Any
 
+from cua_rl.core.fields import doc
 from cua_rl.errors import ConfigError
 
 
 @dataclass
 class MonitorClientConfig:
-    base_url: str = field(
-        default="",
-        metadata={
-            "help": "Monitor base URL, e.g. http://127.0.0.1:8765 (default: $MONITOR_BASE_URL)"
-        },
+    base_url: str = doc(
+        "", "Monitor base URL, e.g. http://127.0.0.1:8765 (default: $MONITOR_BASE_URL)"
     )
-    token: str | None = field(
-        default=None,
-        metadata={"help": "Project token sent as Bearer (default: $MONITOR_PROJECT_TOKEN)"},
+    token: str | None = doc(None, "Project token sent as Bearer (default: $MONITOR_PROJECT_TOKEN)")
+    batch_max_records: int = doc(500, "Most records in one POST; larger queues are split")
+    flush_interval_s: float = doc(
+        0.25, "Longest a record waits in the queue before a (partial) batch is sent"
     )
-    batch_max_records: int = field(
-        default=500, metadata={"help": "Most records in one POST; larger queues are split"}
+    max_queue_records: int = doc(
+        200_000, "Records held in memory; beyond this new records are dropped and counted"
     )
-    flush_interval_s: float = field(
-        default=0.25,
-        metadata={"help": "Longest a record waits in the queue before a (partial) batch is sent"},
+    request_timeout_s: float = doc(10.0, "Timeout of one POST")
+    max_retries: int = doc(3, "Retries of one batch before it is spooled")
+    backoff_initial_s: float = doc(0.2, "First retry delay")
+    backoff_max_s: float = doc(5.0, "Largest retry delay")
+    replay_interval_s: float = doc(
+        2.0, "How often a non-empty spool is retried while the monitor is unreachable"
     )
-    max_queue_records: int = field(
-        default=200_000,
-        metadata={
-            "help": "Records held in memory; beyond this new records are dropped and counted"
-        },
-    )
-    request_timeout_s: float = field(default=10.0, metadata={"help": "Timeout of one POST"})
-    max_retries: int = field(
-        default=3, metadata={"help": "Retries of one batch before it is spooled"}
-    )
-    backoff_initial_s: float = field(default=0.2, metadata={"help": "First retry delay"})
-    backoff_max_s: float = field(default=5.0, metadata={"help": "Largest retry delay"})
-    replay_interval_s: float = field(
-        default=2.0,
-        metadata={
-            "help": "How often a non-empty spool is retried while the monitor is unreachable"
-        },
-    )
-    spool_path: str | None = field(
-        default=None,
-        metadata={
-            "help": "JSONL spool for batches the monitor could not take; replayed later, also by a "
+    spool_path: str | None = doc(
+        None,
+        (
+            "JSONL spool for batches the monitor could not take; replayed later, also by a "
             "new client on the same path (default: a per-process file in the temp dir)"
-        },
+        ),
     )
 
-    max_screenshot_queue_bytes: int = field(
-        default=64 * 1024 * 1024,
-        metadata={
-            "help": "Bytes of screenshots waiting for upload; beyond this new ones are dropped "
+    max_screenshot_queue_bytes: int = doc(
+        64 * 1024 * 1024,
+        (
+            "Bytes of screenshots waiting for upload; beyond this new ones are dropped "
             "and counted (the observation keeps its reference)"
-        },
+        ),
     )
 
     def __post_init__(self):

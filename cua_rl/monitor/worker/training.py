@@ -23,7 +23,16 @@ from dataclasses import asdict
 from typing import Any
 
 from cua_rl.logs import get_logger
-from cua_rl.monitor.protocol import baseline_client_id, eval_client_id, step_client_id
+from cua_rl.monitor.protocol import (
+    CANCELLED,
+    COMPLETED,
+    FAILED,
+    ROLLOUT_RUNNING,
+    RUNNING,
+    baseline_client_id,
+    eval_client_id,
+    step_client_id,
+)
 from cua_rl.monitor.worker.client import MonitorClient, MonitorClientConfig, utc_now
 
 log = get_logger("cua_rl.lifecycle")
@@ -215,7 +224,7 @@ class TrainingMonitor:
             "kl_penalty_coef": getattr(actor, "kl_ctl", None),
             "max_turns": getattr(getattr(config, "agent", None), "max_steps", None),
             "seed": getattr(config, "seed", None),
-            "status": "running",
+            "status": RUNNING,
             "current_phase": "initialization",
             "total_steps": total_steps,
             "start_time": utc_now(),
@@ -249,7 +258,7 @@ class TrainingMonitor:
         if not self._finished:
             self._finished = True
             self._training(
-                status="completed",
+                status=COMPLETED,
                 current_phase="completed",
                 progress_percent=100.0,
                 end_time=utc_now(),
@@ -262,7 +271,8 @@ class TrainingMonitor:
         # A stop the training decided itself (SystematicRejection) is a failure, not a cancel.
         cancelled = isinstance(error, KeyboardInterrupt) and not getattr(error, "is_failure", False)
         message = str(error) if isinstance(error, str) else f"{type(error).__name__}: {error}"
-        ended = {"status": "cancelled" if cancelled else "failed", "error_message": message[:4000]}
+        status = CANCELLED if cancelled else FAILED
+        ended = {"status": status, "error_message": message[:4000]}
         for step in sorted(self._open_evals):
             self._send("evals", {**self._eval_ref(step), **ended, "end_time": utc_now()})
         self._open_evals.clear()
@@ -270,13 +280,20 @@ class TrainingMonitor:
             self._send("baselines", {**self._baseline_ref(), **ended, "end_time": utc_now()})
             self._baseline_open = False
         self._training(
-            status="cancelled" if cancelled else "failed",
+            status=status,
             error_message=message[:4000],
             status_message=f"interrupted ({error or 'Ctrl-C'})" if cancelled else "failed",
             end_time=utc_now(),
         )
 
     # ------------------------------------------------------------------ steps
+
+    def _step_ref(self, step: int) -> dict[str, Any]:
+        return {
+            "client_id": step_client_id(self.run, step),
+            "training_client_id": self.run,
+            "step": step,
+        }
 
     def step_started(self, step: int, *, total_steps: int | None = None) -> None:
         if step in self._step_started:
@@ -286,11 +303,9 @@ class TrainingMonitor:
         self._send(
             "steps",
             {
-                "client_id": step_client_id(self.run, step),
-                "training_client_id": self.run,
-                "step": step,
+                **self._step_ref(step),
                 "batch": 0,
-                "status": "rollout_running",
+                "status": ROLLOUT_RUNNING,
                 "current_phase": "rollout_execution",
                 "start_time": now,
                 "rollout_start_time": now,
@@ -305,9 +320,7 @@ class TrainingMonitor:
         self._send(
             "steps",
             {
-                "client_id": step_client_id(self.run, step),
-                "training_client_id": self.run,
-                "step": step,
+                **self._step_ref(step),
                 "status": status,
                 "current_phase": phase,
                 **fields,
@@ -322,10 +335,8 @@ class TrainingMonitor:
         self._send(
             "steps",
             {
-                "client_id": step_client_id(self.run, step),
-                "training_client_id": self.run,
-                "step": step,
-                "status": "completed",
+                **self._step_ref(step),
+                "status": COMPLETED,
                 "current_phase": "completed",
                 "progress_percent": 100.0,
                 "end_time": now,
@@ -341,7 +352,7 @@ class TrainingMonitor:
         if step not in self._step_started:
             return
         self.step_phase(
-            step, "failed", "failed", error_message=f"{type(error).__name__}: {error}"[:4000]
+            step, FAILED, "failed", error_message=f"{type(error).__name__}: {error}"[:4000]
         )
 
     # ------------------------------------------------------------------ evals
@@ -363,7 +374,7 @@ class TrainingMonitor:
             {
                 **self._eval_ref(step),
                 "model_path": model_path,
-                "status": "running",
+                "status": RUNNING,
                 "current_phase": "rollout",
                 "total_tasks": total_tasks,
                 "start_time": utc_now(),
@@ -384,7 +395,7 @@ class TrainingMonitor:
             "evals",
             {
                 **self._eval_ref(step),
-                "status": "completed",
+                "status": COMPLETED,
                 "progress_percent": 100.0,
                 "current_phase": "aggregation",
                 "end_time": now,
@@ -401,7 +412,7 @@ class TrainingMonitor:
             {
                 **self._baseline_ref(),
                 "model_path": model_path,
-                "status": "running",
+                "status": RUNNING,
                 "current_phase": "rollout",
                 "total_tasks": total_tasks,
                 "start_time": utc_now(),
@@ -414,10 +425,10 @@ class TrainingMonitor:
         self._baseline_open = False
         record: dict[str, Any] = {**self._baseline_ref(), "end_time": now}
         if error:
-            record.update(status="failed", error_message=error[:4000])
+            record.update(status=FAILED, error_message=error[:4000])
         else:
             record.update(
-                status="completed", progress_percent=100.0, eval_time=now, **eval_fields(stats)
+                status=COMPLETED, progress_percent=100.0, eval_time=now, **eval_fields(stats)
             )
         self._send("baselines", record)
         # "baseline evaluation" would otherwise stay the training's message for the whole run.

@@ -13,8 +13,6 @@ nothing from the server.
 from __future__ import annotations
 
 import asyncio
-import base64
-import binascii
 import collections
 import hashlib
 import io
@@ -25,6 +23,8 @@ from typing import Any
 
 import httpx
 
+from cua_rl.core import images as core_images
+from cua_rl.core.images import ImageRefused
 from cua_rl.logs import get_logger
 from cua_rl.monitor.protocol import ScreenshotError, screenshot_uri, sniff_mime
 
@@ -63,13 +63,11 @@ class PreparedScreenshot:
 
 
 def decode_data_url(url: str) -> bytes:
-    header, sep, payload = url.partition(",")
-    if not sep or not header.startswith("data:image/") or not header.endswith(";base64"):
-        raise ScreenshotError("not_an_image", f"not a base64 image data URL: {header[:40]!r}")
+    """The core decoder (``cua_rl.core.images``), its refusals as the monitor's ``not_an_image``."""
     try:
-        return base64.b64decode(payload, validate=True)
-    except (binascii.Error, ValueError) as exc:
-        raise ScreenshotError("not_an_image", f"bad base64 in data URL: {exc}") from exc
+        return core_images.decode_data_url(url)
+    except ImageRefused as exc:
+        raise ScreenshotError("not_an_image", exc.detail) from exc
 
 
 def prepare_screenshot(

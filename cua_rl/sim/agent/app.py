@@ -26,12 +26,6 @@ def create_app(config: AgentServerConfig | None = None, client: httpx.AsyncClien
     app = FastAPI(title="cua-rl local gbox-mini-agent", lifespan=lifespan)
     app.state.service = service
 
-    def _get(run_id: str) -> Run:
-        run = service.runs.get(run_id)
-        if run is None:
-            raise HTTPException(404, f"unknown run {run_id}")
-        return run
-
     @app.post("/runs")
     async def create_run(request: Request):
         try:
@@ -43,6 +37,24 @@ def create_app(config: AgentServerConfig | None = None, client: httpx.AsyncClien
         except BadRunRequest as exc:
             return JSONResponse({"error": str(exc)}, status_code=400)
         return {"runId": run.id}
+
+    _add_run_reads(app, service)
+
+    @app.get("/healthz")
+    async def healthz():
+        return {"ok": True, "runs": len(service.runs)}
+
+    return app
+
+
+def _add_run_reads(app: FastAPI, service: AgentService) -> None:
+    """The GET routes of one run: status, events, steps, trajectory, tokens."""
+
+    def _get(run_id: str) -> Run:
+        run = service.runs.get(run_id)
+        if run is None:
+            raise HTTPException(404, f"unknown run {run_id}")
+        return run
 
     @app.get("/runs/{run_id}")
     async def get_run(run_id: str):
@@ -92,12 +104,6 @@ def create_app(config: AgentServerConfig | None = None, client: httpx.AsyncClien
     async def get_tokens(run_id: str):
         run = _get(run_id)
         return {"runId": run.id, "steps": run.tokens}
-
-    @app.get("/healthz")
-    async def healthz():
-        return {"ok": True, "runs": len(service.runs)}
-
-    return app
 
 
 class AgentServer(ThreadedServer):

@@ -6,11 +6,12 @@ import asyncio
 import itertools
 import time
 from collections import OrderedDict
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from typing import Any
 
 import httpx
 
+from cua_rl.core.fields import doc
 from cua_rl.sim.actions import ActionParseError, action_regex, to_event_args, to_gym_action
 from cua_rl.sim.agent.runs import EndRun, Run, iso, validate_run_body
 from cua_rl.sim.flavours import get_flavour
@@ -25,24 +26,19 @@ USER_REPLY = "No further information is available; continue with the task as giv
 class AgentServerConfig:
     """Settings of the local agent service."""
 
-    image_mode: str = field(
-        default="data",
-        metadata={"help": "how screenshots reach the model: 'data' (data URL) or 'url' (gym URL)"},
+    image_mode: str = doc(
+        "data", "how screenshots reach the model: 'data' (data URL) or 'url' (gym URL)"
     )
-    max_tokens: int = field(default=32, metadata={"help": "default max_tokens per model call"})
-    step_latency_s: float = field(
-        default=0.0,
-        metadata={
-            "help": "seconds each step waits after its action, like a real device settling "
+    max_tokens: int = doc(32, "default max_tokens per model call")
+    step_latency_s: float = doc(
+        0.0,
+        (
+            "seconds each step waits after its action, like a real device settling "
             "(benchmarks and demos of asynchronous training use it)"
-        },
+        ),
     )
-    http_timeout_s: float = field(
-        default=60.0, metadata={"help": "timeout of each gym / model HTTP call"}
-    )
-    max_runs_kept: int = field(
-        default=512, metadata={"help": "finished runs kept for GET before the oldest are dropped"}
-    )
+    http_timeout_s: float = doc(60.0, "timeout of each gym / model HTTP call")
+    max_runs_kept: int = doc(512, "finished runs kept for GET before the oldest are dropped")
 
     def __post_init__(self) -> None:
         from cua_rl.errors import ConfigError
@@ -175,6 +171,13 @@ class AgentService:
         return body["maxSteps"]
 
     async def _step(self, run, step, gym, model, messages, record, prev_step) -> bool:
+        """One step: screenshot, model call, one action; whether the run is finished."""
+        shot = await self._observe(step, gym, model, messages, record, prev_step)
+        text = await self._ask_model(run, step, model, messages, record, shot)
+        return await self._act(run, step, gym, model, record, shot, text)
+
+    async def _observe(self, step, gym, model, messages, record, prev_step) -> dict:
+        """Take the screenshot (the previous step's "after"), add it to the conversation."""
         shot = await self._gym_post(f"{gym}/screenshot", None)
         if prev_step is not None:
             for act in prev_step["actions"]:
@@ -199,6 +202,10 @@ class AgentService:
                 ],
             }
         )
+        return shot
+
+    async def _ask_model(self, run, step, model, messages, record, shot) -> str:
+        """The model's reply text; its tokens and logprobs go to ``run.tokens``."""
         request = await self._build_request(model, messages, shot)
         run.emit("model_call", step, modelSpecificInput=request)
         t0 = time.time()
@@ -225,7 +232,11 @@ class AgentService:
         record["messages"].append({"role": "assistant", "content": text})
         record["text"] = text
         record["thinking"] = ""
+        return text
 
+    async def _act(self, run, step, gym, model, record, shot, text) -> bool:
+        """Parse the reply and run its action on the gym (a reply that does not parse is an
+        ``invalid`` action); whether the run is finished."""
         start_ms = int(time.time() * 1000)
         finished = False
         try:
