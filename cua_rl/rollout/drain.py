@@ -171,6 +171,8 @@ async def run_drained(
         raise
     finally:
         if inner.done():
+            if not inner.cancelled():
+                inner.exception()  # retrieved: an episode that failed as it was cancelled
             DRAIN.done(episode)
         else:  # past the deadline: named by the timer, off the list once it does end
             inner.add_done_callback(lambda _task: DRAIN.done(episode))
