@@ -134,18 +134,29 @@ async def _cancel_all(tasks: list[asyncio.Task]) -> None:
     assert all(isinstance(r, asyncio.CancelledError) for r in results), results
 
 
+async def _start_and_cancel(stack, drain_s: float, terminate: Fault | None = None):
+    """Episodes started, then cancelled as AReaL cancels them (with ``terminate`` as the
+    gym's terminate fault meanwhile): the workflow, the executions they held, the drain's
+    reports."""
+    gym, agent, monitor, model, _ = stack
+    wf = _workflow(gym, agent, monitor, model, drain_s)
+    tasks, live = await _start_episodes(wf, gym, model)
+    reports = len(DRAIN.reports)
+    if terminate is not None:
+        gym.gym.config.faults["terminate"] = terminate
+    await _cancel_all(tasks)
+    return wf, live, DRAIN.reports[reports:]
+
+
 @pytest.mark.slow
 async def test_cancelled_episodes_close_execution_agent_run_and_records(stack):
-    gym, agent, monitor, model, db = stack
-    wf = _workflow(gym, agent, monitor, model, drain_s=20)
-    tasks, _ = await _start_episodes(wf, gym, model)
-    reports = len(DRAIN.reports)
-    await _cancel_all(tasks)
+    gym, db = stack[0], stack[-1]
+    wf, _, reports = await _start_and_cancel(stack, drain_s=20)
     await wf.aclose()
     assert await _live(gym) == []
-    assert DRAIN.reports[reports:] and DRAIN.reports[-1].startswith(
-        f"{EPISODES} episodes cancelled and closed in"
-    ), DRAIN.reports
+    assert reports and reports[-1].startswith(f"{EPISODES} episodes cancelled and closed in"), (
+        reports
+    )
     rollouts = db_rows(db, "SELECT status, status_message FROM rollout")
     assert rollouts == [("cancelled", DRAIN_REASON)] * EPISODES, rollouts
     envs = db_rows(db, "SELECT status, status_message FROM environment")
@@ -154,15 +165,11 @@ async def test_cancelled_episodes_close_execution_agent_run_and_records(stack):
 
 @pytest.mark.slow
 async def test_what_the_drain_cannot_close_in_time_is_named(stack):
-    gym, agent, monitor, model, db = stack
-    wf = _workflow(gym, agent, monitor, model, drain_s=1)
-    tasks, live = await _start_episodes(wf, gym, model)
-    reports = len(DRAIN.reports)
+    gym, db = stack[0], stack[-1]
     # Terminate answers only after a minute: the drain's deadline passes first, by construction.
-    gym.gym.config.faults["terminate"] = Fault(latency_s=60)
-    await _cancel_all(tasks)
-    overdue = [r for r in DRAIN.reports[reports:] if r.startswith("left open after")]
-    assert len(overdue) == 1, DRAIN.reports[reports:]
+    wf, live, reports = await _start_and_cancel(stack, drain_s=1, terminate=Fault(latency_s=60))
+    overdue = [r for r in reports if r.startswith("left open after")]
+    assert len(overdue) == 1, reports
     for execution_id in live:
         assert execution_id in overdue[0], (execution_id, overdue)
     # The episodes keep closing after the deadline: once the gym answers again, nothing is left.
