@@ -111,11 +111,11 @@ def test_the_run_leaves_no_execution_and_no_open_record(case, tmp_path):
     assert live == [], (live, out[-5000:])
     open_records = {
         "rollout": db_rows(
-            db, "SELECT client_id, status FROM rollout WHERE status NOT IN ('completed', "
+            db, "SELECT rollout_id, status FROM rollout WHERE status NOT IN ('completed', "
             "'failed', 'cancelled')"
         ),
         "environment": db_rows(
-            db, "SELECT client_id, status FROM environment WHERE status NOT IN "
+            db, "SELECT rollout_id, status FROM environment WHERE status NOT IN "
             "('terminated', 'error')"
         ),
     }  # fmt: skip
