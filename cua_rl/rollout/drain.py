@@ -68,6 +68,7 @@ class Drain:
     def __init__(self) -> None:
         self._lock = threading.Lock()
         self._open: dict[str, Any] = {}  # rollout uuid -> Episode
+        self._draining: dict[str, Any] = {}  # those of them cancelled and not yet ended
         self._started: float | None = None
         self._deadline = 0.0
         self._cancelled = 0
@@ -80,10 +81,11 @@ class Drain:
         with self._lock:
             self._open[episode.rollout_uuid] = episode
 
-    def begin(self, timeout_s: float) -> float:
-        """Start the drain (first cancelled episode) and return its deadline (monotonic)."""
+    def begin(self, episode, timeout_s: float) -> float:
+        """Count a cancelled episode in the drain, started by the first; its deadline."""
         with self._lock:
             self._cancelled += 1
+            self._draining[episode.rollout_uuid] = episode
             if self._started is None:
                 self._started = time.monotonic()
                 self._deadline = self._started + timeout_s
@@ -107,7 +109,8 @@ class Drain:
     def done(self, episode) -> None:
         with self._lock:
             self._open.pop(episode.rollout_uuid, None)
-            if self._started is None or self._open:
+            self._draining.pop(episode.rollout_uuid, None)
+            if self._started is None or self._draining:
                 return
             timer, self._timer = self._timer, None
             took = time.monotonic() - self._started
@@ -128,11 +131,12 @@ class Drain:
         """Name what is still open (once per drain): at the deadline, from the first episode
         whose wait ended with its inner task pending, or from the timer if the loop is stuck."""
         with self._lock:
-            if self._started is None or not self._open or self._named:
+            left = self._draining
+            if self._started is None or not left or self._named:
                 return
             self._named = True
-            rollouts = sorted(self._open)
-            executions = sorted(str(e.execution_id) for e in self._open.values() if e.execution_id)
+            rollouts = sorted(left)
+            executions = sorted(str(e.execution_id) for e in left.values() if e.execution_id)
             took = time.monotonic() - self._started
         line = (
             f"left open after {took:.1f}s: rollouts {rollouts}, gym executions "
@@ -157,7 +161,7 @@ async def run_drained(
     try:
         return await asyncio.shield(inner)
     except asyncio.CancelledError:
-        DRAIN.begin(config.timeout_s)
+        DRAIN.begin(episode, config.timeout_s)
         inner.cancel()
         await _settle(inner, services)
         if not inner.done():
