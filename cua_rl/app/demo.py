@@ -273,9 +273,6 @@ def train(
     # progress read from the monitor's database.
     progress = DemoProgress(db_path, io.StringIO() if args.quiet else None, prefix="[demo] ")
     rc = run_trainer(cmd, train_log, progress, train_env)
-    # How the episodes in flight at the end were closed, and what was left open (by id).
-    for line in drain_lines(train_log):
-        print(f"[demo] {line}", flush=True)
     if rc != 0:
         tail = train_log.read_text(errors="replace").splitlines()[-40:]
         print(f"[demo] the trainer exited {rc}; the end of {_shown(train_log)}:", flush=True)
@@ -293,6 +290,9 @@ def drain_lines(train_log: Path) -> list[str]:
 
 
 def print_end(rc: int, seconds: float, run_dir: Path, log_dir: Path, db_path: Path) -> None:
+    # How the episodes in flight at the end were closed, and what was left open (by id).
+    for line in drain_lines(log_dir / "train.log"):
+        print(f"[demo] {line}", flush=True)
     print(f"[demo] finished with exit code {rc} in {seconds:.0f}s", flush=True)
     print(f"[demo] monitor database: {_shown(db_path)}", flush=True)
     print(
