@@ -1,16 +1,16 @@
 """The end of a run: every episode still in flight is cancelled and closed within a bound.
 
-AReaL ends a run (completion, failure, Ctrl-C, SIGTERM, a fail-fast stop) by destroying the
-rollout engine on each worker, an RPC made before its scheduler signals the worker: the engine's
-task runner cancels the episodes still running (the prefetched batch no step will train among
-them) and waits up to ``AREAL_RUNNER_JOIN_S`` for them. Each episode runs as an inner task that
-the cancel does not reach directly (``run_drained``): the outer task starts this process's drain
-clock, cancels the inner one, whose own exits abandon the agent run (its model endpoint closes)
-and terminate the gym execution (genv's shielded scope), and waits for it at most until the
-deadline. It then marks the rollout ``cancelled`` with ``DRAIN_REASON`` and flushes the monitor
-client within what is left. A timer thread, independent of the event loop, names on the log what
-is still open at the deadline (rollout and execution ids); the drain's last episode logs the
-summary. ``drain.timeout_s`` sets the bound (docs/design.md, "The end of a run").
+AReaL ends a run (completion, failure, Ctrl-C, SIGTERM, a fail-fast stop) by destroying the rollout engine on
+each worker, an RPC made before its scheduler signals the worker: the engine's task runner cancels
+the episodes still running (the prefetched batch no step will train among them) and waits up to
+``AREAL_RUNNER_JOIN_S`` for them. Each episode runs as an inner task that the cancel does not reach
+directly (``run_drained``): the outer task starts this process's drain clock, cancels the inner
+one, whose own exits abandon the agent run (its model endpoint closes) and terminate the gym
+execution (genv's shielded scope), and waits for it at most until the deadline. It then marks the
+rollout ``cancelled`` with ``DRAIN_REASON`` and flushes the process's monitor clients within what
+is left. A timer thread, independent of the event loop, names on the log what is still open at the
+deadline (rollout and execution ids); the drain's last episode logs the summary.
+``drain.timeout_s`` sets the bound (docs/design.md, "The end of a run").
 """
 
 from __future__ import annotations
@@ -18,6 +18,7 @@ from __future__ import annotations
 import asyncio
 import threading
 import time
+import weakref
 from collections.abc import Coroutine
 from dataclasses import dataclass, field
 from typing import Any
@@ -75,6 +76,10 @@ class Drain:
         self._unflushed: list[str] = []
         self._named = False
         self._timer: threading.Timer | None = None
+        # Every monitor client of this process's workflow instances (AReaL may build one per
+        # submission), by event loop: a drain flushes them all, so the records of episodes that
+        # ended just before it (not cancelled) go out too, before the loop stops.
+        self._monitors: dict[int, weakref.WeakSet] = {}
         self.reports: list[str] = []  # the summary lines logged, for tests and callers
 
     def track(self, episode) -> None:
@@ -98,6 +103,19 @@ class Drain:
                     timeout_s,
                 )
             return self._deadline
+
+    def watch(self, monitor) -> None:
+        """Register a started monitor client (on the running loop) for the drain's flush."""
+        key = id(asyncio.get_running_loop())
+        with self._lock:
+            self._monitors.setdefault(key, weakref.WeakSet()).add(monitor)
+
+    async def flush(self, timeout: float) -> bool:
+        """Flush every monitor client of the running loop; False if one did not finish."""
+        with self._lock:
+            monitors = list(self._monitors.get(id(asyncio.get_running_loop()), ()))
+        done = await asyncio.gather(*(m.flush(timeout=timeout) for m in monitors))
+        return all(done)
 
     def remaining(self) -> float:
         return max(self._deadline - time.monotonic(), 0.0)
@@ -168,9 +186,7 @@ async def run_drained(
             DRAIN.overdue()
         if not inner.done() or inner.cancelled():
             await recorder.fail("cancelled", status_message=DRAIN_REASON)
-        monitor = services.monitor
-        flush_s = max(DRAIN.remaining(), _LAST_FLUSH_S)
-        if monitor is not None and not await monitor.flush(timeout=flush_s):
+        if not await DRAIN.flush(timeout=max(DRAIN.remaining(), _LAST_FLUSH_S)):
             DRAIN.unflushed(episode.rollout_uuid)
         raise
     finally:
