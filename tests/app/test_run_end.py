@@ -3,7 +3,8 @@
 Each case runs ``make demo``'s launcher asynchronously (two steps of staleness, eight episodes in
 flight, so a prefetched batch no step trains is in flight at the end) against a gym started
 here, which outlives the run: afterwards the gym lists no live execution and the monitor's
-database has no rollout or environment still open. The cases: a normal end; a machine kept busy
+database has no rollout or environment still open, none closed by the monitor's own safety net:
+the rollouts the end cut short say ``run ended: drained``. The cases: a normal end; a machine kept busy
 (two CPU-bound processes started when the last step begins) while the run ends; SIGTERM to the
 launcher while step 2's episodes wait on a stalled evaluate; a fail-fast stop (direct mode with
 an agent that returns no token data: every episode is rejected).
@@ -22,6 +23,7 @@ from pathlib import Path
 import httpx
 import pytest
 
+from cua_rl.rollout.drain import DRAIN_REASON
 from cua_rl.sim.gym import GymServer
 from cua_rl.sim.gym_state import Fault
 from tests.conftest import db_rows
@@ -120,6 +122,21 @@ def test_the_run_leaves_no_execution_and_no_open_record(case, tmp_path):
         ),
     }  # fmt: skip
     assert not any(open_records.values()), (open_records, out[-5000:])
+    # Closed by the workers, not by the monitor's safety net (which closes what a terminal
+    # training left open, with its own message): every record the end cut short says drained.
+    by_monitor = {
+        table: db_rows(
+            db, f"SELECT rollout_id, status, status_message FROM {table} "
+            "WHERE status_message LIKE 'closed by the monitor%'"
+        )
+        for table in ("rollout", "environment")
+    }  # fmt: skip
+    assert not any(by_monitor.values()), by_monitor
+    not_drained = db_rows(
+        db, "SELECT rollout_id, status_message FROM rollout WHERE status = 'cancelled' "
+        "AND status_message IS NOT ?", DRAIN_REASON
+    )  # fmt: skip
+    assert not not_drained, not_drained
     drained = [line for line in out.splitlines() if line.startswith("[demo] drain: ")]
     assert not [line for line in drained if "left open" in line or "did not" in line], drained
     cancelled = db_rows(db, "SELECT COUNT(*) FROM rollout WHERE status = 'cancelled'")[0][0]
