@@ -146,6 +146,10 @@ class GenvClient:
     async def __aexit__(self, *exc: object) -> None:
         await self.aclose()
 
+    def background(self) -> set[asyncio.Task]:
+        """The background terminates of late creates still running (a drain waits for them)."""
+        return {t for t in self._background if not t.done()}
+
     async def aclose(self, timeout: float | None = None) -> None:
         """Wait (bounded) for background terminates of late creates, then close an owned client."""
         pending = list(self._background)

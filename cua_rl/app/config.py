@@ -28,6 +28,7 @@ from cua_rl.gateway.config import (
 )
 from cua_rl.logs import get_logger
 from cua_rl.reward import RewardConfig
+from cua_rl.rollout.drain import DrainConfig
 from cua_rl.rollout.groups import COMPLETE_GROUPS, COMPLETE_VARIED_GROUPS
 from cua_rl.rollout.settings import (
     AgentSection,
@@ -163,6 +164,10 @@ class CUAConfig(GRPOConfig):
     failfast: FailFastConfig = field(
         default_factory=FailFastConfig,
         metadata={"help": "Stop a training whose episodes are all rejected for one reason"},
+    )
+    drain: DrainConfig = field(
+        default_factory=DrainConfig,
+        metadata={"help": "How the episodes in flight are closed when the run ends"},
     )
     workflow: str = field(
         default=DEFAULT_WORKFLOW,
@@ -371,4 +376,5 @@ class CUAConfig(GRPOConfig):
             sampling=Sampling.from_gconfig(gconfig),
             gateway=self.gateway,
             outcome_dir=outcome_dir if self.failfast.window else "",
+            drain=self.drain,
         )

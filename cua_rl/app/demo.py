@@ -146,6 +146,12 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
         "--box-startup", type=float, default=0.0, help="seconds the local gym takes to create a box"
     )
     parser.add_argument(
+        "--gym-url",
+        default="",
+        help="a gym server already running (URL without /api/v1) to train against instead of "
+        "starting the local one; it outlives the run, so its executions show what the run left",
+    )
+    parser.add_argument(
         "--gym-args",
         default="",
         help="extra options for the local gym (python -m cua_rl.sim gym --help), e.g. "
@@ -184,11 +190,14 @@ def start_services(args, db_path: Path, log_dir: Path, children: list[Child]) ->
     print(f"[demo] monitor  {monitor_url} -> {_shown(db_path)}", flush=True)
     print(f"[demo] dashboard: open {monitor_url}/ to watch the training live", flush=True)
 
-    gym_cmd = [py, "-m", "cua_rl.sim", "gym", "--port", "0", *shlex.split(args.gym_args)]
-    gym = Child("gym", [*gym_cmd, "--create-latency", str(args.box_startup)], log_dir)
-    children.append(gym)
-    # The ready line names the genv base (.../api/v1/sim); the config wants the server URL.
-    gym_url = gym.wait_for_line("ready ", 60).split("/api/v1/")[0]
+    if args.gym_url:
+        gym_url = args.gym_url.rstrip("/")
+    else:
+        gym_cmd = [py, "-m", "cua_rl.sim", "gym", "--port", "0", *shlex.split(args.gym_args)]
+        gym = Child("gym", [*gym_cmd, "--create-latency", str(args.box_startup)], log_dir)
+        children.append(gym)
+        # The ready line names the genv base (.../api/v1/sim); the config wants the server URL.
+        gym_url = gym.wait_for_line("ready ", 60).split("/api/v1/")[0]
     print(f"[demo] gym      {gym_url}", flush=True)
 
     agent_cmd = [py, "-m", "cua_rl.sim", "agent", "--port", "0"]
@@ -271,7 +280,19 @@ def train(
     return rc
 
 
+def drain_lines(train_log: Path) -> list[str]:
+    """The rollout workers' drain reports in the trainer's log (cua_rl.rollout.drain)."""
+    if not train_log.exists():
+        return []
+    text = train_log.read_text(errors="replace")
+    mark = "cua_rl.drain: "
+    return ["drain: " + line.split(mark, 1)[1] for line in text.splitlines() if mark in line]
+
+
 def print_end(rc: int, seconds: float, run_dir: Path, log_dir: Path, db_path: Path) -> None:
+    # How the episodes in flight at the end were closed, and what was left open (by id).
+    for line in drain_lines(log_dir / "train.log"):
+        print(f"[demo] {line}", flush=True)
     print(f"[demo] finished with exit code {rc} in {seconds:.0f}s", flush=True)
     print(f"[demo] monitor database: {_shown(db_path)}", flush=True)
     print(

@@ -6,7 +6,8 @@ SQLite monitor when only ``monitor.db_path`` is given), runs a baseline evaluati
 ``PPOTrainer.train`` with ``CUAAgentWorkflow`` and the complete-group filter passed by dotted
 path. The training record ends completed, or failed with the error (cancelled on Ctrl-C or
 SIGTERM: a first SIGTERM stops as Ctrl-C does, AReaL's workers and servers included; a second one
-kills at once).
+kills at once). However the run ends, AReaL's clean-up destroys the rollout engine before it stops
+the workers, and that drains the episodes in flight (``cua_rl.rollout.drain``).
 
 ``--check`` validates the config and reaches the gym, the agent, the model endpoint and the
 monitor, printing one line per service, and exits 1 if any is unreachable, without training.

@@ -86,6 +86,11 @@ RELIANCES: tuple[Reliance, ...] = (
     ),
     Reliance("areal.api.cli_args", "get_py_cmd", "cua_rl/cpu/training.py calls"),
     Reliance("areal.infra.rpc.rpc_server", "main", "cua_rl/cpu/rpc_worker.py calls"),
+    Reliance(
+        "areal.infra.async_task_runner",
+        "AsyncTaskRunner.destroy",
+        "cua_rl/rollout/drain.py fits the drain inside its 30 s wait for the cancelled episodes",
+    ),
 )
 
 

@@ -19,6 +19,7 @@ import httpx
 from cua_rl.genv import GenvClient, GenvTimeouts
 from cua_rl.mini_agent import MiniAgentClient
 from cua_rl.monitor.worker.client import MonitorClient, MonitorClientConfig
+from cua_rl.rollout.drain import DRAIN
 
 
 class Services:
@@ -97,6 +98,7 @@ class Services:
         if loop not in self._monitors:
             client = MonitorClient(self._monitor_config)
             await client.start()
+            DRAIN.watch(client)
             self._monitors[loop] = client
         return self._monitors[loop]
 

@@ -13,6 +13,7 @@ from cua_rl.gateway.config import GatewayConfig, Sampling
 from cua_rl.genv import GenvTimeouts
 from cua_rl.mini_agent import DriverConfig
 from cua_rl.reward import RewardConfig
+from cua_rl.rollout.drain import DrainConfig
 from cua_rl.tasks import TaskSelectionConfig, TaskSourceConfig
 from cua_rl.trajectory.config import TrajectoryConfig
 
@@ -124,3 +125,4 @@ class WorkflowSettings:
     gateway: GatewayConfig = field(default_factory=GatewayConfig)
     # Where workers append episode outcomes for the controller's rejection watch (empty: off).
     outcome_dir: str = ""
+    drain: DrainConfig = field(default_factory=DrainConfig)

@@ -7,7 +7,8 @@ tokens, logprobs, versions and images), starts a gbox-mini-agent run pointed at 
 it, evaluates the execution, computes the reward, and builds one training row from what the
 gateway captured (``endpoint.mode=direct``: from the agent's own event log) with the pure
 functions of ``cua_rl.trajectory``. Infrastructure failures return ``None`` with a counted reason;
-a task the agent failed is a row with reward 0.
+a task the agent failed is a row with reward 0. When the run ends, the episodes still in flight
+are cancelled and closed within ``drain.timeout_s`` (``cua_rl.rollout.drain``).
 
 Users customise it by overriding the hooks: ``build_run_spec``, ``compute_reward``, ``build_row``
 and ``record_episode`` (see the README), and name their subclass in the config (``workflow:``).
@@ -32,6 +33,7 @@ from cua_rl.monitor.worker.context import MonitorContext
 from cua_rl.monitor.worker.recorder import RolloutRecorder
 from cua_rl.monitor.worker.uploader import http_fetcher
 from cua_rl.reward import EpisodeFacts, RewardOutcome, compute_reward
+from cua_rl.rollout.drain import DRAIN_REASON, run_drained
 from cua_rl.rollout.episode import Episode, Phase, episode_stats, gateway_reason
 from cua_rl.rollout.groups import GROUP_SIZE_ENV, complete_groups  # noqa: F401  (train.py's dotted path)
 from cua_rl.rollout.outcomes import OutcomeLog
@@ -41,9 +43,6 @@ from cua_rl.rollout.settings import WorkflowSettings
 from cua_rl.trajectory import ConversionResult, convert_turns, events_to_turns, fetch_images
 
 log = get_logger("cua_rl.workflow")
-
-# How long a cancelled episode waits for its last monitor records to go out.
-CANCEL_FLUSH_S = 5.0
 
 
 class CUAAgentWorkflow(RolloutWorkflow):
@@ -198,19 +197,13 @@ class CUAAgentWorkflow(RolloutWorkflow):
         )
         t0 = time.monotonic()
         try:
-            row = await self._run(engine, episode, recorder)
+            run = self._run(engine, episode, recorder)
+            row = await run_drained(run, episode, recorder, self.services, self.settings.drain)
         except RejectedEpisode as exc:
             self._count(scope, episode, reason=exc.reason)
             log.warning("episode %s rejected: %s", episode.rollout_uuid, exc)
             await recorder.fail(exc.reason, error_message=str(exc))
             return None
-        except asyncio.CancelledError:
-            await recorder.fail("cancelled")
-            # A cancel usually means the trainer is stopping: AReaL cancels the episodes, awaits
-            # them, then ends the loop that would have sent these last records. Send them now.
-            if self.services.monitor is not None:
-                await self.services.monitor.flush(timeout=CANCEL_FLUSH_S)
-            raise
         except CuaRlError as exc:
             reason = type(exc).__name__
             self._count(scope, episode, reason=reason)
@@ -283,6 +276,9 @@ class CUAAgentWorkflow(RolloutWorkflow):
         except GymError as exc:
             await recorder.environment("error", status_message=str(exc)[:500])
             raise RejectedEpisode(Reason.GYM_ERROR, str(exc)) from exc
+        except asyncio.CancelledError:
+            await recorder.environment("terminated", status_message=DRAIN_REASON)
+            raise
         except BaseException:
             await recorder.environment("terminated")
             raise

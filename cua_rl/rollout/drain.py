@@ -1,0 +1,208 @@
+"""The end of a run: every episode still in flight is cancelled and closed within a bound.
+
+AReaL ends a run (completion, failure, Ctrl-C, SIGTERM, a fail-fast stop) by destroying the rollout engine on
+each worker, an RPC made before its scheduler signals the worker: the engine's task runner cancels
+the episodes still running (the prefetched batch no step will train among them) and waits up to
+``AREAL_RUNNER_JOIN_S`` for them. Each episode runs as an inner task that the cancel does not reach
+directly (``run_drained``): the outer task starts this process's drain clock, cancels the inner
+one, whose own exits abandon the agent run (its model endpoint closes) and terminate the gym
+execution (genv's shielded scope), and waits for it at most until the deadline. It then marks the
+rollout ``cancelled`` with ``DRAIN_REASON`` and flushes the process's monitor clients within what
+is left. A timer thread, independent of the event loop, names on the log what is still open at the
+deadline (rollout and execution ids); the drain's last episode logs the summary.
+``drain.timeout_s`` sets the bound (docs/design.md, "The end of a run").
+"""
+
+from __future__ import annotations
+
+import asyncio
+import threading
+import time
+import weakref
+from collections.abc import Coroutine
+from dataclasses import dataclass, field
+from typing import Any
+
+from cua_rl.errors import ConfigError
+from cua_rl.logs import get_logger
+
+log = get_logger("cua_rl.drain")
+
+# Why a drained episode's rollout and environment were closed (their status message).
+DRAIN_REASON = "run ended: drained"
+# AReaL's task runner waits this long for the cancelled episodes when its engine is destroyed
+# (``AsyncTaskRunner.destroy``); a drain must end inside it or the worker stops under it.
+AREAL_RUNNER_JOIN_S = 30.0
+# Kept for the monitor flush and the runner's own shutdown after the last episode.
+_MARGIN_S = 5.0
+# A drain past its deadline still gives the monitor this long to take the cancelled records.
+_LAST_FLUSH_S = 1.0
+
+
+@dataclass
+class DrainConfig:
+    timeout_s: float = field(
+        default=20.0,
+        metadata={
+            "help": "Seconds the episodes in flight when a run ends get to close: the agent run "
+            "abandoned, the gym execution terminated, the monitor told (rollout cancelled, "
+            "environment terminated). What is still open then is named in the log. At most "
+            f"{AREAL_RUNNER_JOIN_S - _MARGIN_S:g}: AReaL waits {AREAL_RUNNER_JOIN_S:g} s for a "
+            "worker's episodes before it stops the worker."
+        },
+    )
+
+    def __post_init__(self) -> None:
+        top = AREAL_RUNNER_JOIN_S - _MARGIN_S
+        t = self.timeout_s
+        if isinstance(t, bool) or not isinstance(t, int | float) or not 0 < t <= top:
+            raise ConfigError(
+                f"drain.timeout_s={t!r} must be seconds in (0, {top:g}]: AReaL stops a rollout "
+                f"worker {AREAL_RUNNER_JOIN_S:g} s after it cancels its episodes, and a drain "
+                "cut short there leaves gym executions running (e.g. drain.timeout_s=20)"
+            )
+
+
+class Drain:
+    """This process's episodes in flight, and the drain that closes them when the run ends."""
+
+    def __init__(self) -> None:
+        self._lock = threading.Lock()
+        self._open: dict[str, Any] = {}  # rollout uuid -> Episode
+        self._draining: dict[str, Any] = {}  # those of them cancelled and not yet ended
+        self._started: float | None = None
+        self._deadline = 0.0
+        self._cancelled = 0
+        self._unflushed: list[str] = []
+        self._named = False
+        self._timer: threading.Timer | None = None
+        # Every monitor client of this process's workflow instances (AReaL may build one per
+        # submission), by event loop: a drain flushes them all, so the records of episodes that
+        # ended just before it (not cancelled) go out too, before the loop stops.
+        self._monitors: dict[int, weakref.WeakSet] = {}
+        self.reports: list[str] = []  # the summary lines logged, for tests and callers
+
+    def track(self, episode) -> None:
+        with self._lock:
+            self._open[episode.rollout_uuid] = episode
+
+    def begin(self, episode, timeout_s: float) -> float:
+        """Count a cancelled episode in the drain, started by the first; its deadline."""
+        with self._lock:
+            self._cancelled += 1
+            self._draining[episode.rollout_uuid] = episode
+            if self._started is None:
+                self._started = time.monotonic()
+                self._deadline = self._started + timeout_s
+                self._timer = threading.Timer(timeout_s, self.overdue)
+                self._timer.daemon = True
+                self._timer.start()
+                log.info(
+                    "the run is ending; closing %d episodes in flight within %gs",
+                    len(self._open),
+                    timeout_s,
+                )
+            return self._deadline
+
+    def watch(self, monitor) -> None:
+        """Register a started monitor client (on the running loop) for the drain's flush."""
+        key = id(asyncio.get_running_loop())
+        with self._lock:
+            self._monitors.setdefault(key, weakref.WeakSet()).add(monitor)
+
+    async def flush(self, timeout: float) -> bool:
+        """Flush every monitor client of the running loop; False if one did not finish."""
+        with self._lock:
+            monitors = list(self._monitors.get(id(asyncio.get_running_loop()), ()))
+        done = await asyncio.gather(*(m.flush(timeout=timeout) for m in monitors))
+        return all(done)
+
+    def remaining(self) -> float:
+        return max(self._deadline - time.monotonic(), 0.0)
+
+    def unflushed(self, rollout_uuid: str) -> None:
+        with self._lock:
+            self._unflushed.append(rollout_uuid)
+
+    def done(self, episode) -> None:
+        with self._lock:
+            self._open.pop(episode.rollout_uuid, None)
+            self._draining.pop(episode.rollout_uuid, None)
+            if self._started is None or self._draining:
+                return
+            timer, self._timer = self._timer, None
+            took = time.monotonic() - self._started
+            if self._unflushed:
+                line = (
+                    f"{self._cancelled} episodes cancelled in {took:.1f}s; the monitor "
+                    f"did not take the records of rollouts {sorted(self._unflushed)}"
+                )
+            else:
+                line = f"{self._cancelled} episodes cancelled and closed in {took:.1f}s"
+            self._reset()
+        if timer is not None:
+            timer.cancel()
+        self.reports.append(line)
+        (log.warning if "did not" in line else log.info)(line)
+
+    def overdue(self) -> None:
+        """Name what is still open (once per drain): at the deadline, from the first episode
+        whose wait ended with its inner task pending, or from the timer if the loop is stuck."""
+        with self._lock:
+            left = self._draining
+            if self._started is None or not left or self._named:
+                return
+            self._named = True
+            rollouts = sorted(left)
+            executions = sorted(str(e.execution_id) for e in left.values() if e.execution_id)
+            took = time.monotonic() - self._started
+        line = (
+            f"left open after {took:.1f}s: rollouts {rollouts}, gym executions "
+            f"{executions} (still closing; the gym's reaper ends what the worker cannot)"
+        )
+        self.reports.append(line)
+        log.error(line)
+
+    def _reset(self) -> None:
+        self._started, self._cancelled, self._unflushed, self._named = None, 0, [], False
+
+
+DRAIN = Drain()
+
+
+async def run_drained(
+    body: Coroutine[Any, Any, Any], episode, recorder, services, config: DrainConfig
+) -> Any:
+    """``await body`` as an inner task; cancelled, close it within the drain (then re-raise)."""
+    inner = asyncio.ensure_future(body)
+    DRAIN.track(episode)
+    try:
+        return await asyncio.shield(inner)
+    except asyncio.CancelledError:
+        DRAIN.begin(episode, config.timeout_s)
+        inner.cancel()
+        await _settle(inner, services)
+        if not inner.done():
+            DRAIN.overdue()
+        if not inner.done() or inner.cancelled():
+            await recorder.fail("cancelled", status_message=DRAIN_REASON)
+        if not await DRAIN.flush(timeout=max(DRAIN.remaining(), _LAST_FLUSH_S)):
+            DRAIN.unflushed(episode.rollout_uuid)
+        raise
+    finally:
+        if inner.done():
+            if not inner.cancelled():
+                inner.exception()  # retrieved: an episode that failed as it was cancelled
+            DRAIN.done(episode)
+        else:  # past the deadline: named by the timer, off the list once it does end
+            inner.add_done_callback(lambda _task: DRAIN.done(episode))
+
+
+async def _settle(inner: asyncio.Future, services) -> None:
+    """Wait, within the drain, for the inner task and the gym's background terminates."""
+    pending = {inner, *services.clients()[0].background()}
+    while pending and DRAIN.remaining() > 0:
+        try:
+            _done, pending = await asyncio.wait(pending, timeout=DRAIN.remaining())
+        except asyncio.CancelledError:
+            continue  # a second cancel does not shorten the drain: its deadline does

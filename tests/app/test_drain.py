@@ -1,0 +1,186 @@
+"""The drain: episodes cancelled when a run ends close what they hold, within ``drain.timeout_s``.
+
+Real local servers on loopback (sim gym, local agent, the monitor on a SQLite file) and a model
+endpoint that holds every call until released, so the episodes are mid-run, each with a live
+gym execution and an agent run waiting on its model, when they are cancelled as AReaL cancels
+them at the end of a run. A gym whose terminate hangs shows what a drain cut short names.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import threading
+
+import httpx
+import pytest
+from areal.infra import workflow_context
+from fastapi import FastAPI
+
+from cua_rl.errors import ConfigError
+from cua_rl.genv import GenvTimeouts
+from cua_rl.mini_agent import DriverConfig
+from cua_rl.monitor.protocol import step_client_id
+from cua_rl.monitor.server.app import create_app
+from cua_rl.monitor.server.store import MonitorStore
+from cua_rl.reward import RewardConfig
+from cua_rl.rollout.drain import DRAIN, DRAIN_REASON, DrainConfig
+from cua_rl.rollout.settings import AgentSection, EndpointSection, GymSection, WorkflowSettings
+from cua_rl.rollout.workflow import CUAAgentWorkflow
+from cua_rl.serving import ThreadedServer
+from cua_rl.sim.agent import AgentServer
+from cua_rl.sim.gym import GymServer
+from cua_rl.sim.gym_state import Fault
+from cua_rl.trajectory.config import TrajectoryConfig
+from tests.conftest import db_rows
+
+RUN = "drain-test"
+EPISODES = 3
+
+
+class HeldModel:
+    """An OpenAI-style endpoint that answers no call until ``release`` is set; counts calls."""
+
+    def __init__(self):
+        self.release = threading.Event()
+        self.calls = 0
+        app = FastAPI()
+
+        @app.post("/v1/chat/completions")
+        async def complete() -> dict:
+            self.calls += 1
+            await asyncio.to_thread(self.release.wait)
+            return {"choices": []}
+
+        self.server = ThreadedServer(app, name="held-model")
+
+
+@pytest.fixture
+def stack(tmp_path):
+    store = MonitorStore(str(tmp_path / "monitor.db"))
+    store.ingest(
+        {
+            "training": {"run_name": RUN, "log_path": "logs", "model_name": "held"},
+            "steps": [{"client_id": step_client_id(RUN, 1), "training_client_id": RUN, "step": 1}],
+        }
+    )
+    model = HeldModel()
+    with (
+        GymServer() as gym,
+        AgentServer() as agent,
+        ThreadedServer(create_app(store), name="monitor") as monitor,
+        model.server,
+    ):
+        yield gym, agent, monitor, model, tmp_path / "monitor.db"
+        model.release.set()
+    store.close()
+
+
+def _workflow(gym, agent, monitor, model, drain_s: float) -> CUAAgentWorkflow:
+    timeouts = GenvTimeouts(connect_s=2, request_s=10, create_s=10, terminate_s=3, backoff_s=0.01)
+    return CUAAgentWorkflow(
+        WorkflowSettings(
+            gym=GymSection(base_url=gym.url, gym_id=gym.gym_id, timeouts=timeouts),
+            agent=AgentSection(
+                base_url=agent.url, agent="sim", max_steps=3, driver=DriverConfig(deadline_s=300)
+            ),
+            endpoint=EndpointSection(
+                mode="direct", base_url=f"{model.server.url}/v1", model_name="held"
+            ),
+            trajectory=TrajectoryConfig(),
+            reward=RewardConfig(),
+            processor_path="unused: no episode gets as far as a row",
+            monitor_base_url=monitor.url,
+            training_ref=RUN,
+            drain=DrainConfig(timeout_s=drain_s),
+        )
+    )
+
+
+class _Engine:
+    def get_version(self) -> int:
+        return 0
+
+
+async def _live(gym) -> list[str]:
+    async with httpx.AsyncClient(timeout=10) as http:
+        r = await http.get(f"{gym.base_url}/executions")
+        return [e["execution_id"] for e in r.json()["executions"]]
+
+
+async def _start_episodes(wf, gym, model) -> tuple[list[asyncio.Task], list[str]]:
+    """EPISODES episodes, returned once each holds an execution and waits on its model call."""
+    workflow_context.set(workflow_context.WorkflowContext(is_eval=False))
+    tasks = [
+        asyncio.create_task(
+            wf.arun_episode(
+                _Engine(), {"task_id": "sim-001-wifi-on", "instruction": "Turn Wi-Fi on."}
+            )
+        )
+        for _ in range(EPISODES)
+    ]
+    while model.calls < EPISODES:
+        done = [t for t in tasks if t.done()]
+        assert not done, [t.result() for t in done]
+        await asyncio.sleep(0.05)
+    live = await _live(gym)
+    assert len(live) == EPISODES, live
+    return tasks, live
+
+
+async def _cancel_all(tasks: list[asyncio.Task]) -> None:
+    for t in tasks:
+        t.cancel()
+    results = await asyncio.gather(*tasks, return_exceptions=True)
+    assert all(isinstance(r, asyncio.CancelledError) for r in results), results
+
+
+async def _start_and_cancel(stack, drain_s: float, terminate: Fault | None = None):
+    """Episodes started, then cancelled as AReaL cancels them (with ``terminate`` as the
+    gym's terminate fault meanwhile): the workflow, the executions they held, the drain's
+    reports."""
+    gym, agent, monitor, model, _ = stack
+    wf = _workflow(gym, agent, monitor, model, drain_s)
+    tasks, live = await _start_episodes(wf, gym, model)
+    reports = len(DRAIN.reports)
+    if terminate is not None:
+        gym.gym.config.faults["terminate"] = terminate
+    await _cancel_all(tasks)
+    return wf, live, DRAIN.reports[reports:]
+
+
+@pytest.mark.slow
+async def test_cancelled_episodes_close_execution_agent_run_and_records(stack):
+    gym, db = stack[0], stack[-1]
+    wf, _, reports = await _start_and_cancel(stack, drain_s=20)
+    await wf.aclose()
+    assert await _live(gym) == []
+    assert reports and reports[-1].startswith(f"{EPISODES} episodes cancelled and closed in"), (
+        reports
+    )
+    rollouts = db_rows(db, "SELECT status, status_message FROM rollout")
+    assert rollouts == [("cancelled", DRAIN_REASON)] * EPISODES, rollouts
+    envs = db_rows(db, "SELECT status, status_message FROM environment")
+    assert envs == [("terminated", DRAIN_REASON)] * EPISODES, envs
+
+
+@pytest.mark.slow
+async def test_what_the_drain_cannot_close_in_time_is_named(stack):
+    gym, db = stack[0], stack[-1]
+    # Terminate answers only after a minute: the drain's deadline passes first, by construction.
+    wf, live, reports = await _start_and_cancel(stack, drain_s=1, terminate=Fault(latency_s=60))
+    overdue = [r for r in reports if r.startswith("left open after")]
+    assert len(overdue) == 1, reports
+    for execution_id in live:
+        assert execution_id in overdue[0], (execution_id, overdue)
+    # The episodes keep closing after the deadline: once the gym answers again, nothing is left.
+    gym.gym.config.faults.pop("terminate")
+    while await _live(gym):
+        await asyncio.sleep(0.1)
+    await wf.aclose()
+    assert db_rows(db, "SELECT DISTINCT status FROM rollout") == [("cancelled",)]
+
+
+@pytest.mark.parametrize("value", [0, -1, 26, True, "20"])
+def test_drain_timeout_must_fit_inside_areals_wait(value):
+    with pytest.raises(ConfigError, match="drain.timeout_s"):
+        DrainConfig(timeout_s=value)
