@@ -132,6 +132,20 @@ class MonitorSection:
         default="",
         metadata={"help": "Spool file for records the monitor could not take (default: temp dir)"},
     )
+    heartbeat_s: float = field(
+        default=30.0,
+        metadata={
+            "help": "Seconds between the training's heartbeats; keep the monitor's "
+            "--heartbeat-timeout-s several beats longer (default 600), or a live trainer is reaped"
+        },
+    )
+
+    def __post_init__(self):
+        if not 0 < self.heartbeat_s <= 300:
+            raise ConfigError(
+                f"monitor.heartbeat_s={self.heartbeat_s} must be seconds in (0, 300] "
+                "(e.g. 30; the monitor reaps a training silent for --heartbeat-timeout-s)"
+            )
 
 
 @dataclass

@@ -26,8 +26,10 @@ from tests.conftest import db_rows, train_command
 from .conftest import MonitorProcess
 
 ROOT = Path(__file__).resolve().parents[2]
-# Four of the trainer's 30 s heartbeats: a live trainer on a loaded machine is never reaped.
-TIMEOUT_S = 120
+# Eight of the trainer's heartbeats (monitor.heartbeat_s below): a live trainer on a loaded
+# machine is not reaped, and the test does not wait out the default 30 s beats.
+HEARTBEAT_S = 5
+TIMEOUT_S = 40
 
 pytestmark = pytest.mark.slow
 
@@ -76,7 +78,7 @@ def test_a_trainer_killed_mid_step_leaves_a_failed_training_with_nothing_open(
             proc = subprocess.Popen(
                 train_command(
                     tiny_vl_model_dir, gym.url, agent.url, f"monitor.base_url={monitor.base_url}",
-                    tmp_path, "total_train_steps=50", "total_train_epochs=50",
+                    tmp_path, "total_train_steps=50", "total_train_epochs=50", f"monitor.heartbeat_s={HEARTBEAT_S}",
                 ),
                 cwd=ROOT,
                 stdout=log,
