@@ -81,8 +81,8 @@ browser:
 learn: envs
 	$(PY) -m cua_rl.app.learn $(LEARN_ARGS)
 
-# Lint first: it takes a second and CI then catches style drift too. The suite runs as two pytest
-# processes side by side (scripts/test_shards.py: the two longest trainings beside the rest).
+# Lint first: it takes a second and CI then catches style drift too. The suite runs as three pytest
+# processes side by side (scripts/test_shards.py: the longest trainings beside the rest).
 test: envs browser
 	$(VENV)/bin/ruff check .
 	$(VENV)/bin/ruff format --check .

@@ -1,15 +1,16 @@
-"""``make test``'s runner: the suite as two pytest processes side by side.
+"""``make test``'s runner: the suite as pytest processes side by side.
 
 Most of the suite's wall time goes to a few whole trainings, and they leave a 2-core machine half
 idle (they wait on the sim agent's step latency, box start-up and the trainer's polls: a serial
-run averaged 0.43 busy cores). The longest ones that share no fixture with the rest (the proof
-of learning, the curriculum's restart run, the Ray and Slurm trainings of tests/cluster) share no fixture with the rest, so they run in a second process beside the main
-one. The main process streams as usual; the second one's output goes to a log file and is
-printed when both have ended. The exit status is the first failing process's. Two trainings at
+run averaged 0.43 busy cores). The longest ones that share no fixture with the rest run in
+processes beside the main one, a group each: the proof of learning, the curriculum's restart
+run and the Ray and Slurm trainings of tests/cluster in one; the run-end trainings (the demo
+ended four ways, a trainer killed outright) in another. The main process streams as usual; the
+others' output goes to log files, printed when all have ended. The exit status is the first failing process's. Two trainings at
 once on one machine are safe only because AReaL's port choice no longer follows the training
 seed (cua_rl/areal/ports.py): before that, trainings of one config drew the same ports.
 
-    python scripts/test_shards.py [--log PATH] [-- extra pytest args for both]
+    python scripts/test_shards.py [--log-dir DIR] [-- extra pytest args for every process]
 """
 
 from __future__ import annotations
@@ -23,45 +24,66 @@ import time
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[1]
-# Whole trainings that need nothing the rest of the suite builds (no shared vLLM server, no demo).
-BESIDE = ("tests/app/test_learn.py", "tests/curriculum/test_in_the_loop.py", "tests/cluster")
+# Whole trainings that need nothing the rest of the suite builds (no shared vLLM server, no demo),
+# by group: each group is one pytest process beside the main one.
+BESIDE = {
+    "learning": (
+        "tests/app/test_learn.py",
+        "tests/curriculum/test_in_the_loop.py",
+        "tests/cluster",
+    ),
+    "run-end": ("tests/app/test_run_end.py", "tests/monitor/test_safety_trainer_killed.py"),
+}
 
 
 def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawTextHelpFormatter)
     ap.add_argument(
-        "--log",
+        "--log-dir",
         type=Path,
-        default=ROOT / ".cache" / "test-logs" / "beside.log",
-        help="where the second process writes its output",
+        default=ROOT / ".cache" / "test-logs",
+        help="where the processes beside write their output (beside-<group>.log)",
     )
-    ap.add_argument("pytest_args", nargs="*", help="passed to both pytest processes")
+    ap.add_argument("pytest_args", nargs="*", help="passed to every pytest process")
     args = ap.parse_args(argv)
-    args.log.parent.mkdir(parents=True, exist_ok=True)
+    args.log_dir.mkdir(parents=True, exist_ok=True)
     py = [sys.executable, "-m", "pytest", "-ra", *args.pytest_args]
-    main_cmd = [*py, "--durations=15", *(f"--ignore={p}" for p in BESIDE)]
-    beside_cmd = [*py, "--durations=5", *BESIDE]
-    print(f"[tests] {' '.join(BESIDE)} run beside the rest; their output: {args.log}", flush=True)
+    every = [path for paths in BESIDE.values() for path in paths]
+    main_cmd = [*py, "--durations=15", *(f"--ignore={p}" for p in every)]
     start = time.monotonic()
-    with open(args.log, "w") as log:
-        beside = subprocess.Popen(
-            beside_cmd, cwd=ROOT, stdout=log, stderr=subprocess.STDOUT, start_new_session=True
-        )
-        try:
-            main_rc = subprocess.call(main_cmd, cwd=ROOT)
-            if beside.poll() is None:
-                print("[tests] waiting for the tests beside ...", flush=True)
-            beside_rc = beside.wait()
-        except BaseException:
-            # Ctrl-C or a kill of make: take the second process's whole tree down with us.
-            _kill_group(beside)
-            raise
-    print(f"\n[tests] ===== output of the tests beside ({args.log}) =====", flush=True)
-    sys.stdout.write(args.log.read_text(errors="replace"))
+    beside: dict[str, tuple[subprocess.Popen, Path]] = {}
+    try:
+        for group, paths in BESIDE.items():
+            log = args.log_dir / f"beside-{group}.log"
+            print(f"[tests] {' '.join(paths)} run beside the rest; their output: {log}", flush=True)
+            with open(log, "w") as out:
+                proc = subprocess.Popen(
+                    [*py, "--durations=5", *paths],
+                    cwd=ROOT,
+                    stdout=out,
+                    stderr=subprocess.STDOUT,
+                    start_new_session=True,
+                )
+            beside[group] = (proc, log)
+        main_rc = subprocess.call(main_cmd, cwd=ROOT)
+        if any(proc.poll() is None for proc, _ in beside.values()):
+            print("[tests] waiting for the tests beside ...", flush=True)
+        codes = {group: proc.wait() for group, (proc, _) in beside.items()}
+    except BaseException:
+        # Ctrl-C or a kill of make: take the other processes' whole trees down with us.
+        for proc, _ in beside.values():
+            _kill_group(proc)
+        raise
+    for group, (_, log) in beside.items():
+        print(f"\n[tests] ===== output of the tests beside: {group} ({log}) =====", flush=True)
+        sys.stdout.write(log.read_text(errors="replace"))
     took = time.monotonic() - start
-    verdict = "passed" if main_rc == beside_rc == 0 else "FAILED"
-    print(f"[tests] {verdict}: main exit {main_rc}, beside exit {beside_rc}, {took:.0f} s wall")
-    return main_rc or beside_rc
+    failed = main_rc != 0 or any(codes.values())
+    exits = ", ".join(f"{group} exit {rc}" for group, rc in codes.items())
+    print(
+        f"[tests] {'FAILED' if failed else 'passed'}: main exit {main_rc}, {exits}, {took:.0f} s wall"
+    )
+    return main_rc or next((rc for rc in codes.values() if rc), 0)
 
 
 def _kill_group(proc: subprocess.Popen) -> None:
