@@ -12,7 +12,7 @@ import pytest
 from cua_rl.errors import ConfigError
 from cua_rl.monitor.worker.client import MonitorClient, MonitorClientConfig
 
-from .conftest import FlakyMonitor, uid
+from .conftest import FlakyMonitor, full_batch, uid
 
 
 def _task(task_id: str) -> dict:
@@ -80,6 +80,16 @@ async def test_spools_while_down_then_replays_in_order(fake, tmp_path, store):
     await client.close()
 
 
+async def _spooled(client: MonitorClient, n: int) -> None:
+    """Waits (bounded) until ``client`` has spooled ``n`` records: the worker does it in the
+    background, after its retries, at whatever speed the machine has."""
+    for _ in range(1200):  # up to a minute: a bound for a hung worker, not its speed
+        if client.counters.spooled >= n:
+            return
+        await asyncio.sleep(0.05)
+    raise AssertionError(f"spooled {client.counters.spooled} of {n} records")
+
+
 async def test_clients_on_one_spool_path_each_write_their_own_file(fake, tmp_path, store):
     # Two clients configured with one path (a config's spool_path shared by the trainer and its
     # rollout workers): each claims its own file, both replay, nothing is lost.
@@ -92,7 +102,7 @@ async def test_clients_on_one_spool_path_each_write_their_own_file(fake, tmp_pat
         b.enqueue("tasks", _task(f"b{i}"))
         # Each batch is spooled before the next is queued: the spools interleave batch by batch.
         for client in (a, b):
-            assert not await client.flush(timeout=0.2)
+            await _spooled(client, i + 1)
     assert (a.counters.spooled, b.counters.spooled) == (3, 3)
     files = sorted(p.name for p in tmp_path.glob("spool*.jsonl"))
     assert files == ["spool.1.jsonl", "spool.jsonl"]
@@ -109,11 +119,12 @@ async def test_a_new_client_replays_what_a_dead_one_left(fake, tmp_path, store):
     first = make_client(fake, tmp_path)
     await first.start()
     first.enqueue("tasks", _task("left"))
+    await _spooled(first, 1)
     # Held while it runs: a second client spools beside it, never into its file.
     other = make_client(fake, tmp_path)
     await other.start()
     other.enqueue("tasks", _task("beside"))
-    assert not await other.flush(timeout=0.2)
+    await _spooled(other, 1)
     assert (tmp_path / "spool.1.jsonl").exists()
     await other.close(timeout=0.2)
     await first.close(timeout=0.2)  # down: its batch stays in the spool, the claim is given up
@@ -128,6 +139,50 @@ async def test_a_new_client_replays_what_a_dead_one_left(fake, tmp_path, store):
         assert await third.flush(timeout=10)
         assert third.counters.replayed == 1
     assert task_count(store) == 2 and list(tmp_path.glob("spool*")) == []
+
+
+async def test_a_rollout_sent_before_its_step_waits_for_it_instead_of_being_dropped(
+    fake, tmp_path, store
+):
+    # The rollout worker's record names the trainer's step, which another process sends (after
+    # a monitor restart, whichever spool replays first wins): the record must wait, not drop.
+    batch = full_batch()
+    run, step, rollout = batch["training"], batch["steps"][0], batch["rollouts"][0]
+    tasks = {"tasks": batch["tasks"]}
+    worker = make_client(fake, tmp_path, spool_path=str(tmp_path / "worker.jsonl"))
+    trainer = make_client(fake, tmp_path, spool_path=str(tmp_path / "trainer.jsonl"))
+    async with worker, trainer:
+        worker.enqueue("tasks", tasks["tasks"][0])
+        worker.enqueue("rollouts", rollout)
+        # Refused for the missing step: spooled, nothing dropped, replayed until the step lands.
+        for _ in range(1200):  # up to a minute: a bound for a hung worker, not its speed
+            if worker.counters.waited:
+                break
+            await asyncio.sleep(0.05)
+        assert worker.counters.waited >= 1 and worker.counters.dropped == 0
+        trainer.enqueue("training", run)
+        trainer.enqueue("steps", step)
+        assert await trainer.flush(timeout=10)
+        assert await worker.flush(timeout=10)
+    assert worker.counters.dropped == 0
+    row = (
+        store._reader()
+        .execute(
+            "SELECT s.step FROM rollout r JOIN step s ON s.id = r.step_id WHERE r.rollout_id = ?",
+            (rollout["rollout_id"],),
+        )
+        .fetchone()
+    )
+    assert row is not None and tuple(row) == (step["step"],)
+
+
+async def test_a_missing_step_is_waited_for_a_bounded_time(fake, tmp_path, store):
+    batch = full_batch()
+    async with make_client(fake, tmp_path, reference_wait_s=0.2) as worker:
+        worker.enqueue("tasks", batch["tasks"][0])
+        worker.enqueue("rollouts", batch["rollouts"][0])
+        assert await worker.flush(timeout=10)  # the wait ends: refused as any other record
+        assert worker.counters.waited >= 1 and worker.counters.dropped == 1
 
 
 async def test_refused_record_is_dropped_alone(fake, tmp_path, store):

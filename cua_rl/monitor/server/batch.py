@@ -34,6 +34,7 @@ class IngestValidationError(CuaRlError, ValueError):
         kind: str | None = None,
         index: int | None = None,
         field: str | None = None,
+        missing: str | None = None,
     ):
         where = ""
         if kind is not None:
@@ -46,9 +47,13 @@ class IngestValidationError(CuaRlError, ValueError):
         self.index = index
         self.field = field
         self.reason = message
+        self.missing = missing
 
     def details(self) -> dict[str, Any]:
-        return {"kind": self.kind, "index": self.index, "field": self.field}
+        out = {"kind": self.kind, "index": self.index, "field": self.field}
+        if self.missing:
+            out["missing_reference"] = self.missing
+        return out
 
 
 @dataclass(frozen=True)
@@ -131,10 +136,13 @@ class Column:
 
 
 class BadField(Exception):
-    def __init__(self, field_name: str, message: str):
+    def __init__(self, field_name: str, message: str, *, missing: str | None = None):
         super().__init__(message)
         self.field = field_name
         self.message = message
+        # The table of a client-id reference not found: a client may wait for it (another
+        # process sends trainings and steps, and replays its spool on its own schedule).
+        self.missing = missing
 
 
 def convert(col: Column, value: Any) -> Any:
@@ -211,7 +219,7 @@ def record_errors(spec: EntitySpec, index: int) -> Iterator[None]:
         yield
     except BadField as exc:
         raise IngestValidationError(
-            exc.message, kind=spec.key, index=index, field=exc.field
+            exc.message, kind=spec.key, index=index, field=exc.field, missing=exc.missing
         ) from None
     except sqlite3.IntegrityError as exc:
         raise integrity_error(spec, index, exc) from None
@@ -357,6 +365,7 @@ class BatchContext:
                 raise BadField(
                     field_name,
                     f"no {table} with client id {value!r} (send it earlier or in this batch)",
+                    missing=table,
                 )
             return row_id
         raise BadField(field_name, f"expected a server id or client id, got {value!r:.60}")

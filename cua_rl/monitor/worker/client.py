@@ -45,6 +45,9 @@ _MERGEABLE = frozenset({"tasks", "turns", "actions", "observations", "validation
 _RETRYABLE = {408, 425, 429, 500, 502, 503, 504}
 # The monitor is there but will not take this batch now (bad token, wrong URL): keep it.
 _SPOOL_STATUSES = {401, 403, 404}
+# Records the trainer process sends: a rollout worker's record may name one before the trainer's
+# batch (or its spool, after a monitor restart) reaches the monitor, so such a refusal waits.
+_OTHER_PROCESS_KINDS = frozenset({"training", "step", "eval", "baseline"})
 
 
 def utc_now() -> str:
@@ -103,6 +106,7 @@ class MonitorClient:
         if left is not None:
             (self._spool, self._spool_fd), self._spool_pending = left, True
         self._next_replay = 0.0
+        self._waiting_since: float | None = None  # head batch refused for a missing reference
         self.screenshots = ScreenshotUploader(
             config.base_url,
             config.token,
@@ -383,11 +387,14 @@ class MonitorClient:
             return "retry"
         if resp.status_code == 200:
             self.counters.sent += _count(batch)
+            self._waiting_since = None
             return "ok"
         self.counters.last_error = f"HTTP {resp.status_code}: {resp.text[:300]}"
         if resp.status_code in _RETRYABLE:
             return "retry"
         if resp.status_code in _SPOOL_STATUSES:
+            return "spool"
+        if resp.status_code == 422 and self._awaits_another_process(resp):
             return "spool"
         if resp.status_code == 422 and self._drop_refused(batch, resp):
             return "dropped-one"
@@ -403,6 +410,27 @@ class MonitorClient:
         self.counters.dropped += _count(batch)
         batch.clear()
         return "ok"
+
+    def _awaits_another_process(self, resp: httpx.Response) -> bool:
+        """A record names a training/step/eval/baseline the monitor lacks: keep the batch in
+        the spool (order kept) for up to ``reference_wait_s``, then refuse it as any other."""
+        try:
+            missing = (resp.json()["error"]["details"] or {}).get("missing_reference")
+        except Exception:
+            return False
+        if missing not in _OTHER_PROCESS_KINDS:
+            return False
+        now = self._loop.time()
+        if self._waiting_since is None:
+            self._waiting_since = now
+            log.info(
+                "monitor: a record names a %s not recorded yet; it waits in the spool", missing
+            )
+        if now - self._waiting_since > self.config.reference_wait_s:
+            self._waiting_since = None
+            return False
+        self.counters.waited += 1
+        return True
 
     def _drop_refused(self, batch: dict[str, Any], resp: httpx.Response) -> bool:
         try:

@@ -35,6 +35,15 @@ class MonitorClientConfig:
     replay_interval_s: float = doc(
         2.0, "How often a non-empty spool is retried while the monitor is unreachable"
     )
+    reference_wait_s: float = doc(
+        600.0,
+        (
+            "How long a batch whose record names a training, step, eval or baseline the "
+            "monitor does not have yet waits in the spool for it (the trainer, another "
+            "process, sends those; after a monitor restart it may replay later); then the "
+            "record is dropped and counted"
+        ),
+    )
     spool_path: str | None = doc(
         None,
         (
@@ -73,6 +82,7 @@ class MonitorClientConfig:
             "backoff_initial_s",
             "backoff_max_s",
             "replay_interval_s",
+            "reference_wait_s",
         ):
             if getattr(self, name) <= 0:
                 raise ConfigError(f"monitor {name} must be > 0, got {getattr(self, name)}")
@@ -95,6 +105,7 @@ class MonitorCounters:
     spooled: int = 0
     replayed: int = 0
     dropped: int = 0
+    waited: int = 0  # refusals for a training/step/eval/baseline not recorded yet (retried)
     last_error: str | None = None
 
     def as_dict(self) -> dict[str, Any]:
