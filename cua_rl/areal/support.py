@@ -89,7 +89,8 @@ RELIANCES: tuple[Reliance, ...] = (
     Reliance(
         "areal.infra.async_task_runner",
         "AsyncTaskRunner.destroy",
-        "cua_rl/rollout/drain.py fits the drain inside its 30 s wait for the cancelled episodes",
+        "cua_rl/rollout/drain.py fits the drain inside its 30 s wait for the cancelled episodes, "
+        "and wraps it to flush the monitor clients on the runner's loop (its _loop) first",
     ),
 )
 

@@ -169,6 +169,38 @@ class Drain:
 
 DRAIN = Drain()
 
+# The flush of the records already queued when a runner stops (episodes that ended just before).
+_PRE_FLUSH_S = 5.0
+
+
+def flush_before_runner_stops() -> None:
+    """Make AReaL's ``AsyncTaskRunner.destroy`` first flush this process's monitor clients on the
+    runner's loop (idempotent; called by the workflow in the worker).
+
+    The drain flushes when it closes cancelled episodes, but the records of episodes that ended
+    just before the run's end sit in a client's queue, and its task dies with the runner's loop:
+    under load they were lost and the monitor's safety net closed those rollouts instead.
+    """
+    from areal.infra.async_task_runner import AsyncTaskRunner
+
+    original = AsyncTaskRunner.destroy
+    if getattr(original, "_cua_flush", False):
+        return
+
+    def destroy(self, *args, **kwargs):
+        loop = getattr(self, "_loop", None)
+        if loop is not None and loop.is_running():
+            done = asyncio.run_coroutine_threadsafe(DRAIN.flush(timeout=_PRE_FLUSH_S), loop)
+            try:
+                if not done.result(timeout=_PRE_FLUSH_S + 1.0):
+                    log.warning("the monitor did not take every record before the run's end")
+            except Exception as exc:  # a stuck loop must not stop the destroy
+                log.warning("flushing the monitor before the run's end failed: %r", exc)
+        return original(self, *args, **kwargs)
+
+    destroy._cua_flush = True
+    AsyncTaskRunner.destroy = destroy
+
 
 async def run_drained(
     body: Coroutine[Any, Any, Any], episode, recorder, services, config: DrainConfig

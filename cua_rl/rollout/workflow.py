@@ -33,7 +33,7 @@ from cua_rl.monitor.worker.context import MonitorContext
 from cua_rl.monitor.worker.recorder import RolloutRecorder
 from cua_rl.monitor.worker.uploader import http_fetcher
 from cua_rl.reward import EpisodeFacts, RewardOutcome, compute_reward
-from cua_rl.rollout.drain import DRAIN_REASON, run_drained
+from cua_rl.rollout.drain import DRAIN_REASON, flush_before_runner_stops, run_drained
 from cua_rl.rollout.episode import Episode, Phase, episode_stats, gateway_reason
 from cua_rl.rollout.groups import GROUP_SIZE_ENV, complete_groups  # noqa: F401  (train.py's dotted path)
 from cua_rl.rollout.outcomes import OutcomeLog
@@ -58,6 +58,7 @@ class CUAAgentWorkflow(RolloutWorkflow):
         self._outcomes = OutcomeLog(settings.outcome_dir) if settings.outcome_dir else None
         self._processor = processor
         self.services = Services.shared(settings)
+        flush_before_runner_stops()
 
     @property
     def processor(self):

@@ -184,3 +184,38 @@ async def test_what_the_drain_cannot_close_in_time_is_named(stack):
 def test_drain_timeout_must_fit_inside_areals_wait(value):
     with pytest.raises(ConfigError, match="drain.timeout_s"):
         DrainConfig(timeout_s=value)
+
+
+def test_records_queued_when_the_runner_stops_reach_the_monitor(tmp_path):
+    # An episode that ended just before the run's end left its records in the client's queue
+    # (sent every 30 s here): the runner's loop, and the client's task, die with its destroy.
+    from areal.infra.async_task_runner import AsyncTaskRunner
+
+    from cua_rl.monitor.worker.client import MonitorClient, MonitorClientConfig
+    from cua_rl.rollout.drain import flush_before_runner_stops
+
+    store = MonitorStore(str(tmp_path / "monitor.db"))
+    with ThreadedServer(create_app(store), name="monitor") as monitor:
+        runner = AsyncTaskRunner(max_queue_size=4)
+        runner.initialize()
+        config = MonitorClientConfig(
+            base_url=monitor.url, flush_interval_s=30.0, spool_path=str(tmp_path / "spool.jsonl")
+        )
+
+        async def episode_that_just_ended():
+            client = MonitorClient(config)
+            await client.start()
+            DRAIN.watch(client)
+            client.enqueue(
+                "tasks", {"client_id": "t-end", "task_id": "t-end", "name": "n", "description": "d"}
+            )
+            return client
+
+        runner.submit(episode_that_just_ended, task_id=1)
+        client = runner.wait(count=1, timeout=60)[0]
+        assert client.pending == 1  # queued, not sent
+        flush_before_runner_stops()
+        runner.destroy()
+    rows = store._reader().execute("SELECT task_id FROM task").fetchall()
+    store.close()
+    assert [tuple(r) for r in rows] == [("t-end",)]
