@@ -10,7 +10,7 @@ that AReaL can ship to workers as ``workflow_kwargs``.
 from __future__ import annotations
 
 import json
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from urllib.parse import urlsplit
 
 from areal.api.cli_args import GRPOConfig, vLLMConfig
@@ -18,6 +18,7 @@ from areal.api.cli_args import GRPOConfig, vLLMConfig
 from cua_rl.app.failfast import FailFastConfig
 from cua_rl.areal.logits import LogitsConfig
 from cua_rl.areal.support import check_areal_version
+from cua_rl.core.fields import doc
 from cua_rl.curriculum.selector import CurriculumConfig
 from cua_rl.errors import ConfigError
 from cua_rl.gateway.config import (
@@ -50,36 +51,27 @@ class CUAvLLMConfig(vLLMConfig):
     """vLLM server options AReaL's ``vLLMConfig`` lacks. AReaL turns every non-empty field into
     ``--kebab-name value`` (a list into one flag followed by its items), so these reach vLLM."""
 
-    limit_mm_per_prompt: str = field(
-        default="",
-        metadata={
-            "help": 'JSON object, e.g. \'{"image": 64, "video": 0}\': most images per prompt. '
-            "A multi-turn GUI episode keeps every screenshot in its prompt, so this bounds the "
-            "episode length in steps."
-        },
+    limit_mm_per_prompt: str = doc(
+        "",
+        'JSON object, e.g. \'{"image": 64, "video": 0}\': most images per prompt. A multi-turn '
+        "GUI episode keeps every screenshot in its prompt, so this bounds the episode length in "
+        "steps.",
     )
-    allowed_media_domains: list[str] = field(
-        default_factory=list,
-        metadata={
-            "help": "Hostnames vLLM may fetch image URLs from (exact match, no port). Empty "
-            "means any URL, loopback included: set it in production."
-        },
+    allowed_media_domains: list[str] = doc(
+        help="Hostnames vLLM may fetch image URLs from (exact match, no port). Empty means any "
+        "URL, loopback included: set it in production.",
+        factory=list,
     )
-
-    enable_scale_out: bool = field(
-        default=True,
-        metadata={
-            "help": "Serve vLLM's tokens-in endpoint (POST /inference/v1/generate), which the "
-            "rollout gateway samples through (endpoint.mode=gateway)."
-        },
+    enable_scale_out: bool = doc(
+        True,
+        "Serve vLLM's tokens-in endpoint (POST /inference/v1/generate), which the rollout "
+        "gateway samples through (endpoint.mode=gateway).",
     )
-    logprobs_mode: str = field(
-        default="processed_logprobs",
-        metadata={
-            "help": "Which logprobs vLLM returns. processed_logprobs: of the distribution "
-            "sampled from (after temperature), what decoupled PPO needs at any temperature; "
-            "raw_logprobs (vLLM's default) equal it only at temperature 1."
-        },
+    logprobs_mode: str = doc(
+        "processed_logprobs",
+        "Which logprobs vLLM returns. processed_logprobs: of the distribution sampled from "
+        "(after temperature), what decoupled PPO needs at any temperature; raw_logprobs "
+        "(vLLM's default) equal it only at temperature 1.",
     )
 
     def __post_init__(self):
@@ -109,35 +101,22 @@ class CUAvLLMConfig(vLLMConfig):
 
 @dataclass
 class MonitorSection:
-    enabled: bool = field(default=True, metadata={"help": "Record the run in a Training Monitor"})
-    base_url: str = field(
-        default="",
-        metadata={
-            "help": "Monitor URL (default $MONITOR_BASE_URL). Empty with db_path set: train.py "
-            "serves an embedded monitor on a free loopback port."
-        },
+    enabled: bool = doc(True, "Record the run in a Training Monitor")
+    base_url: str = doc(
+        "",
+        "Monitor URL (default $MONITOR_BASE_URL). Empty with db_path set: train.py serves an "
+        "embedded monitor on a free loopback port.",
     )
-    token: str = field(
-        default="", metadata={"help": "Project token (default $MONITOR_PROJECT_TOKEN)"}
+    token: str = doc("", "Project token (default $MONITOR_PROJECT_TOKEN)")
+    db_path: str = doc("", "SQLite file of the embedded monitor (used when base_url is empty)")
+    run_name: str = doc("", "Training run name (unique). Empty: {experiment_name}-{trial_name}")
+    spool_path: str = doc(
+        "", "Spool file for records the monitor could not take (default: temp dir)"
     )
-    db_path: str = field(
-        default="",
-        metadata={"help": "SQLite file of the embedded monitor (used when base_url is empty)"},
-    )
-    run_name: str = field(
-        default="",
-        metadata={"help": "Training run name (unique). Empty: {experiment_name}-{trial_name}"},
-    )
-    spool_path: str = field(
-        default="",
-        metadata={"help": "Spool file for records the monitor could not take (default: temp dir)"},
-    )
-    heartbeat_s: float = field(
-        default=30.0,
-        metadata={
-            "help": "Seconds between the training's heartbeats; keep the monitor's "
-            "--heartbeat-timeout-s several beats longer (default 600), or a live trainer is reaped"
-        },
+    heartbeat_s: float = doc(
+        30.0,
+        "Seconds between the training's heartbeats; keep the monitor's --heartbeat-timeout-s "
+        "several beats longer (default 600), or a live trainer is reaped",
     )
 
     def __post_init__(self):
@@ -150,49 +129,37 @@ class MonitorSection:
 
 @dataclass
 class CUAConfig(GRPOConfig):
-    gym: GymSection = field(default_factory=GymSection, metadata={"help": "The gym server"})
-    agent: AgentSection = field(
-        default_factory=AgentSection, metadata={"help": "The gbox-mini-agent service"}
+    gym: GymSection = doc(help="The gym server", factory=GymSection)
+    agent: AgentSection = doc(help="The gbox-mini-agent service", factory=AgentSection)
+    endpoint: EndpointSection = doc(help="Model endpoint the agent calls", factory=EndpointSection)
+    trajectory: TrajectoryConfig = doc(
+        help="Event log -> training row policies", factory=TrajectoryConfig
     )
-    endpoint: EndpointSection = field(
-        default_factory=EndpointSection, metadata={"help": "Model endpoint the agent calls"}
+    reward: RewardConfig = doc(help="Evaluation -> reward, and shaping", factory=RewardConfig)
+    monitor: MonitorSection = doc(help="Training Monitor", factory=MonitorSection)
+    vllm: CUAvLLMConfig = doc(
+        help="The vLLM server AReaL launches (AReaL's options and ours)", factory=CUAvLLMConfig
     )
-    trajectory: TrajectoryConfig = field(
-        default_factory=TrajectoryConfig, metadata={"help": "Event log -> training row policies"}
+    curriculum: CurriculumConfig = doc(
+        help="Which tasks each batch draws, and zero-variance groups", factory=CurriculumConfig
     )
-    reward: RewardConfig = field(
-        default_factory=RewardConfig, metadata={"help": "Evaluation -> reward, and shaping"}
+    gateway: GatewayConfig = doc(
+        help="The rollout gateway (endpoint.mode=gateway)", factory=GatewayConfig
     )
-    monitor: MonitorSection = field(
-        default_factory=MonitorSection, metadata={"help": "Training Monitor"}
+    failfast: FailFastConfig = doc(
+        help="Stop a training whose episodes are all rejected for one reason",
+        factory=FailFastConfig,
     )
-    vllm: CUAvLLMConfig = field(default_factory=CUAvLLMConfig)
-    curriculum: CurriculumConfig = field(
-        default_factory=CurriculumConfig,
-        metadata={"help": "Which tasks each batch draws, and zero-variance groups"},
+    drain: DrainConfig = doc(
+        help="How the episodes in flight are closed when the run ends", factory=DrainConfig
     )
-    gateway: GatewayConfig = field(
-        default_factory=GatewayConfig,
-        metadata={"help": "The rollout gateway (endpoint.mode=gateway)"},
+    workflow: str = doc(
+        DEFAULT_WORKFLOW,
+        "Rollout workflow class as a dotted path (pkg.module.Class): a subclass of "
+        "CUAAgentWorkflow with your hooks, in an importable module (not __main__).",
     )
-    failfast: FailFastConfig = field(
-        default_factory=FailFastConfig,
-        metadata={"help": "Stop a training whose episodes are all rejected for one reason"},
-    )
-    drain: DrainConfig = field(
-        default_factory=DrainConfig,
-        metadata={"help": "How the episodes in flight are closed when the run ends"},
-    )
-    workflow: str = field(
-        default=DEFAULT_WORKFLOW,
-        metadata={
-            "help": "Rollout workflow class as a dotted path (pkg.module.Class): a subclass of "
-            "CUAAgentWorkflow with your hooks, in an importable module (not __main__)."
-        },
-    )
-    logits: LogitsConfig = field(
-        default_factory=LogitsConfig,
-        metadata={"help": "Where the trainer computes full-vocabulary logits"},
+    logits: LogitsConfig = doc(
+        help="Where the trainer computes full-vocabulary logits", factory=LogitsConfig
     )
 
     def __post_init__(self):

@@ -36,6 +36,20 @@ from cua_rl.gateway.render import Image
 BACKENDS = ("vllm", "sglang", "text")
 
 
+@dataclass(frozen=True)
+class Request:
+    """One generation request, whichever server it goes to: the prompt ids (pads as the
+    backend's ``expands_pads`` says), its images, the template messages (text backend only),
+    the sampling, the room left and the served model's name."""
+
+    ids: list[int]
+    images: list[Image]
+    messages: list[dict] | None
+    sampling: Sampling
+    max_tokens: int
+    model: str
+
+
 @dataclass
 class Parsed:
     """One answer: expanded prompt ids (None: the sent ids), sampled ids, logprobs, version
@@ -73,25 +87,17 @@ class VLLMTokens:
     tokens_in = True
     expands_pads = True  # the server expands one pad per image itself
 
-    def body(
-        self,
-        ids: list[int],
-        images: list[Image],
-        messages: list[dict] | None,
-        sampling: Sampling,
-        max_tokens: int,
-        model: str,
-    ) -> dict:
+    def body(self, r: Request) -> dict:
         body: dict[str, Any] = {
-            "token_ids": ids,
-            "sampling_params": sampling.vllm_params(max_tokens),
+            "token_ids": r.ids,
+            "sampling_params": r.sampling.vllm_params(r.max_tokens),
             "return_token_ids": True,
-            "model": model,
+            "model": r.model,
         }
-        if images:
+        if r.images:
             # The hash doubles as vLLM's multimodal cache key: a history image is processed once.
             body["content_parts"] = [
-                {"type": "image_url", "url": img.data_url(), "uuid": img.sha256} for img in images
+                {"type": "image_url", "url": img.data_url(), "uuid": img.sha256} for img in r.images
             ]
         return body
 
@@ -105,31 +111,23 @@ class SGLangTokens:
     tokens_in = True
     expands_pads = False  # input_ids carry every pad, as the processor expands them
 
-    def body(
-        self,
-        ids: list[int],
-        images: list[Image],
-        messages: list[dict] | None,
-        sampling: Sampling,
-        max_tokens: int,
-        model: str,
-    ) -> dict:
+    def body(self, r: Request) -> dict:
         params: dict[str, Any] = {
-            **sampling.distribution(),
-            "max_new_tokens": max_tokens,
-            "min_new_tokens": min(sampling.min_new_tokens, max_tokens),
+            **r.sampling.distribution(),
+            "max_new_tokens": r.max_tokens,
+            "min_new_tokens": min(r.sampling.min_new_tokens, r.max_tokens),
             "skip_special_tokens": False,
         }
-        if sampling.stop_token_ids:
-            params["stop_token_ids"] = list(sampling.stop_token_ids)
+        if r.sampling.stop_token_ids:
+            params["stop_token_ids"] = list(r.sampling.stop_token_ids)
         body: dict[str, Any] = {
-            "input_ids": list(ids),
+            "input_ids": list(r.ids),
             "sampling_params": params,
             "return_logprob": True,
             "stream": False,
         }
-        if images:
-            body["image_data"] = [base64.b64encode(img.data).decode() for img in images]
+        if r.images:
+            body["image_data"] = [base64.b64encode(img.data).decode() for img in r.images]
         return body
 
     def parse(self, answer: Any) -> Parsed:
@@ -153,20 +151,12 @@ class VLLMText:
     tokens_in = False
     expands_pads = True
 
-    def body(
-        self,
-        ids: list[int],
-        images: list[Image],
-        messages: list[dict] | None,
-        sampling: Sampling,
-        max_tokens: int,
-        model: str,
-    ) -> dict:
-        params = sampling.vllm_params(max_tokens)
+    def body(self, r: Request) -> dict:
+        params = r.sampling.vllm_params(r.max_tokens)
         params.pop("logprobs", None)
         return {
-            "model": model,
-            "messages": with_images(messages or [], images),
+            "model": r.model,
+            "messages": with_images(r.messages or [], r.images),
             "logprobs": True,
             "return_token_ids": True,
             **params,

@@ -51,6 +51,18 @@ class CapturedTurn:
         if not self.message:
             self.message = {"role": "assistant", "content": self.text}
 
+    def token_fields(self) -> dict[str, Any]:
+        """What the capture knows better than the agent's event log: a ``Turn``'s token data."""
+        return {
+            "prompt_ids": list(self.prompt_ids),
+            "output_ids": list(self.output_ids),
+            "output_logprobs": list(self.logprobs),
+            "output_versions": list(self.versions),
+            "finish_reason": self.finish_reason,
+            "image_urls": self.image_keys(),
+            "notes": self.notes(),
+        }
+
     def notes(self) -> dict[str, Any]:
         notes: dict[str, Any] = {"versions": sorted(set(self.versions))}
         if self.overridden:
@@ -140,19 +152,13 @@ class EpisodeCapture:
                 Turn(
                     step=ev.step if ev else c.index + 1,
                     index=c.index,
-                    prompt_ids=list(c.prompt_ids),
-                    output_ids=list(c.output_ids),
-                    output_logprobs=list(c.logprobs),
-                    finish_reason=c.finish_reason,
-                    image_urls=c.image_keys(),
                     messages=None,
                     text=c.text,
                     actions=list(ev.actions) if ev else [],
                     action_parsed=ev.action_parsed if ev else False,
                     action_ok=ev.action_ok if ev else False,
-                    output_versions=list(c.versions),
                     response_id=c.response_id,
-                    notes=c.notes(),
+                    **c.token_fields(),
                 )
             )
         return out
@@ -166,17 +172,5 @@ class EpisodeCapture:
             if c is None:
                 out.append(ev)
                 continue
-            out.append(
-                replace(
-                    ev,
-                    prompt_ids=list(c.prompt_ids),
-                    output_ids=list(c.output_ids),
-                    output_logprobs=list(c.logprobs),
-                    output_versions=list(c.versions),
-                    finish_reason=c.finish_reason,
-                    image_urls=c.image_keys(),
-                    missing=None,
-                    notes=c.notes(),
-                )
-            )
+            out.append(replace(ev, missing=None, **c.token_fields()))
         return out

@@ -28,7 +28,7 @@ from typing import Any, Protocol
 import httpx
 
 from cua_rl.errors import ModelServerError
-from cua_rl.gateway.backends import VLLMTokens
+from cua_rl.gateway.backends import Request, VLLMTokens
 from cua_rl.gateway.config import Sampling
 from cua_rl.gateway.render import BadRequest, Image
 from cua_rl.logs import get_logger
@@ -265,7 +265,7 @@ async def generate(
         if not backend.tokens_in and st.out:
             st.restart()
         body = backend.body(
-            ids + st.out, images, messages, sampling, max_tokens - len(st.out), model
+            Request(ids + st.out, images, messages, sampling, max_tokens - len(st.out), model)
         )
         if text_extra and not backend.tokens_in:
             body.update(text_extra)

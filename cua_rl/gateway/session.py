@@ -13,7 +13,7 @@ from __future__ import annotations
 import asyncio
 import uuid
 from collections.abc import Awaitable, Callable
-from dataclasses import dataclass, replace
+from dataclasses import dataclass, fields, replace
 from typing import Any
 
 import httpx
@@ -341,14 +341,10 @@ class EpisodeSession:
             tools=s.tools,
         )
         new_tools = s.tools and all(t.tools != s.tools for t in self.capture.turns)
+        # A captured turn keeps every field of the generation under the same name.
         turn = CapturedTurn(
             index=len(self.capture.turns),
             response_id=f"chatcmpl-{uuid.uuid4().hex}",
-            prompt_ids=gen.prompt_ids,
-            output_ids=gen.output_ids,
-            logprobs=gen.logprobs,
-            versions=gen.versions,
-            finish_reason=gen.finish_reason,
             text=text,
             images=s.images,
             segment=s.segment,
@@ -356,16 +352,11 @@ class EpisodeSession:
             backend=self.backend.name,
             asked=s.asked,
             overridden=s.overridden,
-            aborts=gen.aborts,
-            retries=gen.retries,
-            cut=gen.cut,
-            paused_s=gen.paused_s,
-            seconds=gen.seconds,
             server=self._server,
             message=message,
             tools=s.tools,
             tools_first_seen=bool(new_tools),
-            top=gen.top,
+            **{f.name: getattr(gen, f.name) for f in fields(gen)},
         )
         self.capture.turns.append(turn)
         return self.answer(turn, body)

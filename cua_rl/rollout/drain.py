@@ -18,13 +18,13 @@ from __future__ import annotations
 import asyncio
 import threading
 import time
-import weakref
 from collections.abc import Coroutine
 from dataclasses import dataclass, field
 from typing import Any
 
 from cua_rl.errors import ConfigError
 from cua_rl.logs import get_logger
+from cua_rl.rollout.services import loop_monitors
 
 log = get_logger("cua_rl.drain")
 
@@ -76,10 +76,6 @@ class Drain:
         self._unflushed: list[str] = []
         self._named = False
         self._timer: threading.Timer | None = None
-        # Every monitor client of this process's workflow instances (AReaL may build one per
-        # submission), by event loop: a drain flushes them all, so the records of episodes that
-        # ended just before it (not cancelled) go out too, before the loop stops.
-        self._monitors: dict[int, weakref.WeakSet] = {}
         self.reports: list[str] = []  # the summary lines logged, for tests and callers
 
     def track(self, episode) -> None:
@@ -104,17 +100,11 @@ class Drain:
                 )
             return self._deadline
 
-    def watch(self, monitor) -> None:
-        """Register a started monitor client (on the running loop) for the drain's flush."""
-        key = id(asyncio.get_running_loop())
-        with self._lock:
-            self._monitors.setdefault(key, weakref.WeakSet()).add(monitor)
-
     async def flush(self, timeout: float) -> bool:
-        """Flush every monitor client of the running loop; False if one did not finish."""
-        with self._lock:
-            monitors = list(self._monitors.get(id(asyncio.get_running_loop()), ()))
-        done = await asyncio.gather(*(m.flush(timeout=timeout) for m in monitors))
+        """Flush every monitor client of the running loop (the shared Services' clients, so
+        the records of episodes that ended just before the drain go out too, before the loop
+        stops); False if one did not finish."""
+        done = await asyncio.gather(*(m.flush(timeout=timeout) for m in loop_monitors()))
         return all(done)
 
     def remaining(self) -> float:

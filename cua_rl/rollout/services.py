@@ -19,7 +19,6 @@ import httpx
 from cua_rl.genv import GenvClient, GenvTimeouts
 from cua_rl.mini_agent import MiniAgentClient
 from cua_rl.monitor.worker.client import MonitorClient, MonitorClientConfig
-from cua_rl.rollout.drain import DRAIN
 
 
 class Services:
@@ -48,8 +47,12 @@ class Services:
     @classmethod
     def shared(cls, s) -> Services:
         """This process's Services for the service settings of ``s`` (made on first use)."""
-        made = cls.from_settings(s)
-        return _SHARED.setdefault(made.key, made)
+        return cls.from_settings(s).register()
+
+    def register(self) -> Services:
+        """The process's Services with these settings: this one, unless one was registered
+        before. Registered Services are those the end-of-run drain flushes."""
+        return _SHARED.setdefault(self.key, self)
 
     @property
     def key(self) -> str:
@@ -98,7 +101,6 @@ class Services:
         if loop not in self._monitors:
             client = MonitorClient(self._monitor_config)
             await client.start()
-            DRAIN.watch(client)
             self._monitors[loop] = client
         return self._monitors[loop]
 
@@ -115,3 +117,9 @@ class Services:
 
 
 _SHARED: dict[str, Services] = {}
+
+
+def loop_monitors() -> list[MonitorClient]:
+    """Every monitor client the process's registered Services made on the running loop."""
+    loop = asyncio.get_running_loop()
+    return [m for s in list(_SHARED.values()) if (m := s._monitors.get(loop)) is not None]

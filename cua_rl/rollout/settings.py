@@ -9,6 +9,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
+from cua_rl.core.fields import doc
 from cua_rl.gateway.config import GatewayConfig, Sampling
 from cua_rl.genv import GenvTimeouts
 from cua_rl.mini_agent import DriverConfig
@@ -20,85 +21,59 @@ from cua_rl.trajectory.config import TrajectoryConfig
 
 @dataclass
 class GymSection:
-    base_url: str = field(
-        default="", metadata={"help": "Gym server URL without /api/v1, e.g. http://gym:8800"}
+    base_url: str = doc("", "Gym server URL without /api/v1, e.g. http://gym:8800")
+    gym_id: str = doc("", "Gym id on that server (required: no default is safe)")
+    source: TaskSourceConfig = doc(help="Where tasks come from", factory=TaskSourceConfig)
+    selection: TaskSelectionConfig = doc(
+        help="Train/eval split, name and tag filters, limits", factory=TaskSelectionConfig
     )
-    gym_id: str = field(
-        default="", metadata={"help": "Gym id on that server (required: no default is safe)"}
-    )
-    source: TaskSourceConfig = field(
-        default_factory=TaskSourceConfig, metadata={"help": "Where tasks come from"}
-    )
-    selection: TaskSelectionConfig = field(
-        default_factory=TaskSelectionConfig,
-        metadata={"help": "Train/eval split, name and tag filters, limits"},
-    )
-    timeouts: GenvTimeouts = field(
-        default_factory=GenvTimeouts, metadata={"help": "Gym call timeouts and retry bounds"}
-    )
+    timeouts: GenvTimeouts = doc(help="Gym call timeouts and retry bounds", factory=GenvTimeouts)
+
+
+def _logprobs_on() -> dict:
+    return {"logprobs": True}
 
 
 @dataclass
 class AgentSection:
-    base_url: str = field(
-        default="", metadata={"help": "gbox-mini-agent URL, e.g. http://agent:3000 (required)"}
+    base_url: str = doc("", "gbox-mini-agent URL, e.g. http://agent:3000 (required)")
+    agent: str = doc("mai-ui", "Agent flavour: mai-ui or qwen3-vl")
+    action_space: str = doc("mobile", "standardActionSpace: mobile (Android) or pc (Linux)")
+    max_steps: int = doc(15, "maxSteps of a run (agent-side)")
+    max_run_time_s: float = doc(600.0, "maxRunTimeSec: the agent stops the run after this")
+    max_step_time_s: float = doc(120.0, "maxStepTimeSec: limit of one step, model call included")
+    model_options: dict = doc(
+        help="Extra keys of the run's model object (the patched agent reads 'logprobs' in direct "
+        "mode; the local agent also reads 'parse', 'constrain', 'maxTokens', 'temperature'). "
+        "Through the gateway the trainer's sampling settings win.",
+        factory=_logprobs_on,
     )
-    agent: str = field(default="mai-ui", metadata={"help": "Agent flavour: mai-ui or qwen3-vl"})
-    action_space: str = field(
-        default="mobile", metadata={"help": "standardActionSpace: mobile (Android) or pc (Linux)"}
+    screenshot_hosts: list[str] = doc(
+        help="Hosts the agent's screenshot URLs come from (e.g. the object store). They must be "
+        "in vllm.allowed_media_domains and trajectory.allowed_image_hosts. Empty when "
+        "screenshots travel as data URLs.",
+        factory=list,
     )
-    max_steps: int = field(default=15, metadata={"help": "maxSteps of a run (agent-side)"})
-    max_run_time_s: float = field(
-        default=600.0, metadata={"help": "maxRunTimeSec: the agent stops the run after this"}
-    )
-    max_step_time_s: float = field(
-        default=120.0, metadata={"help": "maxStepTimeSec: limit of one step, model call included"}
-    )
-    model_options: dict = field(
-        default_factory=lambda: {"logprobs": True},
-        metadata={
-            "help": "Extra keys of the run's model object (the patched agent reads 'logprobs' "
-            "in direct mode; the local agent also reads 'parse', 'constrain', 'maxTokens', "
-            "'temperature'). Through the gateway the trainer's sampling settings win."
-        },
-    )
-    screenshot_hosts: list[str] = field(
-        default_factory=list,
-        metadata={
-            "help": "Hosts the agent's screenshot URLs come from (e.g. the object store). They "
-            "must be in vllm.allowed_media_domains and trajectory.allowed_image_hosts. Empty when "
-            "screenshots travel as data URLs."
-        },
-    )
-    driver: DriverConfig = field(
-        default_factory=DriverConfig, metadata={"help": "Client-side polling and deadline"}
-    )
+    driver: DriverConfig = doc(help="Client-side polling and deadline", factory=DriverConfig)
 
 
 @dataclass
 class EndpointSection:
-    mode: str = field(
-        default="gateway",
-        metadata={
-            "help": "gateway: each episode gives its agent a URL of the rollout gateway, which "
-            "samples through the trainer's engine (exact tokens, the trainer's sampling, weight "
-            "updates waited out). direct: the agent calls vLLM itself and must be patched to "
-            "return token ids and logprobs (for agents that cannot be pointed at the gateway)."
-        },
+    mode: str = doc(
+        "gateway",
+        "gateway: each episode gives its agent a URL of the rollout gateway, which samples "
+        "through the trainer's engine (exact tokens, the trainer's sampling, weight updates "
+        "waited out). direct: the agent calls vLLM itself and must be patched to return token "
+        "ids and logprobs (for agents that cannot be pointed at the gateway).",
     )
-    base_url: str = field(
-        default="",
-        metadata={
-            "help": "direct mode only: OpenAI base URL (ending in /v1) the agent calls. Empty: "
-            "the engine's own inference servers, spread round-robin. Set it only to roll out "
-            "against an external server; its tokens then carry no engine version."
-        },
+    base_url: str = doc(
+        "",
+        "direct mode only: OpenAI base URL (ending in /v1) the agent calls. Empty: the engine's "
+        "own inference servers, spread round-robin. Set it only to roll out against an external "
+        "server; its tokens then carry no engine version.",
     )
-    model_name: str = field(
-        default="",
-        metadata={"help": "Served model name. Empty: the actor's model path (AReaL's default)"},
-    )
-    provider: str = field(default="openai", metadata={"help": "Model provider of the run"})
+    model_name: str = doc("", "Served model name. Empty: the actor's model path (AReaL's default)")
+    provider: str = doc("openai", "Model provider of the run")
 
 
 @dataclass

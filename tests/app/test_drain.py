@@ -191,8 +191,9 @@ def test_records_queued_when_the_runner_stops_reach_the_monitor(tmp_path):
     # (sent every 30 s here): the runner's loop, and the client's task, die with its destroy.
     from areal.infra.async_task_runner import AsyncTaskRunner
 
-    from cua_rl.monitor.worker.client import MonitorClient, MonitorClientConfig
+    from cua_rl.monitor.worker.client import MonitorClientConfig
     from cua_rl.rollout.drain import flush_before_runner_stops
+    from cua_rl.rollout.services import Services
 
     store = MonitorStore(str(tmp_path / "monitor.db"))
     with ThreadedServer(create_app(store), name="monitor") as monitor:
@@ -202,10 +203,16 @@ def test_records_queued_when_the_runner_stops_reach_the_monitor(tmp_path):
             base_url=monitor.url, flush_interval_s=30.0, spool_path=str(tmp_path / "spool.jsonl")
         )
 
+        services = Services(
+            gym_base_url="",
+            gym_id="",
+            gym_timeouts=GenvTimeouts(),
+            agent_base_url="",
+            monitor=config,
+        ).register()
+
         async def episode_that_just_ended():
-            client = MonitorClient(config)
-            await client.start()
-            DRAIN.watch(client)
+            client = await services.monitor_client()
             client.enqueue(
                 "tasks", {"client_id": "t-end", "task_id": "t-end", "name": "n", "description": "d"}
             )

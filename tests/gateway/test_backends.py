@@ -21,6 +21,7 @@ from fastapi.responses import JSONResponse
 from PIL import Image as PILImage
 
 from cua_rl.gateway import Gateway, GatewayConfig, Sampling, SessionSpec
+from cua_rl.gateway.backends import Request as Generate
 from cua_rl.gateway.backends import SGLangTokens, VLLMText, with_images
 from cua_rl.gateway.render import Image
 from cua_rl.gateway.session import vision_token_ids
@@ -193,7 +194,7 @@ def test_text_backend_puts_each_image_back_where_its_placeholder_was():
     msgs = with_images(template, [a, b])
     assert msgs[1]["content"][1] == {"type": "image_url", "image_url": {"url": a.data_url()}}
     assert msgs[3]["content"][0] == {"type": "image_url", "image_url": {"url": b.data_url()}}
-    body = VLLMText().body([], [a, b], template, Sampling(temperature=0.5), 8, "m")
+    body = VLLMText().body(Generate([], [a, b], template, Sampling(temperature=0.5), 8, "m"))
     assert body["messages"] == msgs and body["logprobs"] is True and body["max_tokens"] == 8
     assert body["temperature"] == 0.5 and body["return_token_ids"] is True
 

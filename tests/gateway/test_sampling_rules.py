@@ -7,7 +7,7 @@ import pytest
 from areal.api.cli_args import EvaluatorConfig, GenerationHyperparameters, SaverConfig
 
 from cua_rl.errors import ConfigError
-from cua_rl.gateway.backends import SGLangTokens
+from cua_rl.gateway.backends import Request, SGLangTokens
 from cua_rl.gateway.config import Sampling, check_trainer_sampling, pause_warning
 from cua_rl.gateway.requests import sampling_differences
 
@@ -25,7 +25,7 @@ NAMES = {"experiment_name": "e", "trial_name": "t", "fileroot": "f"}
 )
 def test_every_request_shape_spells_the_distribution_the_same_way(sampling, temperature, top_k):
     vllm = sampling.vllm_params(8)
-    sglang = SGLangTokens().body([1], [], None, sampling, 8, "m")["sampling_params"]
+    sglang = SGLangTokens().body(Request([1], [], None, sampling, 8, "m"))["sampling_params"]
     for params in (vllm, sglang):
         assert (params["temperature"], params["top_k"]) == (temperature, top_k)
     # An agent asking for the same distribution in the other spelling is not overridden.
