@@ -35,6 +35,7 @@ from cua_rl.monitor.protocol import (
     step_client_id,
 )
 from cua_rl.monitor.worker import spool
+from cua_rl.monitor.worker.batches import count, dumps, ref, split
 from cua_rl.monitor.worker.settings import MonitorClientConfig, MonitorCounters
 from cua_rl.monitor.worker.uploader import PreparedScreenshot, ScreenshotUploader
 
@@ -48,37 +49,6 @@ _SPOOL_STATUSES = {401, 403, 404}
 # Records the trainer process sends: a rollout worker's record may name one before the trainer's
 # batch (or its spool, after a monitor restart) reaches the monitor, so such a refusal waits.
 _OTHER_PROCESS_KINDS = frozenset({"training", "step", "eval", "baseline"})
-
-
-def utc_now() -> str:
-    """UTC time in SQLite's CURRENT_TIMESTAMP layout with microseconds (sorts as text)."""
-    return datetime.now(UTC).strftime("%Y-%m-%d %H:%M:%S.%f")
-
-
-try:  # orjson encodes token/logprob arrays several times faster than the stdlib
-    import orjson
-
-    def _dumps(obj: Any) -> bytes:
-        try:
-            return orjson.dumps(obj, default=str, option=orjson.OPT_NON_STR_KEYS)
-        except TypeError:  # e.g. integers beyond 64 bits
-            return json.dumps(obj, separators=(",", ":"), default=str).encode()
-
-except ImportError:  # pragma: no cover - depends on the environment
-
-    def _dumps(obj: Any) -> bytes:
-        return json.dumps(obj, separators=(",", ":"), default=str).encode()
-
-
-def _ref(name: str, value: int | str) -> dict[str, Any]:
-    # An int is a server id; a str is the referenced record's client id.
-    if isinstance(value, int) and not isinstance(value, bool):
-        return {f"{name}_id": value}
-    return {f"{name}_client_id": str(value)}
-
-
-def _count(batch: dict[str, Any]) -> int:
-    return sum(1 if k == "training" else len(v) for k, v in batch.items())
 
 
 class MonitorClient:
@@ -237,13 +207,13 @@ class MonitorClient:
 
     def step(self, training: int | str, step: int, *, batch: int = 0, **fields: Any) -> str:
         client_id = step_client_id(training, step, batch)
-        record = {"client_id": client_id, **_ref("training", training), "step": step}
+        record = {"client_id": client_id, **ref("training", training), "step": step}
         self.enqueue("steps", {**record, "batch": batch, **fields})
         return client_id
 
     def eval(self, training: int | str, step: int, **fields: Any) -> str:
         client_id = eval_client_id(training, step)
-        record = {"client_id": client_id, **_ref("training", training), "step": step}
+        record = {"client_id": client_id, **ref("training", training), "step": step}
         self.enqueue("evals", {**record, **fields})
         return client_id
 
@@ -251,7 +221,7 @@ class MonitorClient:
         """Create (or, given the ``client_id`` it returned, update) a baseline evaluation."""
         if client_id is None:
             client_id = baseline_client_id(training, datetime.now(UTC).isoformat())
-        self.enqueue("baselines", {"client_id": client_id, **_ref("training", training), **fields})
+        self.enqueue("baselines", {"client_id": client_id, **ref("training", training), **fields})
         return client_id
 
     async def send_now(self, batch: dict[str, Any]) -> dict[str, Any] | None:
@@ -263,7 +233,7 @@ class MonitorClient:
                 self._http = httpx.AsyncClient(timeout=self.config.request_timeout_s)
             resp = await self._post(batch)
             if resp.status_code == 200:
-                self.counters.sent += _count(batch)
+                self.counters.sent += count(batch)
                 return resp.json()
             self.counters.last_error = f"HTTP {resp.status_code}: {resp.text[:300]}"
         except Exception as exc:
@@ -353,7 +323,7 @@ class MonitorClient:
             headers["Authorization"] = f"Bearer {self.config.token}"
         return await self._http.post(
             f"{self.config.base_url}/api/ingest/batch",
-            content=_dumps(batch),
+            content=dumps(batch),
             headers=headers,
             timeout=self.config.request_timeout_s,
         )
@@ -386,7 +356,7 @@ class MonitorClient:
             self.counters.last_error = f"{type(exc).__name__}: {exc}"
             return "retry"
         if resp.status_code == 200:
-            self.counters.sent += _count(batch)
+            self.counters.sent += count(batch)
             self._waiting_since = None
             return "ok"
         self.counters.last_error = f"HTTP {resp.status_code}: {resp.text[:300]}"
@@ -398,16 +368,16 @@ class MonitorClient:
             return "spool"
         if resp.status_code == 422 and self._drop_refused(batch, resp):
             return "dropped-one"
-        if resp.status_code == 413 and _count(batch) > 1:
-            first, second = _split(batch)
+        if resp.status_code == 413 and count(batch) > 1:
+            first, second = split(batch)
             await self._deliver(first)
             await self._deliver(second)
             batch.clear()
             return "ok"
         log.warning(
-            "monitor: batch of %d records refused: %s", _count(batch), self.counters.last_error
+            "monitor: batch of %d records refused: %s", count(batch), self.counters.last_error
         )
-        self.counters.dropped += _count(batch)
+        self.counters.dropped += count(batch)
         batch.clear()
         return "ok"
 
@@ -455,17 +425,17 @@ class MonitorClient:
     async def _spool_batch(self, batch: dict[str, Any]) -> None:
         if not batch:
             return
-        line = _dumps(batch) + b"\n"
+        line = dumps(batch) + b"\n"
         try:
             if self._spool is None:
                 self._spool, self._spool_fd = spool.claim(Path(self.config.spool_path))
             await asyncio.to_thread(spool.append_line, self._spool, line)
         except OSError as exc:
-            self.counters.dropped += _count(batch)
+            self.counters.dropped += count(batch)
             self.counters.last_error = f"spool write failed: {exc}"
-            log.error("monitor: could not spool %d records: %s", _count(batch), exc)
+            log.error("monitor: could not spool %d records: %s", count(batch), exc)
             return
-        self.counters.spooled += _count(batch)
+        self.counters.spooled += count(batch)
         if not self._spool_pending:
             self._next_replay = self._loop.time() + self.config.replay_interval_s
         self._spool_pending = True
@@ -495,22 +465,3 @@ class MonitorClient:
         # Only the replayed prefix goes; lines appended meanwhile stay, in order.
         remaining = await asyncio.to_thread(spool.drop_prefix, self._spool, done)
         self._spool_pending = remaining > 0
-
-
-def _split(batch: dict[str, Any]) -> tuple[dict[str, Any], dict[str, Any]]:
-    # Dependency order is kept: the first half holds the earlier kinds, so references resolve.
-    items = [
-        (k, r)
-        for k in BATCH_KEYS
-        if k in batch
-        for r in ([batch[k]] if k == "training" else batch[k])
-    ]
-    half = len(items) // 2
-    out = ({}, {})
-    for i, (k, r) in enumerate(items):
-        target = out[0] if i < half else out[1]
-        if k == "training":
-            target["training"] = r
-        else:
-            target.setdefault(k, []).append(r)
-    return out

@@ -32,7 +32,8 @@ from cua_rl.monitor.protocol import (
     turn_client_id,
     validation_client_id,
 )
-from cua_rl.monitor.worker.client import MonitorClient, utc_now
+from cua_rl.monitor.worker.batches import utc_now
+from cua_rl.monitor.worker.client import MonitorClient
 from cua_rl.monitor.worker.context import MonitorContext, current, ref_field
 from cua_rl.monitor.worker.uploader import (
     DEFAULT_MAX_EDGE,

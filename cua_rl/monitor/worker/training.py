@@ -33,7 +33,8 @@ from cua_rl.monitor.protocol import (
     eval_client_id,
     step_client_id,
 )
-from cua_rl.monitor.worker.client import MonitorClient, MonitorClientConfig, utc_now
+from cua_rl.monitor.worker.batches import utc_now
+from cua_rl.monitor.worker.client import MonitorClient, MonitorClientConfig
 
 log = get_logger("cua_rl.lifecycle")
 
