@@ -13,7 +13,7 @@ from collections.abc import Callable, Mapping
 from typing import Any
 
 from cua_rl.logs import get_logger
-from cua_rl.monitor.worker.client import utc_now
+from cua_rl.monitor.worker.batches import utc_now
 from cua_rl.monitor.worker.training import TrainingMonitor, _clean
 
 log = get_logger("cua_rl.lifecycle")
