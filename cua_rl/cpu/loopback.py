@@ -35,11 +35,7 @@ def bind_loopback() -> None:
     torch.distributed's stores and gloo on loopback."""
     import areal.utils.network as network
 
-    store_on_loopback()
-    if os.path.exists("/sys/class/net/lo"):
-        # gloo listens on the address the machine's hostname resolves to, which may be the LAN's.
-        os.environ.setdefault("GLOO_SOCKET_IFNAME", "lo")
-
+    torch_on_loopback()
     original = network.gethostip
     network.gethostip = loopback_ip
     for name, module in list(sys.modules.items()):
@@ -97,6 +93,15 @@ def listening_socket(port: int) -> socket.socket:
         sock.close()
         raise
     return sock
+
+
+def torch_on_loopback() -> None:
+    """torch.distributed's store and gloo's pairs of a loopback group on 127.0.0.1 (a one-process
+    group made in a test's own process included)."""
+    store_on_loopback()
+    if os.path.exists("/sys/class/net/lo"):
+        # gloo listens on the address the machine's hostname resolves to, which may be the LAN's.
+        os.environ.setdefault("GLOO_SOCKET_IFNAME", "lo")
 
 
 def store_on_loopback() -> None:

@@ -31,12 +31,16 @@ def init_single_process_group() -> None:
     """Environment for a one-process torch.distributed group on a free loopback port.
 
     Values inherited from a parent process (which may hold that port) are replaced, unless this
-    process already has its group.
+    process already has its group. Its store and gloo listen on 127.0.0.1 only (torch's store
+    would listen on every interface of the machine running the tests).
     """
     import torch.distributed as dist
 
+    from cua_rl.cpu.loopback import torch_on_loopback
+
     if dist.is_initialized():
         return
+    torch_on_loopback()
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
         port = s.getsockname()[1]

@@ -40,6 +40,17 @@ def descendants(root: int | None = None) -> list[int]:
     return found
 
 
+def _running_chromium(pid: int) -> bool:
+    """A chromium process that has not exited (an exited one waits, a zombie, until its parent
+    reaps it, and keeps its name meanwhile; a reused pid runs something else)."""
+    try:
+        comm = (PROC / str(pid) / "comm").read_text().strip()
+        state = (PROC / str(pid) / "stat").read_text().rsplit(")", 1)[1].split()[0]
+    except (OSError, IndexError):
+        return False
+    return comm in ("chromium", "chrome") and state not in ("Z", "X")
+
+
 def _cmdline(pid: int) -> str:
     try:
         return (PROC / str(pid) / "cmdline").read_bytes().replace(b"\0", b" ").decode()
@@ -52,11 +63,7 @@ def chromium_processes(root: int | None = None, kind: str | None = None) -> list
     one ``--type`` (e.g. ``renderer``; ``""`` is the browser process itself)."""
     found = []
     for pid in ([root] if root is not None else []) + descendants(root):
-        try:
-            comm = (PROC / str(pid) / "comm").read_text().strip()
-        except OSError:
-            continue
-        if comm not in ("chromium", "chrome"):
+        if not _running_chromium(pid):
             continue
         cmd = _cmdline(pid)
         ptype = next((a[7:] for a in cmd.split() if a.startswith("--type=")), "")
@@ -66,15 +73,8 @@ def chromium_processes(root: int | None = None, kind: str | None = None) -> list
 
 
 def alive(pids: set[int] | list[int]) -> list[int]:
-    """Those of ``pids`` still running as chromium (a reused pid runs something else)."""
-    found = []
-    for pid in pids:
-        try:
-            if (PROC / str(pid) / "comm").read_text().strip() in ("chromium", "chrome"):
-                found.append(pid)
-        except OSError:
-            continue
-    return found
+    """Those of ``pids`` still running as chromium."""
+    return [pid for pid in pids if _running_chromium(pid)]
 
 
 def pss_bytes(pids: list[int]) -> int:

@@ -33,6 +33,9 @@ import os, sys
 from cua_rl.cpu.loopback import bind_loopback
 if sys.argv[1] == "patched":
     bind_loopback()
+elif sys.argv[1] == "actor":  # the one-process group the tests' in-process actor makes
+    from cua_rl.testing.actor import init_single_process_group
+    init_single_process_group()
 import torch.distributed as dist
 from areal.utils.network import find_free_ports
 from cua_rl.testing.sockets import listening, tree_sockets
@@ -40,7 +43,8 @@ port = find_free_ports(1)[0]
 if sys.argv[2] == "tcp":
     dist.init_process_group("gloo", init_method=f"tcp://localhost:{port}", rank=0, world_size=1)
 else:
-    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), RANK="0", WORLD_SIZE="1")
+    if sys.argv[1] != "actor":
+        os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), RANK="0", WORLD_SIZE="1")
     dist.init_process_group("gloo")
 dist.barrier(group=dist.new_group(backend="gloo"))
 for e in listening(tree_sockets(os.getpid())):
@@ -66,6 +70,9 @@ def test_torch_distributed_stores_of_a_local_run_listen_on_loopback_only():
         assert any(not is_loopback(a.rsplit(":", 1)[0]) for a in plain), plain
         patched = _group_listeners("patched", rendezvous)
         assert patched and all(is_loopback(a.rsplit(":", 1)[0]) for a in patched), patched
+    # The group a test's in-process actor makes (the pytest process's own listeners).
+    actor = _group_listeners("actor", "env")
+    assert actor and all(is_loopback(a.rsplit(":", 1)[0]) for a in actor), actor
 
 
 def test_areal_modules_that_imported_gethostip_answer_loopback(monkeypatch):
@@ -119,12 +126,16 @@ def test_the_socket_reader_tells_loopback_from_every_interface():
         server.bind(("127.0.0.1", 0))
         server.listen()
         client.connect(server.getsockname())
-        # This process only: in the suite its tree also holds servers other tests started.
-        mine = [e for e in tree_sockets(os.getpid()) if e.pid == os.getpid()]
+        # This test's sockets only: in the suite the process also holds what other tests opened.
         address = f"127.0.0.1:{server.getsockname()[1]}"
-    assert address in {e.local for e in listening(mine)}
-    assert address in {e.remote for e in mine if e.status == "ESTABLISHED"}
-    assert off_loopback(mine) == []
+        ours = [
+            e
+            for e in tree_sockets(os.getpid())
+            if e.pid == os.getpid() and address in (e.local, e.remote)
+        ]
+    assert address in {e.local for e in listening(ours)}
+    assert address in {e.remote for e in ours if e.status == "ESTABLISHED"}
+    assert off_loopback(ours) == []
     # What the kernel reports for a wildcard listener and an outward connection.
     wide = Endpoint(1, "x", "LISTEN", ":::4000", "")
     udp = Endpoint(1, "x", "NONE", "0.0.0.0:5353", "")

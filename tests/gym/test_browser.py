@@ -315,39 +315,44 @@ async def test_no_chromium_process_outlives_its_execution_or_the_gym():
     root = gym.gym.backend.browser_pid
     seen: set[int] = set()
 
-    def renderers() -> int:
-        pids = chromium_processes(root)
-        seen.update(pids)
-        return len(chromium_processes(root, kind="renderer"))
+    def renderers() -> set[int]:
+        seen.update(chromium_processes(root))
+        return set(chromium_processes(root, kind="renderer"))
 
+    def ended(pids: set[int]) -> int:
+        return len(pids) - len(alive(pids))
+
+    # How many renderers Chromium keeps besides the pages' (a spare started ahead of the next
+    # page, sometimes late) is its own policy: the test follows the processes that existed while
+    # a context was open, and asks that closing it ends them.
     try:
         async with httpx.AsyncClient(timeout=30) as http:
-            baseline = renderers()
+            renderers()
             ids = await asyncio.gather(*(new_execution(http, gym) for _ in range(3)))
-            assert renderers() >= baseline + 3
+            open_now = renderers()
+            assert len(open_now) >= 3  # a context's page has a renderer of its own
             for eid in ids[:2]:
                 await http.post(f"{gym.base_url}/executions/{eid}/terminate")
-            # Two contexts closed: the open one's renderer remains, and at most one spare that
-            # Chromium starts ahead of the next page (measured: 3 pages, 4 renderers).
-            await _settled(lambda: renderers() <= 2)
-            for _ in range(4):  # open and close again: the count does not grow
+            # Two contexts closed: at least two of the renderers that served them have exited.
+            await _settled(lambda: ended(open_now) >= 2)
+            for _ in range(4):  # open and close again: each close ends a renderer
                 eid = await new_execution(http, gym)
-                renderers()
+                open_now = renderers()
                 await http.post(f"{gym.base_url}/executions/{eid}/terminate")
-            await _settled(lambda: renderers() <= 2)
+                await _settled(lambda pids=open_now: ended(pids) >= 1)
         assert len(gym.gym.live) == 1
     finally:
         gym.stop()
     # Stopped with one execution open: it was closed, then the browser, and every chromium
     # process the gym ever had is gone (checked by pid: orphans would leave the tree).
     assert gym.gym.live == {} and gym.gym.counters["terminated"] == 7
-    assert root in seen and len(seen) > baseline + 3
+    assert root in seen and len(seen) > 3
     await _settled(lambda: not alive(seen))
 
 
 async def _settled(ok, deadline_s: float = 30.0) -> None:
-    """Wait until ``ok()``: a closed context's renderer exits when the browser reaps it, just
-    after the close returns; the deadline only bounds a real leak."""
+    """Wait until ``ok()``: a closed context's renderer exits when the browser reaps it, after
+    the close returns; the deadline only bounds a real leak."""
     loop = asyncio.get_running_loop()
     end = loop.time() + deadline_s
     while not ok():
