@@ -59,7 +59,9 @@ async def test_spools_while_down_then_replays_in_order(fake, tmp_path, store):
     client = make_client(fake, tmp_path)
     await client.start()
     client.enqueue("tasks", _task("t-a"))
-    assert not await client.flush(timeout=0.5)
+    assert not await client.flush(timeout=0.5)  # down: it cannot be sent
+    # Spooled after its retries and backoff, at the machine's speed: wait for it (bounded).
+    await _spooled(client, 1)
     assert client.counters.spooled == 1
     spool = tmp_path / "spool.jsonl"
     assert spool.exists() and len(spool.read_text().splitlines()) == 1
@@ -280,7 +282,8 @@ async def test_real_server_round_trip(monitor_process, tmp_path):
     await client.start()
     client.enqueue("tasks", _task("rt-2"))
     assert not await client.flush(timeout=1)
-    # A wrong token is kept in the spool rather than lost.
+    # A wrong token is kept in the spool rather than lost (spooled in the background: waited for).
+    await _spooled(client, 1)
     assert client.counters.spooled == 1 and "401" in client.counters.last_error
     await client.close(timeout=0.5)
     assert (tmp_path / "b.jsonl").exists()
