@@ -89,8 +89,14 @@ RELIANCES: tuple[Reliance, ...] = (
     Reliance(
         "areal.infra.async_task_runner",
         "AsyncTaskRunner.destroy",
-        "cua_rl/rollout/drain.py fits the drain inside its 30 s wait for the cancelled episodes, "
-        "and wraps it to flush the monitor clients on the runner's loop (its _loop) first",
+        "cua_rl/rollout/drain.py wraps it to drain the episodes and flush the monitor clients "
+        "on the runner's loop (its _loop, paused by its paused event) before the loop stops",
+    ),
+    Reliance(
+        "areal.infra.remote_inf_engine",
+        "GroupedRolloutWorkflow",
+        "cua_rl/rollout/drain.py drains its gathered episodes one by one (a cancelled gather "
+        "ends with its first child)",
     ),
 )
 

@@ -1,24 +1,30 @@
 """The end of a run: every episode still in flight is cancelled and closed within a bound.
 
-AReaL ends a run (completion, failure, Ctrl-C, SIGTERM, a fail-fast stop) by destroying the rollout engine on
-each worker, an RPC made before its scheduler signals the worker: the engine's task runner cancels
-the episodes still running (the prefetched batch no step will train among them) and waits up to
-``AREAL_RUNNER_JOIN_S`` for them. Each episode runs as an inner task that the cancel does not reach
-directly (``run_drained``): the outer task starts this process's drain clock, cancels the inner
-one, whose own exits abandon the agent run (its model endpoint closes) and terminate the gym
-execution (genv's shielded scope), and waits for it at most until the deadline. It then marks the
-rollout ``cancelled`` with ``DRAIN_REASON`` and flushes the process's monitor clients within what
-is left. A timer thread, independent of the event loop, names on the log what is still open at the
-deadline (rollout and execution ids); the drain's last episode logs the summary.
-``drain.timeout_s`` sets the bound (docs/design.md, "The end of a run").
+AReaL ends a run (completion, failure, Ctrl-C, SIGTERM, a fail-fast stop) by destroying the rollout
+engine on each worker, an RPC made before its scheduler signals the worker. Its task runner would
+cancel its tasks and stop its loop as soon as they end, but a task is a *group* of episodes
+(AReaL's ``GroupedRolloutWorkflow`` gathers them without ``return_exceptions``), and a cancelled
+gather ends with its first cancelled child: the loop stopped while the siblings were still closing,
+and their records were left open. So the runner's destroy first drains this process's episodes
+itself (``drain_before_runner_stops``): it pauses the runner, cancels every episode task
+(``@drained_episode`` registers them), waits for them within the bound, flushes the monitor
+clients, and only then lets AReaL stop the loop.
+
+A cancelled episode (``run_drained``) runs its body as an inner task: the outer one starts the
+drain clock, cancels the inner one, whose exits abandon the agent run and terminate the gym
+execution (genv's shielded scope), waits for it at most until the deadline, marks the rollout
+``cancelled`` with ``DRAIN_REASON`` and flushes. A timer thread, independent of the event loop,
+names what is still open at the deadline (rollout and execution ids); the drain's last episode
+logs the summary. ``drain.timeout_s`` sets the bound (docs/design.md, "The end of a run").
 """
 
 from __future__ import annotations
 
 import asyncio
+import functools
 import threading
 import time
-from collections.abc import Coroutine
+from collections.abc import Awaitable, Callable, Coroutine
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -76,11 +82,48 @@ class Drain:
         self._unflushed: list[str] = []
         self._named = False
         self._timer: threading.Timer | None = None
+        self._tasks: set[asyncio.Task] = set()  # the episode tasks running (``drained_episode``)
+        self.timeout_s = DrainConfig.timeout_s  # the bound of the last episode tracked
         self.reports: list[str] = []  # the summary lines logged, for tests and callers
 
-    def track(self, episode) -> None:
+    def track(self, episode, timeout_s: float) -> None:
         with self._lock:
             self._open[episode.rollout_uuid] = episode
+            self.timeout_s = timeout_s
+
+    def enter(self, task: asyncio.Task) -> None:
+        with self._lock:
+            self._tasks.add(task)
+
+    def leave(self, task: asyncio.Task) -> None:
+        with self._lock:
+            self._tasks.discard(task)
+
+    async def close(self) -> None:
+        """Cancel every episode task of the running loop and wait for them within the bound.
+
+        Rounds, because a group's gather starts its children a step after itself: a child that
+        registers after a round is cancelled in the next one. Each task is cancelled once (a
+        second cancel would cut its own drain short)."""
+        loop = asyncio.get_running_loop()
+        give_up = loop.time() + self.timeout_s + _LAST_FLUSH_S + _MARGIN_S / 2
+        cancelled: set[asyncio.Task] = set()
+        while True:
+            for _ in range(2):  # a task the runner just started, then the children it gathers
+                await asyncio.sleep(0)
+            with self._lock:
+                new = [t for t in self._tasks if t.get_loop() is loop and t not in cancelled]
+            new = [t for t in new if not t.done()]
+            if not new:
+                return
+            for task in new:
+                task.cancel()
+            cancelled.update(new)
+            left = [t for t in cancelled if not t.done()]
+            if left and loop.time() < give_up:
+                await asyncio.wait(left, timeout=give_up - loop.time())
+            if loop.time() >= give_up:
+                return  # what is still open was named at the deadline
 
     def begin(self, episode, timeout_s: float) -> float:
         """Count a cancelled episode in the drain, started by the first; its deadline."""
@@ -159,36 +202,55 @@ class Drain:
 
 DRAIN = Drain()
 
-# The flush of the records already queued when a runner stops (episodes that ended just before).
+# The last flush before a runner stops: the records of episodes that ended just before the
+# end, and of those the drain closed, still sit in a client's queue, whose task dies with the loop.
 _PRE_FLUSH_S = 5.0
 
 
-def flush_before_runner_stops() -> None:
-    """Make AReaL's ``AsyncTaskRunner.destroy`` first flush this process's monitor clients on the
-    runner's loop (idempotent; called by the workflow in the worker).
+def drained_episode(
+    fn: Callable[..., Awaitable[Any]],
+) -> Callable[..., Coroutine[Any, Any, Any]]:
+    """Register the task running an episode (``arun_episode``) for the drain at the run's end."""
 
-    The drain flushes when it closes cancelled episodes, but the records of episodes that ended
-    just before the run's end sit in a client's queue, and its task dies with the runner's loop:
-    under load they were lost and the monitor's safety net closed those rollouts instead.
-    """
+    @functools.wraps(fn)
+    async def episode(*args: Any, **kwargs: Any) -> Any:
+        task = asyncio.current_task()
+        DRAIN.enter(task)
+        try:
+            return await fn(*args, **kwargs)
+        finally:
+            DRAIN.leave(task)
+
+    return episode
+
+
+async def _drain_then_flush() -> None:
+    await DRAIN.close()
+    if not await DRAIN.flush(timeout=_PRE_FLUSH_S):
+        log.warning("the monitor did not take every record before the run's end")
+
+
+def drain_before_runner_stops() -> None:
+    """Make AReaL's ``AsyncTaskRunner.destroy`` first drain this process's episodes and flush its
+    monitor clients on the runner's loop (idempotent; called by the workflow in the worker)."""
     from areal.infra.async_task_runner import AsyncTaskRunner
 
     original = AsyncTaskRunner.destroy
-    if getattr(original, "_cua_flush", False):
+    if getattr(original, "_cua_drain", False):
         return
 
     def destroy(self, *args, **kwargs):
         loop = getattr(self, "_loop", None)
         if loop is not None and loop.is_running():
-            done = asyncio.run_coroutine_threadsafe(DRAIN.flush(timeout=_PRE_FLUSH_S), loop)
+            self.paused.set()  # no episode starts while the drain runs (destroy resumes it)
+            done = asyncio.run_coroutine_threadsafe(_drain_then_flush(), loop)
             try:
-                if not done.result(timeout=_PRE_FLUSH_S + 1.0):
-                    log.warning("the monitor did not take every record before the run's end")
+                done.result(timeout=DRAIN.timeout_s + _LAST_FLUSH_S + _MARGIN_S + _PRE_FLUSH_S)
             except Exception as exc:  # a stuck loop must not stop the destroy
-                log.warning("flushing the monitor before the run's end failed: %r", exc)
+                log.warning("draining the episodes before the run's end failed: %r", exc)
         return original(self, *args, **kwargs)
 
-    destroy._cua_flush = True
+    destroy._cua_drain = True
     AsyncTaskRunner.destroy = destroy
 
 
@@ -197,7 +259,7 @@ async def run_drained(
 ) -> Any:
     """``await body`` as an inner task; cancelled, close it within the drain (then re-raise)."""
     inner = asyncio.ensure_future(body)
-    DRAIN.track(episode)
+    DRAIN.track(episode, config.timeout_s)
     try:
         return await asyncio.shield(inner)
     except asyncio.CancelledError:

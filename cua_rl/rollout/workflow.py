@@ -33,7 +33,12 @@ from cua_rl.monitor.worker.context import MonitorContext
 from cua_rl.monitor.worker.recorder import RolloutRecorder
 from cua_rl.monitor.worker.uploader import http_fetcher
 from cua_rl.reward import EpisodeFacts, RewardOutcome, compute_reward
-from cua_rl.rollout.drain import DRAIN_REASON, flush_before_runner_stops, run_drained
+from cua_rl.rollout.drain import (
+    DRAIN_REASON,
+    drain_before_runner_stops,
+    drained_episode,
+    run_drained,
+)
 from cua_rl.rollout.episode import Episode, Phase, episode_stats, gateway_reason
 from cua_rl.rollout.groups import GROUP_SIZE_ENV, complete_groups  # noqa: F401  (train.py's dotted path)
 from cua_rl.rollout.outcomes import OutcomeLog
@@ -58,7 +63,7 @@ class CUAAgentWorkflow(RolloutWorkflow):
         self._outcomes = OutcomeLog(settings.outcome_dir) if settings.outcome_dir else None
         self._processor = processor
         self.services = Services.shared(settings)
-        flush_before_runner_stops()
+        drain_before_runner_stops()
 
     @property
     def processor(self):
@@ -173,6 +178,7 @@ class CUAAgentWorkflow(RolloutWorkflow):
         s = self.settings
         return is_surplus(s.phase, workflow_context.get().is_eval, s.total_steps, version)
 
+    @drained_episode
     async def arun_episode(self, engine, data: dict[str, Any]) -> dict[str, Any] | None:
         scope = workflow_context.stat_scope()
         episode = Episode(

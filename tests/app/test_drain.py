@@ -192,7 +192,7 @@ def test_records_queued_when_the_runner_stops_reach_the_monitor(tmp_path):
     from areal.infra.async_task_runner import AsyncTaskRunner
 
     from cua_rl.monitor.worker.client import MonitorClientConfig
-    from cua_rl.rollout.drain import flush_before_runner_stops
+    from cua_rl.rollout.drain import drain_before_runner_stops
     from cua_rl.rollout.services import Services
 
     store = MonitorStore(str(tmp_path / "monitor.db"))
@@ -221,8 +221,59 @@ def test_records_queued_when_the_runner_stops_reach_the_monitor(tmp_path):
         runner.submit(episode_that_just_ended, task_id=1)
         client = runner.wait(count=1, timeout=60)[0]
         assert client.pending == 1  # queued, not sent
-        flush_before_runner_stops()
+        drain_before_runner_stops()
         runner.destroy()
     rows = store._reader().execute("SELECT task_id FROM task").fetchall()
     store.close()
     assert [tuple(r) for r in rows] == [("t-end",)]
+
+
+@pytest.mark.slow
+def test_a_group_is_drained_whole_before_the_runner_stops(stack, monkeypatch):
+    # AReaL runs a task's episodes as a group, a gather without return_exceptions: cancelled, it
+    # ends with its first cancelled child, and the runner's loop stopped while the siblings were
+    # still closing. Here one sibling's terminate waits until the group's task has ended, so a
+    # loop that stops with the group leaves that sibling's execution and records open.
+    import logging
+
+    from areal.infra.async_task_runner import AsyncTaskRunner
+    from areal.infra.remote_inf_engine import GroupedRolloutWorkflow
+
+    from cua_rl.genv import GenvClient
+
+    gym, agent, monitor, model, db = stack
+    wf = _workflow(gym, agent, monitor, model, drain_s=20)
+    held: list[str] = []
+    terminate = GenvClient.terminate
+
+    async def terminate_after_the_group(self, execution_id):
+        if not held:
+            held.append(execution_id)
+            group = next(t for t in asyncio.all_tasks() if t.get_name() == "1")
+            await asyncio.wait({group})
+        return await terminate(self, execution_id)
+
+    monkeypatch.setattr(GenvClient, "terminate", terminate_after_the_group)
+
+    async def group():
+        workflow_context.set(workflow_context.WorkflowContext(is_eval=False))
+        grouped = GroupedRolloutWorkflow(wf, EPISODES, logging.getLogger("test-drain"))
+        data = {"task_id": "sim-001-wifi-on", "instruction": "Turn Wi-Fi on."}
+        return await grouped.arun_episode(_Engine(), data)
+
+    runner = AsyncTaskRunner(max_queue_size=4)
+    runner.initialize()
+    runner.submit(group, task_id=1)
+    for _ in range(600):  # each episode holds an execution and waits on its model call
+        if model.calls >= EPISODES:
+            break
+        threading.Event().wait(0.05)
+    assert model.calls == EPISODES
+    runner.destroy()
+    assert held, "no sibling's terminate was held: the case did not happen"
+    live = httpx.get(f"{gym.base_url}/executions", timeout=10).json()["executions"]
+    assert live == []
+    rollouts = db_rows(db, "SELECT status, status_message FROM rollout")
+    assert rollouts == [("cancelled", DRAIN_REASON)] * EPISODES, rollouts
+    envs = db_rows(db, "SELECT status, status_message FROM environment")
+    assert envs == [("terminated", DRAIN_REASON)] * EPISODES, envs

@@ -139,6 +139,10 @@ def test_the_run_leaves_no_execution_and_no_open_record(case, tmp_path):
     assert not not_drained, not_drained
     drained = [line for line in out.splitlines() if line.startswith("[demo] drain: ")]
     assert not [line for line in drained if "left open" in line or "did not" in line], drained
+    # Every drain that began ended in its summary: none was cut short by its runner's loop stopping.
+    began = [line for line in drained if "the run is ending" in line]
+    ended = [line for line in drained if "cancelled and closed in" in line]
+    assert len(began) == len(ended), drained
     cancelled = db_rows(db, "SELECT COUNT(*) FROM rollout WHERE status = 'cancelled'")[0][0]
     if case == "sigterm":
         assert cancelled > 0 and drained, out[-5000:]
