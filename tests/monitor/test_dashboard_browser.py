@@ -15,6 +15,8 @@ import time
 import httpx
 import pytest
 
+from tests.conftest import db_rows
+
 from .conftest import MonitorProcess
 
 pytestmark = [pytest.mark.slow, pytest.mark.timeout(1800)]
@@ -156,14 +158,27 @@ def test_every_page_loads_cleanly_with_curves_screenshots_and_drawn_actions(
 
 
 def _check_rollout_turns(page, db, rollout_id: int) -> None:
-    """Each turn shows the screenshot the model saw (loaded from the store) and its action."""
-    turns = _ids(db, f"SELECT id FROM turn WHERE rollout_id = {rollout_id}")
+    """Each turn shows the screenshot the model saw (loaded from the store) and its action.
+
+    A rollout the run's end cancelled may hold a turn the gateway recorded live, whose screenshot
+    (recorded with the finished episode) never came: its card says so instead."""
+    turns = db_rows(
+        db,
+        "SELECT t.id, EXISTS (SELECT 1 FROM obs o WHERE o.turn_id = t.id AND o.screenshot_uri "
+        "IS NOT NULL) FROM turn t WHERE t.rollout_id = ? ORDER BY t.turn",
+        rollout_id,
+    )
+    status = db_rows(db, "SELECT status FROM rollout WHERE id = ?", rollout_id)[0][0]
     # Screenshots load lazily (a long rollout would fetch every one up front): bring each into
-    # view and let it finish before reading its state.
+    # view and wait (bounded) until it has loaded before reading its state.
     shots = page.locator("img.screenshot")
     for i in range(shots.count()):
         shots.nth(i).scroll_into_view_if_needed()
-        shots.nth(i).evaluate("img => img.decode().catch(() => null)")
+        page.wait_for_function(
+            "img => img.complete && img.naturalWidth > 0",
+            arg=shots.nth(i).element_handle(),
+            timeout=30_000,
+        )
     cards = page.eval_on_selector_all(
         ".turn",
         """els => els.map(e => {
@@ -172,11 +187,16 @@ def _check_rollout_turns(page, db, rollout_id: int) -> None:
                 loaded: !!img && img.complete && img.naturalWidth > 0,
                 drawn: e.querySelectorAll('svg .drawn-action').length,
                 labels: e.querySelectorAll('.drawn-label').length,
+                none: e.querySelector('.shot .none')?.textContent || null,
             };
         })""",
     )
     assert len(cards) == len(turns)
-    for card in cards:
+    for (_, has_shot), card in zip(turns, cards, strict=True):
+        if not has_shot:
+            assert status == "cancelled", (rollout_id, status, cards)
+            assert card["none"] == "no screenshot recorded", (rollout_id, cards)
+            continue
         assert card["loaded"], (rollout_id, cards)
         assert card["drawn"] >= 1 and card["labels"] >= 1, (rollout_id, cards)
 
