@@ -30,7 +30,12 @@ from cua_rl.gateway.config import (
 from cua_rl.logs import get_logger
 from cua_rl.reward import RewardConfig
 from cua_rl.rollout.drain import DrainConfig
-from cua_rl.rollout.groups import COMPLETE_GROUPS, COMPLETE_VARIED_GROUPS
+from cua_rl.rollout.groups import (
+    COMPLETE_GROUPS,
+    COMPLETE_VARIED_GROUPS,
+    GroupNormConfig,
+    GroupSettings,
+)
 from cua_rl.rollout.settings import (
     AgentSection,
     EndpointSection,
@@ -161,6 +166,11 @@ class CUAConfig(GRPOConfig):
     logits: LogitsConfig = doc(
         help="Where the trainer computes full-vocabulary logits", factory=LogitsConfig
     )
+    group_norm: GroupNormConfig = doc(
+        help="GRPO's per-group normalisation of episode rewards, done by the group filter "
+        "(each episode counted once, however many rows it has); actor.reward_norm stays null",
+        factory=GroupNormConfig,
+    )
 
     def __post_init__(self):
         super().__post_init__()
@@ -202,6 +212,7 @@ class CUAConfig(GRPOConfig):
         if self.endpoint.mode == "gateway":
             self._validate_gateway()
         self._validate_model_endpoint()
+        self._validate_normalisation()
         self.validate_curriculum()
         if self.monitor.enabled and not (self.monitor.base_url or self.monitor.db_path):
             import os
@@ -303,6 +314,26 @@ class CUAConfig(GRPOConfig):
                 "keep a random model's replies actionable), or use endpoint.mode=direct"
             )
 
+    def _validate_normalisation(self) -> None:
+        """AReaL normalises fixed chunks of rows; an episode has a variable number of rows."""
+        if self.actor.reward_norm is not None:
+            raise ConfigError(
+                "actor.reward_norm normalises rewards over fixed chunks of gconfig.n_samples rows "
+                "(or the whole batch of rows), but an episode gives one row per run of "
+                "consistent model calls (one per call for an agent that trims or re-renders "
+                "its history), so groups would mix and long episodes would count more: set "
+                "actor.reward_norm: null. cua-rl's group filter normalises each group's episode "
+                "rewards instead, each episode once (group_norm.mean_level/std_level: group, "
+                "the defaults)"
+            )
+        adv = self.actor.adv_norm
+        if adv is not None and "group" in (adv.mean_level, adv.std_level):
+            raise ConfigError(
+                "actor.adv_norm at group level slices fixed chunks of rows, and an episode's "
+                "rows vary in number: use mean_level/std_level batch (token-weighted, as the "
+                "loss) or null; group-level centring is group_norm's"
+            )
+
     def validate_curriculum(self) -> None:
         if self.curriculum.kind == "ucb":
             if not self.monitor.enabled:
@@ -358,4 +389,9 @@ class CUAConfig(GRPOConfig):
             gateway=self.gateway,
             outcome_dir=outcome_dir if self.failfast.window else "",
             drain=self.drain,
+            group=GroupSettings(
+                size=gconfig.n_samples,
+                zero_variance_tol=self.curriculum.zero_variance_tol,
+                norm=self.group_norm,
+            ),
         )

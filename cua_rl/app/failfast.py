@@ -46,7 +46,7 @@ ADVICE = {
     ): "the agent asks for sampling settings other than the trainer's "
     "and gateway.sampling_mismatch=error: align the agent or set it to override",
     Reason.PREFIX_BREAK: "every episode breaks the multi-turn prefix: use endpoint.mode=gateway, or "
-    "trajectory.prefix_break_policy=last_segment",
+    "trajectory.prefix_break_policy=rows (a row per run of consistent calls)",
 }
 
 

@@ -35,7 +35,6 @@ from cua_rl.areal.support import check_areal
 from cua_rl.errors import ConfigError
 from cua_rl.logs import get_logger
 from cua_rl.monitor.worker.training import TrainingMonitor
-from cua_rl.rollout.groups import GROUP_SIZE_ENV, ZERO_VARIANCE_TOL_ENV
 from cua_rl.tasks import build_datasets
 
 log = get_logger("cua_rl.train")
@@ -172,9 +171,6 @@ def run_training(config: CUAConfig) -> int:
 
     # Two trainings of one seed on a machine would otherwise draw the same ports (ports.py).
     unseed_port_choice()
-    # The group filters run in the rollout workers, which inherit these.
-    os.environ[GROUP_SIZE_ENV] = str(config.gconfig.n_samples)
-    os.environ[ZERO_VARIANCE_TOL_ENV] = repr(config.curriculum.zero_variance_tol)
     tasks = asyncio.run(fetch_tasks(config))
     train_ds, eval_ds = build_datasets(tasks, config.gym.selection)
     n_steps = total_steps(config, len(train_ds))

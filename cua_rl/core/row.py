@@ -1,8 +1,9 @@
 """The training row's contract: what one accepted episode hands AReaL's PPO actor.
 
-A row is one sequence (batch dimension 1) of ``n`` tokens: the last segment's prompt and output
-ids as the model saw and sampled them, with per-token loss mask, behaviour logprobs and policy
-versions, the episode's reward, and the pixel values of the images its prompt holds (Qwen-VL's
+A row is one sequence (batch dimension 1) of ``n`` tokens: one segment's last prompt and output
+ids as the model saw and sampled them (an episode gives one row per segment, a run of calls that
+extend one another), with per-token loss mask, behaviour logprobs and policy versions, the
+episode's reward and id, and the pixel values of the images its prompt holds (Qwen-VL's
 processor output: ``pixel_values`` ``[patches, dim]`` and ``image_grid_thw`` ``[images, 3]``,
 whose per-image ``t*h*w`` sum to ``patches``). ``ROW_FIELDS`` spells out every key; the row
 builder validates each row it returns with ``validate_row``, so a row that AReaL would misread
@@ -33,6 +34,12 @@ ROW_FIELDS: tuple[RowField, ...] = (
     RowField("versions", "int32", "[1, n]", "policy version that sampled the token, else -1"),
     RowField("attention_mask", "bool", "[1, n]", "all true (one unpadded sequence)"),
     RowField("rewards", "float32", "[1]", "the episode's reward"),
+    RowField(
+        "episode_id",
+        "int64",
+        "[1]",
+        "the episode's id, the same on each of its rows: groups count episodes, not rows",
+    ),
     RowField("mm_token_type_ids", "int64", "[1, n]", "1 on image pad tokens, 0 elsewhere"),
     RowField(
         "multi_modal_input",
@@ -70,8 +77,9 @@ def validate_row(row: Mapping[str, Any]) -> None:
     for key in _PER_TOKEN:
         if tuple(row[key].shape) != (1, n):
             raise RowContractError(f"{key} has shape {tuple(row[key].shape)}, not (1, {n})")
-    if tuple(row["rewards"].shape) != (1,):
-        raise RowContractError(f"rewards has shape {tuple(row['rewards'].shape)}, not (1,)")
+    for key in ("rewards", "episode_id"):
+        if tuple(row[key].shape) != (1,):
+            raise RowContractError(f"{key} has shape {tuple(row[key].shape)}, not (1,)")
     if not bool(((row["loss_mask"] == 0) | (row["loss_mask"] == 1)).all()):
         raise RowContractError("loss_mask holds values other than 0 and 1")
     _validate_images(row["multi_modal_input"])

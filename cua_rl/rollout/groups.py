@@ -1,63 +1,146 @@
-"""Group filters for ``PPOTrainer.train(dynamic_filter_fn=...)``, passed by dotted path.
+"""Group filters for ``PPOTrainer.train(dynamic_filter_fn=...)``: episodes are the unit of credit.
 
 AReaL runs the filter in the rollout worker on each finished group (the rows of the
 ``gconfig.n_samples`` episodes of one task, concatenated) and trains only accepted groups; for a
-rejected one it draws another task. Its group normalisation slices fixed-size chunks of rows
-with no check, so a group that lost a member would mix groups: both filters drop those. A group
-whose rewards are all equal has zero advantage everywhere and teaches nothing;
-``complete_groups`` only counts it, ``complete_varied_groups`` also drops it.
+rejected one it draws another task. An episode gives one row per run of calls that extend one
+another (an agent that re-renders its history gives one per call), so a group has a variable
+number of rows. AReaL's own group normalisation (``actor.reward_norm`` at group level) slices
+fixed chunks of ``n_samples`` rows and would mix groups: the config refuses it, and the filter
+normalises here instead, where the group is whole and its episodes are known by the
+``episode_id`` every row carries:
 
-Each group records 0/1 stats under the rollout scope, so the step's stats (means over the
-step's groups) are shares: ``cua/group/accepted``, ``cua/group/rejected/incomplete``,
-``cua/group/zero_variance`` (of complete groups) and, from ``complete_varied_groups`` only,
-``cua/group/rejected/zero_variance``.
+- a group is complete when it holds ``n_samples`` distinct episodes (rows do not count);
+- its episode rewards (one per episode, however many rows) are centred and scaled as
+  ``group_norm`` says, and every row of an episode gets that episode's value in ``rewards``, so
+  with AReaL's GAE at discount 1 (no critic) each trained token's advantage is its episode's;
+- a group whose episode rewards are all equal teaches nothing; ``complete_groups`` counts it,
+  ``complete_varied_groups`` also drops it.
+
+The filter is called with the group alone; its settings are those of the train workflow built in
+the same worker process (``configure``), which come from the config like every other setting.
+Each group records 0/1 stats under the rollout scope, so the step's stats are shares:
+``cua/group/accepted``, ``cua/group/rejected/incomplete``, ``cua/group/zero_variance`` (of
+complete groups), ``cua/group/rejected/zero_variance`` (``complete_varied_groups`` only), and
+``cua/group/rows_per_episode``.
 """
 
 from __future__ import annotations
 
-import os
+from dataclasses import dataclass, field
 from typing import Any
 
+from cua_rl.core.fields import doc
 from cua_rl.errors import ConfigError
 from cua_rl.logs import get_logger
 
-log = get_logger("cua_rl.rollout.groups")
-
-GROUP_SIZE_ENV = "CUA_RL_GROUP_SIZE"
-# Rewards within this spread count as equal; train.py sets it from curriculum.zero_variance_tol.
-ZERO_VARIANCE_TOL_ENV = "CUA_RL_ZERO_VARIANCE_TOL"
-DEFAULT_ZERO_VARIANCE_TOL = 1e-6
+log = get_logger(__name__)
 
 COMPLETE_GROUPS = "cua_rl.rollout.groups.complete_groups"
 COMPLETE_VARIED_GROUPS = "cua_rl.rollout.groups.complete_varied_groups"
+NORM_LEVELS = ("group", "none")
 
 
-def expected_group_size() -> int:
-    expected = os.environ.get(GROUP_SIZE_ENV)
-    if not expected:
+@dataclass
+class GroupNormConfig:
+    """GRPO's per-group normalisation of episode rewards (each episode counted once)."""
+
+    mean_level: str = doc(
+        "group", "group: subtract the mean reward of the group's episodes; none: do not centre"
+    )
+    std_level: str = doc(
+        "group", "group: divide by the std of the group's episode rewards (+eps); none: do not"
+    )
+    mean_leave1out: bool = doc(False, "Centre each episode on the mean of the others (RLOO)")
+    std_unbiased: bool = doc(True, "Unbiased (n-1) std, as AReaL's NormConfig by default")
+    eps: float = doc(1e-5, "Added to the std before dividing")
+
+    def __post_init__(self) -> None:
+        for name in ("mean_level", "std_level"):
+            if getattr(self, name) not in NORM_LEVELS:
+                raise ConfigError(
+                    f"group_norm.{name}={getattr(self, name)!r}; use group or none (batch-level "
+                    "scaling of advantages is actor.adv_norm's)"
+                )
+        if self.eps < 0:
+            raise ConfigError(f"group_norm.eps={self.eps} must be >= 0, e.g. 1e-5")
+
+
+@dataclass
+class GroupSettings:
+    """What the filter needs; part of the train workflow's settings."""
+
+    size: int = 1  # episodes per group: gconfig.n_samples
+    zero_variance_tol: float = 1e-6  # rewards within this spread count as equal
+    norm: GroupNormConfig = field(default_factory=GroupNormConfig)
+
+
+_settings: GroupSettings | None = None
+
+
+def configure(settings: GroupSettings) -> None:
+    """Set the filter's settings in this process (the train workflow does, when it is built)."""
+    global _settings
+    _settings = settings
+
+
+def configured() -> GroupSettings:
+    if _settings is None:
         raise ConfigError(
-            f"the group filter needs ${GROUP_SIZE_ENV} (the group size, gconfig.n_samples); "
-            "train.py sets it: set it yourself when you use the filter elsewhere"
+            "the group filter has no settings in this process: it runs beside a "
+            "CUAAgentWorkflow built for training (which sets them); elsewhere call "
+            "cua_rl.rollout.groups.configure(GroupSettings(size=..))"
         )
-    try:
-        return int(expected)
-    except ValueError:
-        raise ConfigError(f"${GROUP_SIZE_ENV}={expected!r} is not an integer") from None
+    return _settings
 
 
-def zero_variance_tol() -> float:
-    raw = os.environ.get(ZERO_VARIANCE_TOL_ENV)
-    if not raw:
-        return DEFAULT_ZERO_VARIANCE_TOL
-    try:
-        return float(raw)
-    except ValueError:
-        raise ConfigError(f"${ZERO_VARIANCE_TOL_ENV}={raw!r} is not a number") from None
+def episode_rewards(traj: dict[str, Any]) -> tuple[list[int], list[float], list[list[int]]]:
+    """(episode ids in row order, each episode's reward, each episode's row indices)."""
+    if "episode_id" not in traj:
+        raise ConfigError(
+            "the group's rows carry no episode_id: the group filter needs rows built by "
+            "cua_rl.trajectory (CUAAgentWorkflow or a subclass)"
+        )
+    ids = [int(x) for x in traj["episode_id"].reshape(-1).tolist()]
+    rewards = traj["rewards"].detach().float().reshape(-1).tolist()
+    order: list[int] = []
+    rows: dict[int, list[int]] = {}
+    for i, e in enumerate(ids):
+        if e not in rows:
+            order.append(e)
+            rows[e] = []
+        rows[e].append(i)
+    per_episode = []
+    for e in order:
+        values = {rewards[i] for i in rows[e]}
+        if len(values) != 1:
+            raise ValueError(f"episode {e}'s rows carry different rewards: {sorted(values)}")
+        per_episode.append(values.pop())
+    return order, per_episode, [rows[e] for e in order]
 
 
-def reward_spread(traj: dict[str, Any]) -> float:
-    rewards = traj["rewards"].detach().float().reshape(-1)
-    return float(rewards.max() - rewards.min())
+def normalised(rewards: list[float], norm: GroupNormConfig) -> list[float]:
+    """Each episode's advantage: its reward centred and scaled within the group."""
+    import torch
+
+    x = torch.tensor(rewards, dtype=torch.float64)
+    n = x.numel()
+    if norm.mean_level == "group":
+        if norm.mean_leave1out:
+            mean = (x.sum() - x) / (n - 1) if n > 1 else torch.zeros_like(x)
+        else:
+            mean = x.mean().expand_as(x)
+    else:
+        mean = torch.zeros_like(x)
+    centred = x - mean
+    if norm.std_level == "group":
+        if n == 1 and norm.std_unbiased:
+            std = torch.ones(())
+        else:
+            # AReaL measures the spread around the mean it subtracted (leave-one-out included).
+            dev = ((x - mean) ** 2).sum()
+            std = (dev / (n - 1 if norm.std_unbiased else n)).sqrt()
+        return (centred / (std + norm.eps)).tolist()
+    return centred.tolist()
 
 
 def _record(**stats: float) -> None:
@@ -68,33 +151,43 @@ def _record(**stats: float) -> None:
 
 
 def _judge(traj: dict[str, Any], *, drop_zero_variance: bool) -> bool:
-    expected = expected_group_size()
-    rows = traj["input_ids"].shape[0]
-    stats = {"cua/group/rejected/incomplete": 0.0}
+    import torch
+
+    settings = configured()
+    episodes, rewards, rows = episode_rewards(traj)
+    stats = {
+        "cua/group/rejected/incomplete": 0.0,
+        "cua/group/rows_per_episode": traj["rewards"].numel() / max(len(episodes), 1),
+    }
     if drop_zero_variance:
         stats["cua/group/rejected/zero_variance"] = 0.0
     accepted = True
-    if rows != expected:
-        log.warning("group rejected: %d of %s members returned a row", rows, expected)
+    if len(episodes) != settings.size:
+        log.warning("group rejected: %d of %d episodes returned rows", len(episodes), settings.size)
         stats["cua/group/rejected/incomplete"] = 1.0
         accepted = False
     else:
-        zero_variance = reward_spread(traj) <= zero_variance_tol()
+        zero_variance = max(rewards) - min(rewards) <= settings.zero_variance_tol
         stats["cua/group/zero_variance"] = float(zero_variance)
         if zero_variance and drop_zero_variance:
             stats["cua/group/rejected/zero_variance"] = 1.0
             accepted = False
+    if accepted:
+        out = torch.empty_like(traj["rewards"])
+        for adv, idx in zip(normalised(rewards, settings.norm), rows, strict=True):
+            out[idx] = adv
+        traj["rewards"] = out
     stats["cua/group/accepted"] = float(accepted)
     _record(**stats)
     return accepted
 
 
 def complete_groups(traj: dict[str, Any]) -> bool:
-    """Accept a group only when every member returned a row (zero-variance groups are counted,
-    not dropped). The expected size comes from ``$CUA_RL_GROUP_SIZE``."""
+    """Accept a group only when every episode returned its rows, and normalise its rewards per
+    episode (zero-variance groups are counted, not dropped)."""
     return _judge(traj, drop_zero_variance=False)
 
 
 def complete_varied_groups(traj: dict[str, Any]) -> bool:
-    """``complete_groups``, and also drop groups whose rewards are all equal."""
+    """``complete_groups``, and also drop groups whose episode rewards are all equal."""
     return _judge(traj, drop_zero_variance=True)

@@ -15,6 +15,7 @@ from cua_rl.genv import GenvTimeouts
 from cua_rl.mini_agent import DriverConfig
 from cua_rl.reward import RewardConfig
 from cua_rl.rollout.drain import DrainConfig
+from cua_rl.rollout.groups import GroupSettings
 from cua_rl.tasks import TaskSelectionConfig, TaskSourceConfig
 from cua_rl.trajectory.config import TrajectoryConfig
 
@@ -101,3 +102,6 @@ class WorkflowSettings:
     # Where workers append episode outcomes for the controller's rejection watch (empty: off).
     outcome_dir: str = ""
     drain: DrainConfig = field(default_factory=DrainConfig)
+    # The group filter's settings (train phase): episodes per group, zero-variance tolerance,
+    # the per-group normalisation of episode rewards.
+    group: GroupSettings = field(default_factory=GroupSettings)

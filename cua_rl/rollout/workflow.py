@@ -6,7 +6,9 @@ the agent's model endpoint, which samples through the trainer's engine and captu
 tokens, logprobs, versions and images), starts a gbox-mini-agent run pointed at it, waits for
 it, evaluates the execution, computes the reward, and builds one training row from what the
 gateway captured (``endpoint.mode=direct``: from the agent's own event log) with the pure
-functions of ``cua_rl.trajectory``. Infrastructure failures return ``None`` with a counted reason;
+functions of ``cua_rl.trajectory``: one row per run of calls that extend one another, so every
+call is trained whatever the agent keeps in its context; the group filter
+(``cua_rl.rollout.groups``) then gives every row its episode's group-normalised reward. Infrastructure failures return ``None`` with a counted reason;
 a task the agent failed is a row with reward 0. When the run ends, the episodes still in flight
 are cancelled and closed within ``drain.timeout_s`` (``cua_rl.rollout.drain``).
 
@@ -33,6 +35,7 @@ from cua_rl.monitor.worker.context import MonitorContext
 from cua_rl.monitor.worker.recorder import RolloutRecorder
 from cua_rl.monitor.worker.uploader import http_fetcher
 from cua_rl.reward import EpisodeFacts, RewardOutcome, compute_reward
+from cua_rl.rollout import groups
 from cua_rl.rollout.drain import (
     DRAIN_REASON,
     drain_before_runner_stops,
@@ -40,12 +43,19 @@ from cua_rl.rollout.drain import (
     run_drained,
 )
 from cua_rl.rollout.episode import Episode, Phase, episode_stats, gateway_reason
-from cua_rl.rollout.groups import GROUP_SIZE_ENV, complete_groups  # noqa: F401  (train.py's dotted path)
+from cua_rl.rollout.groups import complete_groups  # noqa: F401  (an older dotted path)
 from cua_rl.rollout.outcomes import OutcomeLog
 from cua_rl.rollout.placement import is_surplus, rollout_source
 from cua_rl.rollout.services import Services
 from cua_rl.rollout.settings import WorkflowSettings
-from cua_rl.trajectory import ConversionResult, convert_turns, events_to_turns, fetch_images
+from cua_rl.trajectory import (
+    ConversionResult,
+    convert_turns,
+    events_to_turns,
+    fetch_images,
+    image_urls_needed,
+)
+from cua_rl.trajectory.row import episode_id_of
 
 log = get_logger("cua_rl.workflow")
 
@@ -63,6 +73,9 @@ class CUAAgentWorkflow(RolloutWorkflow):
         self._outcomes = OutcomeLog(settings.outcome_dir) if settings.outcome_dir else None
         self._processor = processor
         self.services = Services.shared(settings)
+        if settings.phase == "train":
+            # The group filter AReaL calls beside this workflow reads its settings from here.
+            groups.configure(settings.group)
         drain_before_runner_stops()
 
     @property
@@ -143,7 +156,7 @@ class CUAAgentWorkflow(RolloutWorkflow):
         if episode.capture is not None:
             turns, fetched = episode.capture.row_turns(turns), episode.capture.images()
         else:
-            urls = [u for t in turns[-1:] for u in t.image_urls]
+            urls = image_urls_needed(turns, cfg)
             try:
                 fetched = await fetch_images(urls, cfg, client=self.services.clients()[2])
             except RejectedEpisode as exc:
@@ -156,6 +169,7 @@ class CUAAgentWorkflow(RolloutWorkflow):
             version=episode.version,
             config=cfg,
             fetched_images=fetched,
+            episode_id=episode_id_of(episode.rollout_uuid),
         )
 
     async def record_episode(self, episode: Episode, recorder: RolloutRecorder) -> None:

@@ -7,8 +7,9 @@ Pipeline, as the workflow calls it::
     fetched = await fetch_images(urls, config, client=client)  # the only I/O (http(s) only)
     result = convert_turns(parsed.turns, processor=processor, reward=reward,
                            version=engine.get_version(), config=config,
-                           fetched_images=fetched)            # turns -> one row
-    row = result.row            # None when rejected; result.reason is the code
+                           fetched_images=fetched)  # turns -> a row per run of calls
+    rows = result.rows          # None when rejected; result.reason is the code
+    batch = result.row          # the rows as one padded batch, what AReaL trains
 
 ``convert_events`` does the first and last step in one call for logs whose images are data URLs.
 """
@@ -29,6 +30,7 @@ from cua_rl.trajectory.row import (
     ConversionResult,
     Segment,
     convert_turns,
+    episode_id_of,
     image_urls_needed,
     row_summary,
     split_segments,
@@ -43,6 +45,7 @@ def convert_events(
     version,
     config: TrajectoryConfig | None = None,
     fetched_images=None,
+    episode_id: int = 0,
 ) -> ConversionResult:
     """events -> row in one call; malformed events become a rejection, not an exception."""
     try:
@@ -56,6 +59,7 @@ def convert_events(
         version=version,
         config=config,
         fetched_images=fetched_images,
+        episode_id=episode_id,
     )
     result.stats["incomplete_turns"] = parsed.incomplete_turns
     result.stats["duplicate_events"] = parsed.duplicates
@@ -74,6 +78,7 @@ __all__ = [
     "check_image_url",
     "convert_events",
     "convert_turns",
+    "episode_id_of",
     "events_to_turns",
     "fetch_images",
     "image_urls_needed",

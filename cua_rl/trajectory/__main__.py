@@ -26,7 +26,7 @@ def _parser() -> argparse.ArgumentParser:
     conv.add_argument("--reward", type=float, default=0.0, help="reward to put in the row")
     conv.add_argument("--version", type=int, default=0, help="policy version of generated tokens")
     conv.add_argument(
-        "--prefix-break-policy", default="last_segment", choices=("last_segment", "reject")
+        "--prefix-break-policy", default="rows", choices=("rows", "last_segment", "reject")
     )
     conv.add_argument(
         "--allow-host", action="append", default=[], help="image host allowed for http(s) URLs"

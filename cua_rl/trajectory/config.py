@@ -12,17 +12,20 @@ from dataclasses import dataclass
 from cua_rl.core.fields import doc
 from cua_rl.errors import ConfigError
 
-PREFIX_BREAK_POLICIES = ("last_segment", "reject")
+PREFIX_BREAK_POLICIES = ("rows", "last_segment", "reject")
 MISSING_TOKENS_POLICIES = ("reject", "retokenize")
 
 
 @dataclass
 class TrajectoryConfig:
     prefix_break_policy: str = doc(
-        "last_segment",
+        "rows",
         (
-            "What to do when a turn's prompt ids do not start with the row so far: "
-            "'last_segment' trains the last consistent run of turns, 'reject' drops the episode."
+            "What to do when a turn's prompt ids do not start with the row so far (an agent "
+            "that trims its screenshots or re-renders its history): 'rows' trains every run of "
+            "consistent turns as a row of its own (every call trained once); 'last_segment' "
+            "trains the last run only and drops the others (counted: dropped_turns); 'reject' "
+            "drops the episode."
         ),
     )
     missing_tokens_policy: str = doc(

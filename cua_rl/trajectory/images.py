@@ -100,23 +100,31 @@ def load_images(
 
 def iter_images(urls: Iterable[str], fetched: Mapping[str, bytes], config: TrajectoryConfig):
     """Like :func:`load_images`, one image at a time (bounded memory on long episodes)."""
+    for url in urls:
+        yield decode_image(url, image_bytes(url, fetched, config))
+
+
+def image_bytes(url: str, fetched: Mapping[str, bytes], config: TrajectoryConfig) -> bytes:
+    """The encoded bytes of ``url``: fetched (or captured), or a data URL's payload."""
+    # Bytes already in hand (fetched, or captured by the gateway as the model received them)
+    # were vetted when they were obtained.
+    if url in fetched:
+        return fetched[url]
+    if check_image_url(url, config) == "data":
+        return decode_data_url(url, config)
+    raise RejectedEpisode(Reason.IMAGE_NOT_FETCHED, f"{url} was not fetched")
+
+
+def decode_image(url: str, raw: bytes):
+    """``raw`` as an RGB PIL image; an undecodable image rejects the episode."""
     from PIL import Image, UnidentifiedImageError
 
-    for url in urls:
-        # Bytes already in hand (fetched, or captured by the gateway as the model received
-        # them) were vetted when they were obtained.
-        if url in fetched:
-            raw = fetched[url]
-        elif check_image_url(url, config) == "data":
-            raw = decode_data_url(url, config)
-        else:
-            raise RejectedEpisode(Reason.IMAGE_NOT_FETCHED, f"{url} was not fetched")
-        try:
-            img = Image.open(io.BytesIO(raw))
-            img.load()
-        except (UnidentifiedImageError, OSError, ValueError) as exc:
-            raise RejectedEpisode(Reason.IMAGE_DECODE_FAILED, f"{url[:60]}: {exc}") from exc
-        yield img.convert("RGB")
+    try:
+        img = Image.open(io.BytesIO(raw))
+        img.load()
+    except (UnidentifiedImageError, OSError, ValueError) as exc:
+        raise RejectedEpisode(Reason.IMAGE_DECODE_FAILED, f"{url[:60]}: {exc}") from exc
+    return img.convert("RGB")
 
 
 def image_processor_of(processor):

@@ -1,14 +1,19 @@
-"""Turns -> one AReaL training row, merged only where the multi-turn prefix property holds.
+"""Turns -> an episode's training rows: one per run of calls that extend one another.
 
-The row is built from the ids the model saw and sampled (docs/design.md, decision 1). Turn t
-joins the running row when its prompt ids start with the row so far (turn t-1's prompt +
-output); then the row becomes turn t's prompt + output, and every earlier turn's output keeps its
-position, so its loss mask, logprobs and version can be laid on the final ids. The row's keys,
-dtypes and shapes are the contract in ``cua_rl.core.row``, checked before a row is returned. When the property breaks, the break
-is counted and a new segment starts; the config then trains the last segment or rejects the
-episode, so a row never mixes contexts. The images of the row are those of its last prompt (an
-append-only history carries every earlier screenshot); their pad-token runs in the prompt ids must
-match what the processor computes per image, or the episode is rejected.
+Rows are built from the ids the model saw and sampled (docs/design.md, decisions 1 and 2). Turn t
+joins the running segment when its prompt ids start with the segment so far (turn t-1's prompt +
+output); the segment's ids then become turn t's prompt + output, and every earlier turn's output
+keeps its position, so its loss mask, logprobs and version can be laid on the final ids. When the
+property breaks (an agent that keeps a window of screenshots or re-renders its history breaks it
+on every call) a new segment starts, and each segment becomes a row of its own: every answered
+call is trained exactly once and no row mixes contexts. An append-only agent gives one row.
+
+A row's images are those of its last prompt; their pad-token runs in the prompt ids must match
+what the processor computes per image, or the episode is rejected. Each distinct image (by its
+bytes) goes through the processor once per episode however many rows hold it, and is let go
+after the last row that holds it, so a sliding window's conversion holds about a window of
+processed images, whatever the episode's length. Every row carries the episode's reward and id:
+the group filter counts episodes by that id, not rows (``cua_rl.rollout.groups``).
 
 ``convert_turns`` is pure (no network): http(s) images arrive as bytes from
 :func:`cua_rl.trajectory.images.fetch_images`.
@@ -16,6 +21,8 @@ match what the processor computes per image, or the episode is rejected.
 
 from __future__ import annotations
 
+import hashlib
+from collections import Counter
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field, replace
 from typing import Any
@@ -26,8 +33,9 @@ from cua_rl.errors import RejectedEpisode
 from cua_rl.trajectory.config import TrajectoryConfig
 from cua_rl.trajectory.events import Turn
 from cua_rl.trajectory.images import (
+    decode_image,
+    image_bytes,
     image_token_ids,
-    iter_images,
     load_images,
     process_images,
     tokenizer_of,
@@ -46,21 +54,58 @@ class Segment:
 
 @dataclass
 class ConversionResult:
-    """A row, or the reason there is none; ``stats`` is filled in both cases as far as known."""
+    """An episode's rows, or the reason there are none; ``stats`` is filled in both cases as far
+    as known. ``trained`` holds the indices of the turns the rows train."""
 
-    row: dict[str, Any] | None
+    rows: list[dict[str, Any]] | None
     reason: str | None = None
     detail: str = ""
     stats: dict[str, Any] = field(default_factory=dict)
+    trained: frozenset[int] = frozenset()
+    _batch: dict[str, Any] | None = field(default=None, repr=False)
 
     @property
     def ok(self) -> bool:
-        return self.row is not None
+        return self.rows is not None
+
+    @property
+    def row(self) -> dict[str, Any] | None:
+        """The episode's rows as one batch (``[rows, n]``, padded), what the workflow hands
+        AReaL; built once, so a change made to it is what is trained."""
+        if self.rows is None:
+            return None
+        if self._batch is None:
+            self._batch = self.rows[0] if len(self.rows) == 1 else stack_rows(self.rows)
+        return self._batch
 
     def raise_if_rejected(self) -> dict[str, Any]:
-        if self.row is None:
+        if self.rows is None:
             raise RejectedEpisode(self.reason or Reason.REJECTED, self.detail)
         return self.row
+
+
+def stack_rows(rows: Sequence[dict[str, Any]]) -> dict[str, Any]:
+    """Rows -> one batch, padded as AReaL pads the rows of a group (its own function)."""
+    from areal.utils.data import concat_padded_tensors
+
+    return concat_padded_tensors(list(rows))
+
+
+def unstack_rows(batch: dict[str, Any]) -> list[dict[str, Any]]:
+    """A batch of rows -> the rows (each cut to its attention mask): for tests and benches."""
+    out = []
+    for i in range(batch["input_ids"].shape[0]):
+        n = int(batch["attention_mask"][i].sum())
+        row = {}
+        for key, value in batch.items():
+            if key == "multi_modal_input":
+                row[key] = [value[i]]
+            elif value.dim() == 2:
+                row[key] = value[i : i + 1, :n]
+            else:
+                row[key] = value[i : i + 1]
+        out.append(row)
+    return out
 
 
 def split_segments(turns: Sequence[Turn]) -> tuple[list[Segment], int]:
@@ -99,6 +144,11 @@ def pad_runs(ids: Sequence[int], token_id: int) -> list[int]:
     return runs
 
 
+def episode_id_of(rollout_uuid: str) -> int:
+    """A positive int64 id for an episode, from its rollout uuid (the row's ``episode_id``)."""
+    return int(hashlib.sha256(rollout_uuid.encode()).hexdigest()[:15], 16)
+
+
 def _retokenize(turn: Turn, processor, images) -> None:
     """Fallback for a turn without token data: rebuild ids from its request (logprobs are 0).
 
@@ -121,6 +171,42 @@ def _retokenize(turn: Turn, processor, images) -> None:
     turn.output_logprobs = [0.0] * len(out)
 
 
+class ImageCache:
+    """Each distinct image of an episode through the processor once, kept until its last use.
+
+    ``uses`` counts, per URL, the rows still to come that hold it; identical bytes under two
+    URLs (a re-signed URL) share one entry.
+    """
+
+    def __init__(self, processor, fetched: Mapping[str, bytes], config: TrajectoryConfig, uses):
+        self.processor, self.fetched, self.config = processor, fetched, config
+        self.uses: Counter[str] = Counter(uses)
+        self._by_url: dict[str, str] = {}  # url -> content hash
+        self._held: dict[str, tuple[Any, Any, int]] = {}  # hash -> (pixels, grid [1,3], pads)
+        self._refs: Counter[str] = Counter()  # hash -> uses still to come
+        self.processed = 0
+        self.peak_bytes = 0
+
+    def take(self, url: str) -> tuple[Any, Any, int]:
+        """(pixel_values, image_grid_thw row, pad count) of ``url``, for one row."""
+        key = self._by_url.get(url)
+        if key is None:
+            raw = image_bytes(url, self.fetched, self.config)
+            key = self._by_url[url] = hashlib.sha256(raw).hexdigest()
+            self._refs[key] += self.uses[url]
+            if key not in self._held:
+                pixels, grid, pads = process_images(self.processor, [decode_image(url, raw)])
+                self._held[key] = (pixels, grid, pads[0])
+                self.processed += 1
+                held = sum(p.numel() * p.element_size() for p, _, _ in self._held.values())
+                self.peak_bytes = max(self.peak_bytes, held)
+        entry = self._held[key]
+        self._refs[key] -= 1
+        if self._refs[key] <= 0:
+            del self._held[key]
+        return entry
+
+
 def convert_turns(
     turns: Sequence[Turn],
     *,
@@ -129,32 +215,53 @@ def convert_turns(
     version: int | Sequence[int],
     config: TrajectoryConfig | None = None,
     fetched_images: Mapping[str, bytes] | None = None,
+    episode_id: int = 0,
 ) -> ConversionResult:
-    """Build the training row of one episode; never raises for bad episode data.
+    """Build the training rows of one episode; never raises for bad episode data.
 
     ``version`` is the engine's policy version for generated tokens: one int, or one per turn;
     a turn's own ``output_versions`` (one per token) take precedence.
     ``fetched_images`` maps the http(s) image URLs to their bytes (see ``fetch_images``).
+    ``episode_id`` is written on every row (``episode_id_of(rollout_uuid)`` in the workflow).
     """
     config = config or TrajectoryConfig()
     stats: dict[str, Any] = {
         "turns": len(turns),
         "prefix_breaks": 0,
         "segments": 0,
+        "rows": 0,
         "trained_turns": 0,
+        "dropped_turns": 0,
         "row_len": 0,
+        "row_tokens": 0,
+        "sampled_tokens": 0,
         "trained_tokens": 0,
         "images": 0,
+        "distinct_images": 0,
+        "processed_images": 0,
         "retokenized_turns": 0,
     }
+    trained: set[int] = set()
     try:
-        row = _convert(turns, processor, reward, version, config, fetched_images or {}, stats)
+        rows = _convert(
+            turns, processor, reward, version, config, fetched_images or {}, stats, trained
+        )
+        for row in rows:
+            row["episode_id"] = _episode_tensor(episode_id)
+            validate_row(row)
     except RejectedEpisode as exc:
         return ConversionResult(None, exc.reason, exc.detail, stats)
-    return ConversionResult(row, None, "", stats)
+    return ConversionResult(rows, None, "", stats, frozenset(trained))
 
 
-def _convert(turns, processor, reward, version, config, fetched, stats) -> dict[str, Any]:
+def _episode_tensor(episode_id: int):
+    import torch
+
+    return torch.tensor([int(episode_id)], dtype=torch.long)
+
+
+def _prepare(turns, processor, version, config, fetched, stats) -> tuple[list[Turn], dict]:
+    """The turns with token data (the retokenising fallback applied), and each one's version."""
     if not turns:
         raise RejectedEpisode(Reason.NO_TURNS, "the event log has no completed model call")
     if isinstance(version, int):
@@ -178,63 +285,108 @@ def _convert(turns, processor, reward, version, config, fetched, stats) -> dict[
             turns[i] = t = replace(t, actions=list(t.actions), errors=list(t.errors))
             _retokenize(t, processor, load_images(t.image_urls, fetched, config))
             stats["retokenized_turns"] += 1
-    version_of = {id(t): v for t, v in zip(turns, versions_per_turn, strict=True)}
+    return turns, {id(t): v for t, v in zip(turns, versions_per_turn, strict=True)}
 
+
+def _kept_segments(segments: list[Segment], breaks: int, config, stats) -> list[Segment]:
+    """The segments that become rows, by ``prefix_break_policy``."""
+    if breaks and config.prefix_break_policy == "reject":
+        n = sum(len(s.turns) for s in segments)
+        raise RejectedEpisode(Reason.PREFIX_BREAK, f"{breaks} prefix break(s) in {n} turns")
+    if config.prefix_break_policy == "last_segment":
+        # The former behaviour, kept to measure what training every call is worth: the turns
+        # before the last break are dropped, and counted.
+        stats["dropped_turns"] = sum(len(s.turns) for s in segments[:-1])
+        return segments[-1:]
+    return segments
+
+
+def _convert(turns, processor, reward, version, config, fetched, stats, trained) -> list[dict]:
+    turns, version_of = _prepare(turns, processor, version, config, fetched, stats)
+    stats["sampled_tokens"] = sum(len(t.output_ids) for t in turns)
     segments, breaks = split_segments(turns)
     stats["prefix_breaks"] = breaks
     stats["segments"] = len(segments)
-    if breaks and config.prefix_break_policy == "reject":
-        raise RejectedEpisode(
-            Reason.PREFIX_BREAK, f"{breaks} prefix break(s) in {len(turns)} turns"
-        )
-    seg = segments[-1]
-    last = seg.turns[-1]
-    ids = seg.ids
-    prompt_len = len(last.prompt_ids)
-    stats["trained_turns"] = len(seg.turns)
-    stats["row_len"] = len(ids)
+    kept = _kept_segments(segments, breaks, config, stats)
+    image_id, video_id = image_token_ids(processor)
+    for seg in kept:
+        _check_segment(seg, config, image_id, video_id)
+    cache = ImageCache(
+        processor, fetched, config, (u for seg in kept for u in seg.turns[-1].image_urls)
+    )
+    stats["distinct_images"] = len({u for seg in kept for u in seg.turns[-1].image_urls})
+    rows = []
+    for seg in kept:
+        rows.append(_segment_row(seg, cache, version_of, reward, image_id))
+        trained.update(t.index for t in seg.turns)
+        stats["images"] += len(seg.turns[-1].image_urls)
+        stats["row_tokens"] += len(seg.ids)
+        stats["row_len"] = max(stats["row_len"], len(seg.ids))
+    stats["rows"] = len(rows)
+    stats["trained_turns"] = sum(len(seg.turns) for seg in kept)
+    stats["trained_tokens"] = int(sum(int(r["loss_mask"].sum()) for r in rows))
+    stats["processed_images"] = cache.processed
+    stats["image_cache_peak_bytes"] = cache.peak_bytes
+    return rows
+
+
+def _check_segment(seg: Segment, config, image_id: int, video_id: int | None) -> None:
+    """What makes a segment untrainable, checked before any image is processed."""
+    ids, last = seg.ids, seg.turns[-1]
     if config.max_row_tokens and len(ids) > config.max_row_tokens:
         raise RejectedEpisode(Reason.ROW_TOO_LONG, f"{len(ids)} tokens > {config.max_row_tokens}")
-
-    image_id, video_id = image_token_ids(processor)
     for start, end, _ in seg.spans:
         sampled = ids[start:end]
         if image_id in sampled or (video_id is not None and video_id in sampled):
             raise RejectedEpisode(
                 Reason.IMAGE_TOKEN_IN_OUTPUT, "the model sampled an image/video pad token"
             )
-    if video_id is not None and video_id in ids[:prompt_len]:
+    prompt = ids[: len(last.prompt_ids)]
+    if video_id is not None and video_id in prompt:
         raise RejectedEpisode(Reason.VIDEO_UNSUPPORTED, "the prompt holds video tokens")
-
     urls = last.image_urls
     if len(urls) > config.max_images:
         raise RejectedEpisode(
             Reason.TOO_MANY_IMAGES, f"{len(urls)} images > max_images {config.max_images}"
         )
-    runs = pad_runs(ids[:prompt_len], image_id)
+    runs = pad_runs(prompt, image_id)
     if len(runs) != len(urls):
         raise RejectedEpisode(
             Reason.IMAGE_COUNT_MISMATCH,
-            f"prompt ids hold {len(runs)} image pad runs but the request has {len(urls)} images",
+            f"turn {last.index}: prompt ids hold {len(runs)} image pad runs but the request has "
+            f"{len(urls)} images",
         )
-    pixel_values, grid, per_image = process_images(processor, iter_images(urls, fetched, config))
-    if per_image != runs:
-        bad = next(i for i, (a, b) in enumerate(zip(per_image, runs, strict=True)) if a != b)
-        raise RejectedEpisode(
-            Reason.IMAGE_PAD_MISMATCH,
-            f"image {bad}: processor needs {per_image[bad]} pad tokens, prompt ids hold {runs[bad]}",
-        )
-    stats["images"] = len(per_image)
-
-    row = _assemble(seg, ids, version_of, reward, image_id, pixel_values, grid)
-    stats["trained_tokens"] = int(row["loss_mask"].sum())
-    return row
 
 
-def _assemble(seg, ids, version_of, reward, image_id, pixel_values, grid) -> dict[str, Any]:
-    """The row's tensors (the contract in ``cua_rl.core.row``), validated."""
+def _segment_row(seg: Segment, cache: ImageCache, version_of, reward, image_id) -> dict:
+    """One segment's row: its images from the cache, their pad counts checked."""
     import torch
 
+    last = seg.turns[-1]
+    runs = pad_runs(seg.ids[: len(last.prompt_ids)], image_id)
+    pixels, grids = [], []
+    for i, url in enumerate(last.image_urls):
+        pv, grid, pads = cache.take(url)
+        if pads != runs[i]:
+            raise RejectedEpisode(
+                Reason.IMAGE_PAD_MISMATCH,
+                f"turn {last.index}, image {i}: processor needs {pads} pad tokens, prompt ids "
+                f"hold {runs[i]}",
+            )
+        pixels.append(pv)
+        grids.append(grid)
+    if pixels:
+        pixel_values, grid = torch.cat(pixels), torch.cat(grids)
+    else:
+        pixel_values, grid, _ = process_images(cache.processor, [])
+    return _assemble(seg, version_of, reward, image_id, pixel_values, grid)
+
+
+def _assemble(seg, version_of, reward, image_id, pixel_values, grid) -> dict[str, Any]:
+    """The row's tensors (the contract in ``cua_rl.core.row``; the caller adds the id)."""
+    import torch
+
+    ids = seg.ids
     n = len(ids)
     loss_mask = [0] * n
     logprobs = [0.0] * n
@@ -250,7 +402,7 @@ def _assemble(seg, ids, version_of, reward, image_id, pixel_values, grid) -> dic
             logprobs[start + k] = lp[k]
             versions[start + k] = per_token[k] if per_token is not None else v
     input_ids = torch.tensor(ids, dtype=torch.long).unsqueeze(0)
-    row = {
+    return {
         "input_ids": input_ids,
         "loss_mask": torch.tensor(loss_mask, dtype=torch.int32).unsqueeze(0),
         "logprobs": torch.tensor(logprobs, dtype=torch.float32).unsqueeze(0),
@@ -260,34 +412,33 @@ def _assemble(seg, ids, version_of, reward, image_id, pixel_values, grid) -> dic
         "mm_token_type_ids": (input_ids == image_id).to(torch.long),
         "multi_modal_input": [{"pixel_values": pixel_values, "image_grid_thw": grid}],
     }
-    validate_row(row)
-    return row
 
 
 def image_urls_needed(turns: Sequence[Turn], config: TrajectoryConfig | None = None) -> list[str]:
-    """The image URLs conversion will read: the last prompt's (it carries the whole history),
-    plus those of turns that the retokenising fallback will rebuild."""
+    """The image URLs conversion will read: the last prompt of each segment (an append-only
+    history carries every earlier screenshot in the last one), plus those of turns that the
+    retokenising fallback will rebuild. Segments are not known before the fallback has run, so
+    every turn's images are named: a turn's images are its segment's last prompt's or earlier."""
     config = config or TrajectoryConfig()
-    if not turns:
-        return []
-    urls = list(turns[-1].image_urls)
-    if config.missing_tokens_policy == "retokenize":
-        for t in turns:
-            if t.missing:
-                urls.extend(u for u in t.image_urls if u not in urls)
+    urls: list[str] = []
+    for t in turns:
+        urls.extend(u for u in t.image_urls if u not in urls)
     return urls
 
 
 def row_summary(result: ConversionResult) -> dict[str, Any]:
     """The one-line summary the CLI prints (and the workflow can log)."""
     s = result.stats
+    ok = result.ok
     return {
         "turns": s.get("turns", 0),
-        "row_len": s.get("row_len", 0) if result.ok else 0,
-        "trained_tokens": s.get("trained_tokens", 0) if result.ok else 0,
-        "images": s.get("images", 0) if result.ok else 0,
+        "rows": s.get("rows", 0) if ok else 0,
+        "row_len": s.get("row_len", 0) if ok else 0,
+        "sampled_tokens": s.get("sampled_tokens", 0),
+        "trained_tokens": s.get("trained_tokens", 0) if ok else 0,
+        "images": s.get("images", 0) if ok else 0,
         "prefix_breaks": s.get("prefix_breaks", 0),
-        "trained_turns": s.get("trained_turns", 0) if result.ok else 0,
+        "trained_turns": s.get("trained_turns", 0) if ok else 0,
         "rejected": result.reason,
         "detail": result.detail or None,
     }

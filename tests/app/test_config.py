@@ -35,8 +35,9 @@ def test_production_config_loads_with_overrides(tmp_path):
     cfg = _load(PROD, tmp_path, *PROD_REQUIRED, "gconfig.n_samples=8", "agent.max_steps=20")
     assert isinstance(cfg, CUAConfig)
     assert cfg.gconfig.n_samples == 8
-    # Interpolations follow the override.
-    assert cfg.actor.reward_norm.group_size == 8
+    # Interpolations follow the override; the group filter counts episodes in groups of 8.
+    assert cfg.actor.reward_norm is None
+    assert cfg.workflow_settings().group.size == 8
     assert cfg.agent.max_steps == 20
     assert cfg.gym.gym_id == "android-world"
     assert cfg.vllm.model == "/models/policy"
@@ -171,3 +172,16 @@ def test_selective_logits_is_on_by_default_and_can_be_switched_off(tmp_path):
     assert _load(LOCAL, tmp_path, "actor.path=/models/tiny").logits.selective is True
     off = _load(LOCAL, tmp_path, "actor.path=/models/tiny", "logits.selective=false")
     assert off.logits.selective is False
+
+
+def test_group_level_reward_norm_is_refused_with_the_fix(tmp_path):
+    # AReaL's chunks of n_samples rows would mix groups once an episode has several rows.
+    with pytest.raises(ConfigError, match=r"actor.reward_norm: null"):
+        _load(
+            PROD,
+            tmp_path,
+            *PROD_REQUIRED,
+            "actor.reward_norm={mean_level: group, std_level: group, group_size: 4}",
+        )
+    with pytest.raises(ConfigError, match=r"actor.adv_norm at group level"):
+        _load(PROD, tmp_path, *PROD_REQUIRED, "actor.adv_norm.mean_level=group")

@@ -46,7 +46,7 @@ def test_learn_is_local_plus_its_differences(tmp_path):
     assert differing == {}
     # The composition did apply local.yaml (learn.yaml no longer says these).
     assert composed["vllm.enforce_eager"] is True
-    assert composed["trajectory.prefix_break_policy"] == "last_segment"
+    assert composed["trajectory.prefix_break_policy"] == "rows"
     assert "vllm:" not in (ROOT / "configs/learn.yaml").read_text()
 
 

@@ -21,9 +21,11 @@ from cua_rl.monitor.protocol import step_client_id
 from cua_rl.monitor.server.app import create_app
 from cua_rl.monitor.server.store import MonitorStore
 from cua_rl.reward import RewardConfig
+from cua_rl.rollout import groups
 from cua_rl.rollout.episode import Episode
+from cua_rl.rollout.groups import GroupSettings
 from cua_rl.rollout.settings import AgentSection, EndpointSection, GymSection, WorkflowSettings
-from cua_rl.rollout.workflow import GROUP_SIZE_ENV, CUAAgentWorkflow, complete_groups
+from cua_rl.rollout.workflow import CUAAgentWorkflow
 from cua_rl.serving import ThreadedServer, bind_free_port
 from cua_rl.sim.agent import AgentServer
 from cua_rl.sim.gym import GymServer
@@ -40,6 +42,7 @@ ROW_KEYS = {
     "versions",
     "attention_mask",
     "rewards",
+    "episode_id",
     "mm_token_type_ids",
     "multi_modal_input",
 }
@@ -283,17 +286,30 @@ async def test_cancelled_episode_leaves_no_open_execution(
     assert await _open_executions(gym) == []
 
 
-def test_complete_groups_rejects_groups_that_lost_members(monkeypatch):
-    monkeypatch.setenv(GROUP_SIZE_ENV, "4")
+def test_the_train_workflow_gives_the_group_filter_its_settings():
+    # AReaL calls the filter with the group alone, in the process that built the workflow.
+    def wf(phase: str, size: int) -> CUAAgentWorkflow:
+        return CUAAgentWorkflow(
+            WorkflowSettings(
+                gym=GymSection(),
+                agent=AgentSection(),
+                endpoint=EndpointSection(),
+                trajectory=TrajectoryConfig(),
+                reward=RewardConfig(),
+                processor_path="unused",
+                phase=phase,
+                group=GroupSettings(size=size),
+            )
+        )
 
-    def group(n: int) -> dict:
-        return {"input_ids": torch.zeros(n, 7), "rewards": torch.arange(n, dtype=torch.float32)}
-
-    assert complete_groups(group(4))
-    assert not complete_groups(group(3))
-    monkeypatch.delenv(GROUP_SIZE_ENV)
-    with pytest.raises(ValueError, match=GROUP_SIZE_ENV):
-        complete_groups(group(4))
+    groups._settings = None
+    try:
+        wf("train", 4)
+        assert groups.configured().size == 4
+        wf("eval", 1)  # an eval workflow in the same worker leaves the train group's settings
+        assert groups.configured().size == 4
+    finally:
+        groups._settings = None
 
 
 def test_settings_must_be_workflow_settings():

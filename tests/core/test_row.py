@@ -17,6 +17,7 @@ def _row(n: int = 5, **overrides):
         "versions": torch.full((1, n), -1, dtype=torch.int32),
         "attention_mask": torch.ones((1, n), dtype=torch.bool),
         "rewards": torch.tensor([1.0]),
+        "episode_id": torch.tensor([7]),
         "mm_token_type_ids": torch.zeros((1, n), dtype=torch.long),
         "multi_modal_input": [
             {
@@ -46,6 +47,8 @@ def test_a_row_to_the_contract_passes():
         ({"logprobs": [0.0] * 5}, "logprobs must be a float32 tensor"),
         ({"versions": torch.zeros((1, 4), dtype=torch.int32)}, r"versions has shape \(1, 4\)"),
         ({"rewards": torch.tensor([[1.0]])}, "rewards has shape"),
+        ({"episode_id": torch.tensor([7, 7])}, "episode_id has shape"),
+        ({"episode_id": torch.tensor([7.0])}, "episode_id must be a int64"),
         ({"loss_mask": torch.full((1, 5), 2, dtype=torch.int32)}, "other than 0 and 1"),
         ({"multi_modal_input": {}}, "a list of one dict"),
         (

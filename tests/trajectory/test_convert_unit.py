@@ -164,11 +164,46 @@ def test_per_turn_versions(images, processor):
     assert v[len(p2) :] == [4] * len(o2)
 
 
-def test_prefix_break_last_segment(images, processor):
-    events, _, (p2, o2, l2) = _two_turn_log(images, break_prefix=True)
-    res = convert_events(events, processor=processor, reward=1.0, version=0)
+def test_prefix_break_gives_each_run_of_calls_its_own_row(images, processor):
+    _, pads, hf = images
+    events, (p1, o1, l1), (p2, o2, l2) = _two_turn_log(images, break_prefix=True)
+    res = convert_events(events, processor=processor, reward=1.0, version=[3, 4], episode_id=77)
+    assert res.ok, res.detail
+    assert len(res.rows) == 2 and res.trained == {0, 1}
+    first, second = res.rows
+    assert first["input_ids"][0].tolist() == p1 + o1
+    assert first["loss_mask"][0].tolist() == [0] * len(p1) + [1] * len(o1)
+    assert first["logprobs"][0, len(p1) :].tolist() == l1
+    assert first["versions"][0, len(p1) :].tolist() == [3] * len(o1)
+    assert second["input_ids"][0].tolist() == p2 + o2
+    assert second["logprobs"][0, len(p2) :].tolist() == l2
+    # Each row holds its own prompt's images: the first one screenshot, the second both.
+    first_patches = int(hf["image_grid_thw"][0].prod())
+    mm1, mm2 = first["multi_modal_input"][0], second["multi_modal_input"][0]
+    assert torch.equal(mm1["image_grid_thw"], hf["image_grid_thw"][:1])
+    assert torch.allclose(mm1["pixel_values"], hf["pixel_values"][:first_patches])
+    assert torch.equal(mm2["image_grid_thw"], hf["image_grid_thw"])
+    assert torch.allclose(mm2["pixel_values"], hf["pixel_values"])
+    for row in res.rows:
+        assert row["rewards"].tolist() == [1.0] and row["episode_id"].tolist() == [77]
+    # Every sampled token is trained once; the shared screenshot went through the processor once.
+    s = res.stats
+    assert s["sampled_tokens"] == s["trained_tokens"] == len(o1) + len(o2)
+    assert (s["rows"], s["trained_turns"], s["dropped_turns"]) == (2, 2, 0)
+    assert (s["images"], s["distinct_images"], s["processed_images"]) == (3, 2, 2)
+    # The batch AReaL receives: both rows, padded to the longer.
+    assert res.row["input_ids"].shape == (2, len(p2) + len(o2))
+    assert res.row["attention_mask"][0].sum().item() == len(p1) + len(o1)
+
+
+def test_prefix_break_last_segment_trains_the_tail_and_counts_the_rest(images, processor):
+    events, (p1, o1, _), (p2, o2, l2) = _two_turn_log(images, break_prefix=True)
+    cfg = TrajectoryConfig(prefix_break_policy="last_segment")
+    res = convert_events(events, processor=processor, reward=1.0, version=0, config=cfg)
     assert res.ok
     assert res.stats["prefix_breaks"] == 1 and res.stats["trained_turns"] == 1
+    assert res.stats["dropped_turns"] == 1 and res.trained == {1}
+    assert res.stats["sampled_tokens"] - res.stats["trained_tokens"] == len(o1)
     assert res.row["input_ids"][0].tolist() == p2 + o2
     assert res.row["loss_mask"][0].tolist() == [0] * len(p2) + [1] * len(o2)
     assert res.row["logprobs"][0, len(p2) :].tolist() == l2
@@ -221,7 +256,7 @@ def test_image_pad_mismatch_rejected(images, processor):
     ids = out["prompt_token_ids"]
     ids.remove(PAD)
     res = convert_events(events, processor=processor, reward=0.0, version=0)
-    # The shortened prompt also breaks the prefix; the last segment is then checked on its own.
+    # The shortened prompt also breaks the prefix; each segment is then checked on its own.
     assert res.stats["prefix_breaks"] == 1
     assert res.reason == "image_pad_mismatch"
     assert "image 0" in res.detail

@@ -13,6 +13,8 @@ import logging
 import pytest
 import torch
 
+from cua_rl.rollout import groups
+from cua_rl.rollout.groups import GroupSettings, complete_groups
 from cua_rl.testing.forward import load_vl_model, trained_gap
 from cua_rl.trajectory import TrajectoryConfig, convert_events
 
@@ -70,10 +72,12 @@ def test_byte_model_rows_merge_turns(recorded_logs, byte_rows):
     for events, res in zip(recorded_logs, byte_rows, strict=True):
         raw = _raw_turns(events)
         assert len(raw) >= 1
-        start = _expected_segment_start(raw)
-        assert res.stats["prefix_breaks"] == _n_breaks(raw)
-        assert res.stats["trained_turns"] == len(raw) - start
-        merged_turns += len(raw) - start
+        breaks = _n_breaks(raw)
+        assert res.stats["prefix_breaks"] == breaks
+        # Every turn is trained: a row per run of turns that extend one another.
+        assert len(res.rows) == res.stats["rows"] == breaks + 1
+        assert res.stats["trained_turns"] == len(raw)
+        merged_turns += len(raw) - len(res.rows)
     # ASCII-constrained sampling on the byte tokenizer keeps the prefix property, so most turns
     # of the three 4-step runs land in merged rows (a reply ended by <|endoftext|> still breaks).
     assert merged_turns > len(byte_rows)
@@ -82,23 +86,23 @@ def test_byte_model_rows_merge_turns(recorded_logs, byte_rows):
 def test_trained_tokens_are_the_sampled_ids_and_logprobs(recorded_logs, byte_rows):
     for events, res in zip(recorded_logs, byte_rows, strict=True):
         raw = _raw_turns(events)
-        raw = raw[_expected_segment_start(raw) :]
-        row = res.row
-        mask = row["loss_mask"][0].bool()
-        trained_ids = row["input_ids"][0][mask].tolist()
-        trained_lp = row["logprobs"][0][mask].tolist()
+        trained_ids, trained_lp = [], []
+        for row in res.rows:  # in turn order
+            mask = row["loss_mask"][0].bool()
+            trained_ids += row["input_ids"][0][mask].tolist()
+            trained_lp += row["logprobs"][0][mask].tolist()
+            assert set(row["versions"][0][mask].tolist()) == {5}
+            assert set(row["versions"][0][~mask].tolist()) == {-1}
+            assert (row["logprobs"][0][~mask] == 0).all()
         assert trained_ids == [t for _, ids, _ in raw for t in ids]
         want_lp = torch.tensor([x for _, _, lps in raw for x in lps], dtype=torch.float32)
         assert trained_lp == want_lp.tolist()
-        assert set(row["versions"][0][mask].tolist()) == {5}
-        assert set(row["versions"][0][~mask].tolist()) == {-1}
-        assert (row["logprobs"][0][~mask] == 0).all()
 
 
 def test_prompt_part_is_the_last_prompt_token_ids(recorded_logs, byte_rows):
     for events, res in zip(recorded_logs, byte_rows, strict=True):
         prompt, ids, _ = _raw_turns(events)[-1]
-        row_ids = res.row["input_ids"][0].tolist()
+        row_ids = res.rows[-1]["input_ids"][0].tolist()
         assert row_ids[: len(prompt)] == prompt
         assert row_ids[len(prompt) :] == ids
 
@@ -106,12 +110,15 @@ def test_prompt_part_is_the_last_prompt_token_ids(recorded_logs, byte_rows):
 def test_images_match_the_prompt(recorded_logs, byte_rows, processor):
     pad = processor.tokenizer.convert_tokens_to_ids("<|image_pad|>")
     for res in byte_rows:
-        row = res.row
-        grid = row["multi_modal_input"][0]["image_grid_thw"]
-        assert grid.shape == (res.stats["turns"], 3)  # one screenshot per step
-        assert int((row["input_ids"] == pad).sum()) == int(grid.prod(-1).sum()) // 4
-        assert torch.equal(row["mm_token_type_ids"].bool(), row["input_ids"] == pad)
-        assert row["multi_modal_input"][0]["pixel_values"].shape[0] == int(grid.prod(-1).sum())
+        # One screenshot per step, and the agent keeps them all: the last prompt holds each.
+        last = res.rows[-1]["multi_modal_input"][0]["image_grid_thw"]
+        assert last.shape == (res.stats["turns"], 3)
+        for row in res.rows:
+            grid = row["multi_modal_input"][0]["image_grid_thw"]
+            assert int((row["input_ids"] == pad).sum()) == int(grid.prod(-1).sum()) // 4
+            assert torch.equal(row["mm_token_type_ids"].bool(), row["input_ids"] == pad)
+            pixels = row["multi_modal_input"][0]["pixel_values"]
+            assert pixels.shape[0] == int(grid.prod(-1).sum())
 
 
 @pytest.fixture(scope="module")
@@ -133,11 +140,11 @@ def test_logprob_agreement_with_transformers(byte_rows, hf_model, processor):
     """The servers run with --logprobs-mode processed_logprobs: the recorded logprobs are those
     of the distribution sampled from, here the model restricted to the allowed ids."""
     allowed = _ascii_allowed(processor)
-    for res in byte_rows:
-        diff = trained_gap(hf_model, res.row, allowed=allowed)
+    for row in (row for res in byte_rows for row in res.rows):
+        diff = trained_gap(hf_model, row, allowed=allowed)
         assert diff.max().item() < 1e-3, f"max |Δlogprob| {diff.max().item():.2e} over {len(diff)}"
         # Not the unrestricted model's: the restriction is in the recorded numbers.
-        assert trained_gap(hf_model, res.row).mean().item() > 0.1
+        assert trained_gap(hf_model, row).mean().item() > 0.1
 
 
 def test_regex_constrained_logprobs_are_of_the_masked_distribution(
@@ -158,10 +165,13 @@ def test_areal_accepts_rows(byte_rows):
     from areal.infra.workflow_executor import check_trajectory_format
     from areal.utils.data import concat_padded_tensors
 
-    rows = [r.row for r in byte_rows]
+    rows = [row for res in byte_rows for row in res.rows]
     keys = set(rows[0])
     for row in rows:
         assert check_trajectory_format(row, batch_size=1, expected_keys=keys)
+    for res in byte_rows:  # an episode's rows, as the workflow returns them
+        batch = res.row
+        assert check_trajectory_format(batch, batch_size=len(res.rows), expected_keys=keys)
     batch = concat_padded_tensors(rows)
     assert check_trajectory_format(batch, batch_size=len(rows), expected_keys=keys)
     lens = [r["input_ids"].shape[1] for r in rows]
@@ -185,13 +195,17 @@ class _ReplayWorkflow:
         if i in self.drop:
             return None
         res = convert_events(
-            self.logs[i], processor=self.processor, reward=self.rewards[i], version=1
+            self.logs[i],
+            processor=self.processor,
+            reward=self.rewards[i],
+            version=1,
+            episode_id=i + 1,
         )
         return res.row
 
 
 async def test_grouped_workflow_and_advantages(recorded_logs, processor):
-    from areal.api.cli_args import NormConfig, PPOActorConfig
+    from areal.api.cli_args import PPOActorConfig
     from areal.infra.remote_inf_engine import GroupedRolloutWorkflow
     from areal.infra.workflow_executor import check_trajectory_format
     from areal.trainer.ppo.actor import PPOActor
@@ -202,15 +216,22 @@ async def test_grouped_workflow_and_advantages(recorded_logs, processor):
     grouped = GroupedRolloutWorkflow(inner, group_size=n, logger=logging.getLogger("test"))
     batch = await grouped.arun_episode(engine=None, data={"task_id": "sim-001"})
     assert inner.calls == n
-    assert check_trajectory_format(batch, batch_size=n)
-    assert batch["rewards"].tolist() == rewards
+    episode = batch["episode_id"].tolist()
+    assert check_trajectory_format(batch, batch_size=len(episode))
+    assert batch["rewards"].tolist() == [rewards[e - 1] for e in episode]
+    # The group filter normalises per episode in the rollout worker; AReaL's reward_norm is off.
+    groups.configure(GroupSettings(size=n))
+    try:
+        assert complete_groups(batch)
+    finally:
+        groups._settings = None
 
     cfg = PPOActorConfig(
         kl_ctl=0.0,
         discount=1.0,
         gae_lambda=1.0,
         adv_norm=None,
-        reward_norm=NormConfig(mean_level="group", std_level="group", group_size=n),
+        reward_norm=None,
         reward_bias=0.0,
         reward_scaling=1.0,
         reward_clip=20.0,
@@ -224,13 +245,20 @@ async def test_grouped_workflow_and_advantages(recorded_logs, processor):
     mask = out["loss_mask"].bool()  # AReaL rolled it by -1: position t predicts token t+1
     # GRPO-style: with discount 1, lambda 1 and no KL, every trained position of an episode
     # carries its group-normalised reward; the solved episode is above the group, the rest below.
-    for i in range(n):
+    # Each episode counts once, however many rows it has.
+    per_episode: dict[int, list[torch.Tensor]] = {}
+    for i, e in enumerate(episode):
         a = adv[i][mask[i]]
         assert a.numel() == int(batch["loss_mask"][i].sum())
+        per_episode.setdefault(e, []).append(a)
+    assert len(per_episode) == n
+    values = []
+    for e, parts in per_episode.items():
+        a = torch.cat(parts)
         assert torch.allclose(a, a[0].expand_as(a))
-        assert (a[0] > 0) if rewards[i] > 0 else (a[0] < 0)
-    per_episode = torch.stack([adv[i][mask[i]][0] for i in range(n)])
-    assert per_episode.sum().abs().item() < 1e-4
+        assert (a[0] > 0) if rewards[e - 1] > 0 else (a[0] < 0)
+        values.append(a[0])
+    assert torch.stack(values).sum().abs().item() < 1e-4
 
 
 async def test_grouped_workflow_drops_failed_members(recorded_logs, processor):
@@ -240,7 +268,12 @@ async def test_grouped_workflow_drops_failed_members(recorded_logs, processor):
     grouped = GroupedRolloutWorkflow(inner, group_size=3, logger=logging.getLogger("test"))
     batch = await grouped.arun_episode(engine=None, data={})
     # AReaL keeps the incomplete group: the workflow's dynamic_filter_fn must catch this.
-    assert batch["input_ids"].shape[0] == 2
+    assert set(batch["episode_id"].tolist()) == {1, 3}
+    groups.configure(GroupSettings(size=3))
+    try:
+        assert not complete_groups(batch)
+    finally:
+        groups._settings = None
 
 
 def test_bpe_prefix_break_follows_policy(bpe_logs, bpe_processor):
@@ -256,12 +289,15 @@ def test_bpe_prefix_break_follows_policy(bpe_logs, bpe_processor):
             continue  # unconstrained sampling may emit <|image_pad|>: rejected, counted
         assert res.ok, (res.reason, res.detail)
         checked += 1
-        row = res.row
         prompt, ids, _ = raw[-1]
-        assert row["input_ids"][0].tolist() == prompt + ids
-        trained = row["input_ids"][0][row["loss_mask"][0].bool()].tolist()
-        assert trained == [t for _, out, _ in raw[start:] for t in out]
-        assert res.stats["trained_turns"] == len(raw) - start
+        assert res.rows[-1]["input_ids"][0].tolist() == prompt + ids
+        first_of_last = res.rows[-1]["input_ids"][0][: len(raw[start][0])].tolist()
+        assert first_of_last == raw[start][0]  # the last row starts where the last run starts
+        trained = [
+            t for row in res.rows for t in row["input_ids"][0][row["loss_mask"][0].bool()].tolist()
+        ]
+        assert trained == [t for _, out, _ in raw for t in out]
+        assert res.stats["trained_turns"] == len(raw) and len(res.rows) == n_breaks + 1
 
         rej = convert_events(
             events,
