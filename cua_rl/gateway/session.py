@@ -140,7 +140,7 @@ class EpisodeSession:
         self._lock: asyncio.Lock | None = None
         self.inflight: set[asyncio.Task] = set()
         self._pending: tuple[str, asyncio.Task] | None = None  # a call whose client left
-        self._last: tuple[str, dict] | None = None  # the last answered call: key, answer
+        self._last: tuple[str, dict] | None = None  # the last delivered call: key, answer
         self._tool_format: str | None | bool = False  # False: not probed yet
 
     @property
@@ -157,12 +157,16 @@ class EpisodeSession:
         clients: Clients,
         *,
         key: str = "",
+        retry: int = 0,
         gone: Callable[[], Awaitable[Any]] | None = None,
     ) -> dict:
-        """Answer one call. ``key`` identifies the request's bytes: an identical re-send of the
-        last answered call gets the stored reply, and one of a call whose client left gets that
-        call's generation (not a second one). ``gone`` completes when the client disconnects:
-        the call then commits nothing and its generation is kept for a re-send."""
+        """Answer one call. ``key`` identifies the request's bytes, ``retry`` is the official
+        SDKs' ``x-stainless-retry-count`` (0 on a first attempt). An identical request whose
+        generation no client received yet (its client left) joins that generation; one that
+        repeats the last delivered call is a new call (an agent re-asking what did not parse)
+        unless it is an SDK retry, which gets the stored answer (the answer was lost on its way).
+        ``gone`` completes when the client disconnects: the call then commits nothing and its
+        generation is kept for a re-send."""
         if self.closed:
             raise GatewayFailure(
                 f"episode {self.episode_id} is closed", status=404, code="episode_closed"
@@ -170,14 +174,19 @@ class EpisodeSession:
         if self._lock is None:
             self._lock = asyncio.Lock()
         async with self._lock:
-            if key and self._last is not None and self._last[0] == key:
-                self.capture.resends += 1
-                return self._last[1]
             call = self._pending
+            repeats_last = bool(key) and self._last is not None and self._last[0] == key
             if key and call is not None and call[0] == key:
                 self.capture.resends += 1
+            elif repeats_last and retry > 0:
+                self.capture.resends += 1
+                return self._last[1]
             else:
+                self.capture.reasks += int(repeats_last)
                 self._drop_pending()
+                # From here on, a retry of this request is answered by its own generation (or
+                # errors): never by an older answer to the same bytes.
+                self._last = None
                 call = self._pending = (key, asyncio.create_task(self._sample(body, clients)))
                 call[1].add_done_callback(_retrieve)
             await self._until_done(call[1], gone)
