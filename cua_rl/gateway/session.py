@@ -45,6 +45,7 @@ from cua_rl.gateway.requests import (
     trainer_values,
 )
 from cua_rl.gateway.tools import PARSERS, template_format
+from cua_rl.gateway.vision import ImageSizeError, PadCounter
 from cua_rl.logs import get_logger
 from cua_rl.trajectory.config import TrajectoryConfig
 from cua_rl.trajectory.images import (
@@ -52,8 +53,6 @@ from cua_rl.trajectory.images import (
     decode_data_url,
     fetch_one,
     image_token_ids,
-    iter_images,
-    process_images,
 )
 
 log = get_logger("cua_rl.gateway.session")
@@ -136,6 +135,7 @@ class EpisodeSession:
         self._images: dict[str, Image] = {}  # by image_identity of the agent's URL
         self._by_hash: dict[str, Image] = {}
         self._pads: dict[str, int] = {}  # image hash -> its pad count (backends that need it)
+        self._counter = PadCounter(spec.processor, spec.images)
         self._server: str | None = None
         self._lock: asyncio.Lock | None = None
         self.inflight: set[asyncio.Task] = set()
@@ -376,7 +376,7 @@ class EpisodeSession:
         pad_id, _ = image_token_ids(self.spec.processor)
         counts: list[int] = []
         if images and (not self.backend.expands_pads or self.sampling.max_tokens > 0):
-            # Image processing off the event loop: other episodes' calls share it.
+            # Off the event loop: a processor without a known rule runs the whole processor.
             counts = await asyncio.to_thread(self._pad_counts, images)
         if not self.backend.expands_pads:
             ids = expand_pads(send_ids, pad_id, counts)
@@ -410,13 +410,15 @@ class EpisodeSession:
         )
 
     def _pad_counts(self, images: list[Image]) -> list[int]:
-        """Each image's pad count, as the processor (and so the row builder) expands it."""
-        new = list({img.sha256: img for img in images if img.sha256 not in self._pads}.values())
+        """Each image's pad count, as the processor (and so the row builder) expands it; new
+        images are measured once per episode (by their size, see ``vision``)."""
+        new = {img.sha256: img.data for img in images if img.sha256 not in self._pads}
         if new:
-            keys = [img.sha256 for img in new]
-            pil = iter_images(keys, {img.sha256: img.data for img in new}, self.spec.images)
-            _, _, counts = process_images(self.spec.processor, pil)
-            self._pads.update(zip(keys, counts, strict=True))
+            try:
+                counts = self._counter.counts(list(new.values()))
+            except (ImageSizeError, RejectedEpisode) as exc:
+                raise GatewayFailure(str(exc), status=400, code="invalid_image") from exc
+            self._pads.update(zip(new, counts, strict=True))
         return [self._pads[img.sha256] for img in images]
 
     async def _resolve_images(self, messages: Any, client: httpx.AsyncClient) -> dict:
