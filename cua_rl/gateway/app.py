@@ -50,6 +50,20 @@ async def read_body(request: Request, limit: int) -> bytes:
     return bytes(buf)
 
 
+RETRY_HEADER = "x-stainless-retry-count"
+
+
+def retry_count(request: Request) -> int:
+    """The official OpenAI SDKs' (Python and npm) attempt number: 0 on the first send of a
+    request, n on its n-th automatic retry; absent from other clients (0)."""
+    raw = request.headers.get(RETRY_HEADER)
+    if raw is None:
+        return 0
+    if not raw.strip().isdigit():
+        raise ValueError(f"{RETRY_HEADER} must be a non-negative integer, got {raw!r}")
+    return int(raw)
+
+
 def _chunks(answer: dict) -> list[dict]:
     choice = answer["choices"][0]
     base = {k: answer[k] for k in ("id", "created", "model")} | {"object": "chat.completion.chunk"}
@@ -131,9 +145,16 @@ def _chat_route(app: FastAPI, lookup, state: dict, max_body_bytes: int, keepaliv
             body = json.loads(raw)
         except ValueError as exc:
             return openai_error(400, f"the body is not JSON: {exc}", "invalid_json")
-        # An SDK's retry re-sends the same bytes: the hash tells a re-send from a new call.
+        try:
+            retry = retry_count(request)
+        except ValueError as exc:
+            return openai_error(400, str(exc), "invalid_request")
+        # An SDK's retry re-sends the same bytes: the hash and the retry count tell a re-send
+        # from a new call (an agent may ask the same request again on purpose).
         key = hashlib.sha256(raw).hexdigest()
-        call = session.chat(body, state["clients"], key=key, gone=lambda: _disconnected(request))
+        call = session.chat(
+            body, state["clients"], key=key, retry=retry, gone=lambda: _disconnected(request)
+        )
         if isinstance(body, dict) and body.get("stream"):
             return StreamingResponse(_stream(call, keepalive_s), media_type="text/event-stream")
         task = asyncio.current_task()

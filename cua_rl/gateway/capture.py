@@ -96,7 +96,8 @@ class EpisodeCapture:
     opened_at: float = field(default_factory=time.time)
     turns: list[CapturedTurn] = field(default_factory=list)
     errors: list[GatewayError] = field(default_factory=list)
-    resends: int = 0  # identical re-sends answered without sampling again
+    resends: int = 0  # re-sends of an undelivered answer (joined or stored), never sampled again
+    reasks: int = 0  # the last delivered call asked again: sampled again, a turn of its own
     disconnects: int = 0  # calls whose client left before the answer (nothing committed)
     discarded: int = 0  # generations no client received (never committed)
     fetches: int = 0  # image URLs fetched (once per distinct image, re-signed URLs included)
@@ -125,6 +126,9 @@ class EpisodeCapture:
             # An SDK re-sends the identical request after its own timeout: answered from the
             # call already running or answered, never sampled twice or taken for an edit.
             "gateway/resends": float(self.resends),
+            # An agent asks the same request again when a reply did not parse: a new call,
+            # sampled and trained like any other.
+            "gateway/reasks": float(self.reasks),
             "gateway/disconnects": float(self.disconnects),
             "gateway/discarded_generations": float(self.discarded),
             "gateway/image_fetches": float(self.fetches),

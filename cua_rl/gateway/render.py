@@ -250,6 +250,7 @@ class _Last:
     ended_with: int | None  # the sampled stop token, if the reply ended on one
     reply_key: tuple = ()  # the answer's key, as the agent sends it back (content, tool calls)
     tools: list | None = None
+    prompt_len: int = 0  # ids[:prompt_len] is its prompt as the server expanded it
 
 
 @dataclass
@@ -298,12 +299,17 @@ class Conversation:
         key: tuple,
         tools: list | None = None,
     ) -> Prompt:
+        last = self._last
+        if last is not None and key == last.key and tools == last.tools:
+            # The previous request asked again (its reply did not parse): a branch, so a new
+            # segment, but its prompt is the exact ids sent before, not a re-rendering.
+            ids = last.ids[: last.prompt_len]
+            return Prompt(collapse_pads(ids, self.pad_id), images, list(ids), self.segments + 1)
         delta = self._delta(template_messages, key, tools)
         if delta is None:
             # Counted at commit: a prompt whose answer nobody received starts no segment.
             text = self.render(template_messages, True, tools)
             return Prompt(self.encode(text), images, None, self.segments + 1)
-        last = self._last
         return Prompt(
             collapse_pads(last.ids, self.pad_id) + self.encode(delta),
             images,
@@ -364,7 +370,9 @@ class Conversation:
         self.segments = max(self.segments, segment)
         ended = int(output_ids[-1]) if output_ids and output_ids[-1] in self.stop_ids else None
         ids = [*prompt_ids, *output_ids]
-        self._last = _Last(key, list(template_messages), ids, reply, ended, reply_key, tools)
+        self._last = _Last(
+            key, list(template_messages), ids, reply, ended, reply_key, tools, len(prompt_ids)
+        )
 
 
 def extends_stored(prompt: Prompt, server_prompt_ids: Sequence[int]) -> bool:

@@ -45,6 +45,7 @@ from cua_rl.gateway.requests import (
     trainer_values,
 )
 from cua_rl.gateway.tools import PARSERS, template_format
+from cua_rl.gateway.vision import ImageSizeError, PadCounter
 from cua_rl.logs import get_logger
 from cua_rl.trajectory.config import TrajectoryConfig
 from cua_rl.trajectory.images import (
@@ -52,8 +53,6 @@ from cua_rl.trajectory.images import (
     decode_data_url,
     fetch_one,
     image_token_ids,
-    iter_images,
-    process_images,
 )
 
 log = get_logger("cua_rl.gateway.session")
@@ -136,11 +135,12 @@ class EpisodeSession:
         self._images: dict[str, Image] = {}  # by image_identity of the agent's URL
         self._by_hash: dict[str, Image] = {}
         self._pads: dict[str, int] = {}  # image hash -> its pad count (backends that need it)
+        self._counter = PadCounter(spec.processor, spec.images)
         self._server: str | None = None
         self._lock: asyncio.Lock | None = None
         self.inflight: set[asyncio.Task] = set()
         self._pending: tuple[str, asyncio.Task] | None = None  # a call whose client left
-        self._last: tuple[str, dict] | None = None  # the last answered call: key, answer
+        self._last: tuple[str, dict] | None = None  # the last delivered call: key, answer
         self._tool_format: str | None | bool = False  # False: not probed yet
 
     @property
@@ -157,12 +157,16 @@ class EpisodeSession:
         clients: Clients,
         *,
         key: str = "",
+        retry: int = 0,
         gone: Callable[[], Awaitable[Any]] | None = None,
     ) -> dict:
-        """Answer one call. ``key`` identifies the request's bytes: an identical re-send of the
-        last answered call gets the stored reply, and one of a call whose client left gets that
-        call's generation (not a second one). ``gone`` completes when the client disconnects:
-        the call then commits nothing and its generation is kept for a re-send."""
+        """Answer one call. ``key`` identifies the request's bytes, ``retry`` is the official
+        SDKs' ``x-stainless-retry-count`` (0 on a first attempt). An identical request whose
+        generation no client received yet (its client left) joins that generation; one that
+        repeats the last delivered call is a new call (an agent re-asking what did not parse)
+        unless it is an SDK retry, which gets the stored answer (the answer was lost on its way).
+        ``gone`` completes when the client disconnects: the call then commits nothing and its
+        generation is kept for a re-send."""
         if self.closed:
             raise GatewayFailure(
                 f"episode {self.episode_id} is closed", status=404, code="episode_closed"
@@ -170,14 +174,19 @@ class EpisodeSession:
         if self._lock is None:
             self._lock = asyncio.Lock()
         async with self._lock:
-            if key and self._last is not None and self._last[0] == key:
-                self.capture.resends += 1
-                return self._last[1]
             call = self._pending
+            repeats_last = bool(key) and self._last is not None and self._last[0] == key
             if key and call is not None and call[0] == key:
                 self.capture.resends += 1
+            elif repeats_last and retry > 0:
+                self.capture.resends += 1
+                return self._last[1]
             else:
+                self.capture.reasks += int(repeats_last)
                 self._drop_pending()
+                # From here on, a retry of this request is answered by its own generation (or
+                # errors): never by an older answer to the same bytes.
+                self._last = None
                 call = self._pending = (key, asyncio.create_task(self._sample(body, clients)))
                 call[1].add_done_callback(_retrieve)
             await self._until_done(call[1], gone)
@@ -367,7 +376,7 @@ class EpisodeSession:
         pad_id, _ = image_token_ids(self.spec.processor)
         counts: list[int] = []
         if images and (not self.backend.expands_pads or self.sampling.max_tokens > 0):
-            # Image processing off the event loop: other episodes' calls share it.
+            # Off the event loop: a processor without a known rule runs the whole processor.
             counts = await asyncio.to_thread(self._pad_counts, images)
         if not self.backend.expands_pads:
             ids = expand_pads(send_ids, pad_id, counts)
@@ -401,13 +410,15 @@ class EpisodeSession:
         )
 
     def _pad_counts(self, images: list[Image]) -> list[int]:
-        """Each image's pad count, as the processor (and so the row builder) expands it."""
-        new = list({img.sha256: img for img in images if img.sha256 not in self._pads}.values())
+        """Each image's pad count, as the processor (and so the row builder) expands it; new
+        images are measured once per episode (by their size, see ``vision``)."""
+        new = {img.sha256: img.data for img in images if img.sha256 not in self._pads}
         if new:
-            keys = [img.sha256 for img in new]
-            pil = iter_images(keys, {img.sha256: img.data for img in new}, self.spec.images)
-            _, _, counts = process_images(self.spec.processor, pil)
-            self._pads.update(zip(keys, counts, strict=True))
+            try:
+                counts = self._counter.counts(list(new.values()))
+            except (ImageSizeError, RejectedEpisode) as exc:
+                raise GatewayFailure(str(exc), status=400, code="invalid_image") from exc
+            self._pads.update(zip(new, counts, strict=True))
         return [self._pads[img.sha256] for img in images]
 
     async def _resolve_images(self, messages: Any, client: httpx.AsyncClient) -> dict:

@@ -11,6 +11,8 @@ import pytest
 from PIL import Image as PILImage
 
 from cua_rl.gateway import Gateway, GatewayConfig, Sampling, SessionSpec
+from cua_rl.serving import ThreadedServer
+from cua_rl.testing.model_standin import ModelStandIn
 from cua_rl.trajectory.config import TrajectoryConfig
 
 
@@ -123,3 +125,24 @@ def open_episode(gateway, bpe_processor, vllm_bpe_server):
     for gw, episode in opened:
         if gw._lookup(episode) is not None:
             gw.close(episode)
+
+
+@pytest.fixture
+def standin_episode(bpe_processor):
+    """standin_episode(standin, **config) -> (gateway, episode id, url, engine)."""
+    started: list[tuple[Gateway, ThreadedServer]] = []
+
+    def make(standin: ModelStandIn, **config):
+        server = ThreadedServer(standin.app, name="model-standin").start()
+        gw = Gateway(GatewayConfig(**config)).start()
+        started.append((gw, server))
+        engine = FakeEngine(f"{server.host}:{server.port}")
+        spec = SessionSpec(
+            engine, Sampling(max_new_tokens=8), bpe_processor, "policy", TrajectoryConfig()
+        )
+        return gw, "ep", gw.open("ep", spec), engine
+
+    yield make
+    for gw, server in started:
+        gw.stop()
+        server.stop()

@@ -94,16 +94,26 @@ async def test_an_abandoned_call_followed_by_a_different_one_commits_nothing(ope
     assert stats["gateway/segments"] == 1
 
 
-async def test_an_identical_resend_of_an_answered_call_is_not_sampled_again(open_episode, gateway):
+async def test_an_identical_request_after_a_delivered_answer_is_sampled_again(
+    open_episode, gateway
+):
+    """An agent re-asks what did not parse: a new call. Only an SDK retry (its retry count > 0)
+    gets the stored answer."""
     episode, url, _ = open_episode()
     body = {"messages": [user("a", shot(1))]}
     async with httpx.AsyncClient(timeout=120) as http:
         first = await http.post(f"{url}/chat/completions", json=body)
-        again = await http.post(f"{url}/chat/completions", json=body)
-    assert first.status_code == again.status_code == 200
-    assert again.json() == first.json()
+        reask = await http.post(f"{url}/chat/completions", json=body)
+        retried = await http.post(
+            f"{url}/chat/completions", json=body, headers={"x-stainless-retry-count": "1"}
+        )
+    assert first.status_code == reask.status_code == retried.status_code == 200
+    assert reask.json()["id"] != first.json()["id"] and retried.json() == reask.json()
     capture = gateway.close(episode)
-    assert len(capture.turns) == 1 and capture.stats()["gateway/resends"] == 1
+    assert [t.response_id for t in capture.turns] == [first.json()["id"], reask.json()["id"]]
+    assert capture.turns[1].prompt_ids == capture.turns[0].prompt_ids
+    stats = capture.stats()
+    assert stats["gateway/reasks"] == 1 and stats["gateway/resends"] == 1
 
 
 @pytest.fixture(scope="session")

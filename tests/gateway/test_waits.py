@@ -6,7 +6,6 @@ from __future__ import annotations
 import threading
 
 import httpx
-import pytest
 
 from cua_rl.gateway import Gateway, GatewayConfig, Sampling, SessionSpec
 from cua_rl.gateway.requests import token_bytes
@@ -21,27 +20,6 @@ def _error(resp: httpx.Response) -> dict:
     body = resp.json()
     assert set(body) == {"error"} and set(body["error"]) == {"message", "type", "param", "code"}
     return body["error"]
-
-
-@pytest.fixture
-def standin_episode(bpe_processor):
-    """standin_episode(standin, **config) -> (gateway, episode id, url, engine)."""
-    started: list[tuple[Gateway, ThreadedServer]] = []
-
-    def make(standin: ModelStandIn, **config):
-        server = ThreadedServer(standin.app, name="model-standin").start()
-        gw = Gateway(GatewayConfig(**config)).start()
-        started.append((gw, server))
-        engine = FakeEngine(f"{server.host}:{server.port}")
-        spec = SessionSpec(
-            engine, Sampling(max_new_tokens=8), bpe_processor, "policy", TrajectoryConfig()
-        )
-        return gw, "ep", gw.open("ep", spec), engine
-
-    yield make
-    for gw, server in started:
-        gw.stop()
-        server.stop()
 
 
 async def test_a_server_that_aborts_everything_is_asked_a_bounded_number_of_times(
@@ -180,7 +158,7 @@ async def test_model_server_url_sends_calls_through_a_proxy_that_may_cut_them(bp
             url = gw.open("ep", spec)
 
             async def call(text: str) -> httpx.Response:
-                # A new text each time: an identical request is a re-send, answered from memory.
+                # A new text each time: the test counts the server's calls per request.
                 body = {"messages": [user(text)]}
                 return await http.post(f"{url}/chat/completions", json=body)
 
