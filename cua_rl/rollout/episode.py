@@ -9,7 +9,7 @@ the episodes of a step, so counts are per episode and ``reward_sq`` lets the spr
 from __future__ import annotations
 
 import time
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from typing import Any
 
 from cua_rl.core import reasons
@@ -20,7 +20,22 @@ from cua_rl.reward import RewardOutcome
 from cua_rl.trajectory import ConversionResult
 from cua_rl.trajectory.events import ParsedEvents
 
-ROW_STATS = ("turns", "trained_tokens", "images", "prefix_breaks", "row_len")
+# Per episode (AReaL averages them over a step's episodes): the step's sampled and trained tokens
+# say whether every call was trained; rows and processed images what it cost.
+ROW_STATS = (
+    "turns",
+    "rows",
+    "trained_turns",
+    "dropped_turns",
+    "sampled_tokens",
+    "trained_tokens",
+    "row_tokens",
+    "images",
+    "distinct_images",
+    "processed_images",
+    "prefix_breaks",
+    "row_len",
+)
 
 
 @dataclass
@@ -44,9 +59,14 @@ class Episode:
         return str(self.data["task_id"])
 
     def monitor_turns(self) -> list:
-        """The agent's turns, with the gateway's token data where it captured the call."""
+        """The agent's turns, with the gateway's token data where it captured the call, each
+        noting whether a row trains it (known once the rows are built)."""
         turns = self.parsed.turns if self.parsed else []
-        return self.capture.monitor_turns(turns) if self.capture else turns
+        turns = self.capture.monitor_turns(turns) if self.capture else turns
+        if self.conversion is None:
+            return turns
+        trained = self.conversion.trained_steps
+        return [replace(t, notes={**t.notes, "trained": t.step in trained}) for t in turns]
 
 
 class Phase:

@@ -55,13 +55,15 @@ class Segment:
 @dataclass
 class ConversionResult:
     """An episode's rows, or the reason there are none; ``stats`` is filled in both cases as far
-    as known. ``trained`` holds the indices of the turns the rows train."""
+    as known. ``trained`` holds the indices of the turns the rows train, ``trained_steps`` the
+    agent steps they belong to (the monitor's turns)."""
 
     rows: list[dict[str, Any]] | None
     reason: str | None = None
     detail: str = ""
     stats: dict[str, Any] = field(default_factory=dict)
     trained: frozenset[int] = frozenset()
+    trained_steps: frozenset[int] = frozenset()
     _batch: dict[str, Any] | None = field(default=None, repr=False)
 
     @property
@@ -251,7 +253,8 @@ def convert_turns(
             validate_row(row)
     except RejectedEpisode as exc:
         return ConversionResult(None, exc.reason, exc.detail, stats)
-    return ConversionResult(rows, None, "", stats, frozenset(trained))
+    steps = frozenset(t.step for t in turns if t.index in trained)
+    return ConversionResult(rows, None, "", stats, frozenset(trained), steps)
 
 
 def _episode_tensor(episode_id: int):
