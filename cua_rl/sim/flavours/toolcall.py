@@ -8,6 +8,7 @@ grid of 0-999 over the screenshot, whatever its size: pixels are ``x / 999 * wid
 from __future__ import annotations
 
 import json
+import math
 import re
 
 from cua_rl.sim.actions import Action, ActionParseError, grid_cell_centre
@@ -79,8 +80,9 @@ def tool_call_block(call: dict) -> str:
 
 
 def to_grid(x: int, y: int, width: int, height: int, grid: int = GRID) -> list[int]:
-    """Screenshot pixels as a point on the 0-``grid`` scale (the inverse of ``to_pixels``)."""
-    return [min(round(x * grid / width), grid), min(round(y * grid / height), grid)]
+    """Screenshot pixels as a point on the 0-``grid`` scale. Rounded up, so that ``to_pixels``
+    (which truncates) gives the same pixel back on screens up to ``grid`` pixels wide."""
+    return [min(math.ceil(x * grid / width), grid), min(math.ceil(y * grid / height), grid)]
 
 
 def call_of(action: Action, function: str, width: int, height: int, click: str = "click") -> dict:
