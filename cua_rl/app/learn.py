@@ -6,9 +6,12 @@ per committed step. After a run it prints the success rate per step, writes ``su
 ``curve.json`` into the run's folder, and says at which step the trailing mean first reached the
 target. Several values of ``--offpolicyness`` or ``--seeds`` run one after another (folders
 ``<run-dir>/<label>``) and end with a table and one plot of every curve. ``--control`` trains the
-negative control (cua_rl/app/controls.py) instead, which must not learn.
+negative control (cua_rl/app/controls.py) instead, which must not learn. ``--family learn2``
+trains the two-step family (configs/learn2.yaml); ``--context`` picks the local agent's context
+policy (full, mai-ui, current; docs/agent.md).
 
-    python -m cua_rl.app.learn [--offpolicyness 0 1 2] [--seeds 1 2 3] [--steps N]
+    python -m cua_rl.app.learn [--family learn|learn2] [--context POLICY] [--history-n N]
+        [--offpolicyness 0 1 2] [--seeds 1 2 3] [--steps N]
         [--control] [--run-dir DIR] [key=value overrides for train.py]
 """
 
@@ -38,6 +41,9 @@ from cua_rl.app.learning import (
 
 ROOT = Path(__file__).resolve().parents[2]
 CONTROL_WORKFLOW = "cua_rl.app.controls.ShiftedMaskWorkflow"
+# The config of each task family (docs/learning.md); --config still wins when given.
+FAMILY_CONFIGS = {"learn": "configs/learn.yaml", "learn2": "configs/learn2.yaml"}
+CONTEXTS = ("full", "mai-ui", "current")
 
 
 @dataclass
@@ -172,6 +178,25 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     )
     parser.add_argument("--steps", type=int, default=None, help="training steps per run")
     parser.add_argument(
+        "--family",
+        choices=sorted(FAMILY_CONFIGS),
+        default="learn",
+        help="task family: learn (one tap) or learn2 (two taps in sequence); picks its config",
+    )
+    parser.add_argument(
+        "--context",
+        choices=CONTEXTS,
+        default=None,
+        help="the local agent's context policy (agent.model_options.context; default: the "
+        "agent's own, full)",
+    )
+    parser.add_argument(
+        "--history-n",
+        type=int,
+        default=None,
+        help="screenshots per request of the mai-ui context (agent.model_options.historyN)",
+    )
+    parser.add_argument(
         "--control",
         action="store_true",
         help=f"train the negative control {CONTROL_WORKFLOW} (loss mask one token late)",
@@ -199,7 +224,21 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
         parser.error("--target must be a success rate in (0, 1]")
     if args.window < 1:
         parser.error("--window must be at least 1")
+    if args.history_n is not None and args.history_n < 1:
+        parser.error("--history-n must be at least 1")
+    if args.config == FAMILY_CONFIGS["learn"]:
+        args.config = FAMILY_CONFIGS[args.family]
     return args
+
+
+def agent_overrides(args: argparse.Namespace) -> list[str]:
+    """train.py overrides for the context flags (``++``: model_options may lack the key)."""
+    out = []
+    if args.context is not None:
+        out.append(f"++agent.model_options.context={args.context}")
+    if args.history_n is not None:
+        out.append(f"++agent.model_options.historyN={args.history_n}")
+    return out
 
 
 def print_table(summaries: list[dict]) -> None:
@@ -224,7 +263,7 @@ def main(argv: list[str] | None = None) -> int:
     common = ["--config", args.config, "--step-latency", str(args.step_latency)]
     if args.gym_args:
         common += ["--gym-args", args.gym_args]
-    extra = list(args.overrides)
+    extra = [*agent_overrides(args), *args.overrides]
     if args.steps is not None:
         extra.append(f"total_train_steps={args.steps}")
     if args.control:
@@ -233,9 +272,11 @@ def main(argv: list[str] | None = None) -> int:
     results = []
     for off, seed in combos:
         parts = ["control"] if args.control else []
+        parts += [args.family] if args.family != "learn" else []
+        parts += [f"context-{args.context}"] if args.context else []
         parts += [f"offpolicy{off}"] if off is not None else []
         parts += [f"seed{seed}"] if seed is not None else []
-        label = "-".join(parts) or ("control" if args.control else "learn")
+        label = "-".join(parts) or ("control" if args.control else args.family)
         run_dir = base / label if len(combos) > 1 else base
         overrides = list(extra)
         if off is not None:

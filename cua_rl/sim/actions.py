@@ -55,6 +55,14 @@ SYSTEM_PROMPT = (
 )
 
 
+def system_prompt(device: str = "mobile") -> str:
+    """The sim flavour's prompt; ``pc`` (a web page in a browser, e.g. MiniWoB) names the screen
+    it shows instead of a phone. The mobile prompt is unchanged: trained runs depend on it."""
+    if device == "pc":
+        return SYSTEM_PROMPT.replace("You operate a phone.", "You operate a web page on a screen.")
+    return SYSTEM_PROMPT
+
+
 class ActionParseError(ValueError):
     """The model output holds no valid action; the message says what was wrong."""
 
@@ -64,6 +72,10 @@ class Action:
     name: str
     params: dict = field(default_factory=dict)
     text: str = ""  # the matched call, verbatim
+    # The flavour's own call with canonical arguments (tool-call flavours): what a context
+    # policy re-renders into the history instead of the sampled text (cua_rl.sim.context).
+    call: dict | None = None
+    thought: str = ""  # the reasoning the reply gave before its call, stripped
 
 
 def parse_action(output: str) -> Action:
@@ -119,6 +131,26 @@ def read_reply(output: str, width: int, height: int, *, lenient: bool = False) -
     first = output.strip()[0]
     x, y = grid_cell_centre(ord(first), width, height)
     return Action(name="tap", params={"x": x, "y": y}, text=first)
+
+
+def format_action(action: Action) -> str:
+    """The canonical text of a parsed action in this language (``tap(300, 106)``): what the
+    history holds instead of the sampled reply when a context policy re-renders it."""
+    p = action.params
+    if action.name == "tap":
+        return f"tap({p['x']}, {p['y']})"
+    if action.name == "swipe":
+        return f"swipe({p['x1']}, {p['y1']}, {p['x2']}, {p['y2']})"
+    if action.name in ("type", "finished"):
+        return f"{action.name}({json.dumps(p['text'], ensure_ascii=False)})"
+    if action.name == "key":
+        return f"key({p['key']})"
+    if action.name == "wait":
+        seconds = p["seconds"]
+        return f"wait({int(seconds) if float(seconds).is_integer() else seconds})"
+    if action.name in ("back", "home"):
+        return f"{action.name}()"
+    raise ValueError(f"action {action.name!r} has no form in the sim action language")
 
 
 def to_event_args(action: Action) -> dict:

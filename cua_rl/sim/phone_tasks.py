@@ -258,7 +258,34 @@ LEARN_TASKS: tuple[SimTask, ...] = (
         (V("wifi_off", 1, _is("wifi", False)),),
     ),
 )
-TASKS = TASKS + LEARN_TASKS
+# The "learn2" family (level "learn2"): two taps in sequence, each on a fixed cell centre of the
+# same 3x3 grid. Both tasks start on the home screen: the top-left cell's centre, (60, 106) at
+# 360x640, is the Settings icon; on Settings the top-right cell's centre, (300, 106), is the Wi-Fi
+# switch. No single tap solves either (the switch is not on the home screen), and no other pair of
+# cells does (docs/learning.md gives the chance rate). The settings_open validator pays half for
+# the first tap alone, so the first turn of an episode gets its own signal: a trainer that trains
+# only the last turn of an episode cannot learn the first tap.
+LEARN2_TASKS: tuple[SimTask, ...] = (
+    SimTask(
+        17,
+        "learn2_wifi_on",
+        "learn2",
+        "settings",
+        "Open Settings and turn Wi-Fi on.",
+        _set(screen="home", wifi=False),
+        (V("settings_open", 1, _is("screen", "settings")), V("wifi_on", 1, _is("wifi", True))),
+    ),
+    SimTask(
+        18,
+        "learn2_wifi_off",
+        "learn2",
+        "settings",
+        "Open Settings and turn Wi-Fi off.",
+        _set(screen="home", wifi=True),
+        (V("settings_open", 1, _is("screen", "settings")), V("wifi_off", 1, _is("wifi", False))),
+    ),
+)
+TASKS = TASKS + LEARN_TASKS + LEARN2_TASKS
 TASKS_BY_ID = {t.task_id: t for t in TASKS}
 
 

@@ -213,3 +213,32 @@ def test_the_policy_learns_and_the_shifted_mask_control_does_not(tmp_path, tiny_
     control = _learn(tmp_path, "control", "--control")
     gain = control["last_mean"] - control["first_mean"]
     assert gain < MARGIN, control["success"]
+
+
+def test_family_and_context_flags_reach_the_training_config(tmp_path):
+    from areal.api.cli_args import parse_cli_args, to_structured_cfg
+    from omegaconf import OmegaConf
+
+    from cua_rl.app.config import CUAConfig
+    from cua_rl.app.learn import agent_overrides, parse_args
+
+    args = parse_args(["--family", "learn2", "--context", "mai-ui", "--history-n", "2"])
+    assert args.config == "configs/learn2.yaml"
+    assert parse_args(["--context", "current"]).config == "configs/learn.yaml"
+    assert parse_args(["--family", "learn2", "--config", "x.yaml"]).config == "x.yaml"
+    # Copies in one folder, so the defaults lists find learn.yaml and local.yaml.
+    root = Path(__file__).resolve().parents[2] / "configs"
+    for name in ("local.yaml", "learn.yaml", "learn2.yaml"):
+        (tmp_path / name).write_text((root / name).read_text())
+    raw, _ = parse_cli_args(["--config", str(tmp_path / args.config.split("/")[-1]),
+                             *agent_overrides(args)])  # fmt: skip
+    cfg = OmegaConf.to_object(to_structured_cfg(raw, config_cls=CUAConfig))
+    assert cfg.gym.selection.tags == ["learn2"]
+    assert cfg.agent.max_steps == 2
+    assert cfg.agent.model_options == {
+        "logprobs": True,
+        "parse": "lenient",
+        "context": "mai-ui",
+        "historyN": 2,
+    }
+    assert cfg.gconfig.n_samples * cfg.train_dataset.batch_size == 24

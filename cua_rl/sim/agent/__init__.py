@@ -2,10 +2,11 @@
 
 Each ``POST /runs`` starts an asyncio task on the server's loop; every run shares one
 ``httpx.AsyncClient``, so parallel runs only meet in the gym and the model server. A step is:
-capture a screenshot on the gym, append a user message with it (data URL, or the gym's HTTP URL
-with ``imageMode: "url"``) to the run's message list, send the whole list (append-only: earlier
-assistant outputs go back verbatim) to ``model.baseUrl`` with ``logprobs`` and
-``return_token_ids``, parse one action (``cua_rl.sim.actions``), execute it on the gym, and
+capture a screenshot on the gym, build the request's messages with the run's context policy
+(``cua_rl.sim.context``: ``full`` append-only by default, ``mai-ui`` or ``current``; images as
+data URLs, or the gym's HTTP URLs with ``imageMode: "url"``), send them to ``model.baseUrl`` with
+``logprobs`` and ``return_token_ids``, parse one action (``cua_rl.sim.actions`` / the flavour;
+``mai-ui`` asks again with the same body while the reply does not parse), execute it on the gym, and
 record events. Timestamps are strictly increasing per run, so ``(type, ts, step, actionIndex)``
 identifies every event.
 
@@ -19,7 +20,8 @@ Model options beyond ``baseUrl`` / ``name`` / ``provider`` (all optional): ``log
 true), ``topLogprobs``, ``temperature`` (1.0), ``maxTokens`` (32), ``seed``, ``imageMode``
 (``data`` | ``url``), ``constrain`` (``regex``: vLLM structured outputs limited to the action
 language; ``ascii``: ``allowed_token_ids`` = printable ASCII + end tokens) and ``actions`` (action
-names the regex allows, e.g. without ``finished``) and ``parse`` (``strict``, or ``lenient``: a
+names the regex allows, e.g. without ``finished``), ``context`` / ``historyN`` (the context
+policy, docs/agent.md) and ``parse`` (``strict``, or ``lenient``: a
 reply with no valid call taps the grid cell its first character names, see
 ``cua_rl.sim.actions``).
 """

@@ -142,6 +142,14 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument(
         "--step-latency", type=float, default=0.0, help="seconds each step waits after its action"
     )
+    parser.add_argument(
+        "--context", choices=("full", "mai-ui", "current"), default="full",
+        help="default context policy (per run: model.context); docs/agent.md",
+    )  # fmt: skip
+    parser.add_argument(
+        "--history-n", type=int, default=3,
+        help="default screenshots per request of the mai-ui context (per run: model.historyN)",
+    )  # fmt: skip
     parser.add_argument("--log-level", default="warning")
     args = parser.parse_args(argv)
 
@@ -152,6 +160,8 @@ def main(argv: list[str] | None = None) -> int:
             image_mode=args.image_mode,
             max_tokens=args.max_tokens,
             step_latency_s=args.step_latency,
+            context=args.context,
+            history_n=args.history_n,
         )
     except ConfigError as exc:
         print(f"error: {exc}", file=sys.stderr)

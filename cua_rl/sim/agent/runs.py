@@ -8,6 +8,7 @@ from datetime import UTC, datetime
 from typing import Any
 
 from cua_rl.sim.actions import ACTION_NAMES
+from cua_rl.sim.context import POLICIES
 from cua_rl.sim.flavours import FLAVOUR_NAMES
 
 
@@ -77,6 +78,13 @@ def validate_run_body(body: Any) -> dict:
         not isinstance(tools, list) or not all(isinstance(t, dict) for t in tools)
     ):
         raise BadRunRequest("model.tools must be a list of function objects")
+    if model.get("context") is not None and model["context"] not in POLICIES:
+        raise BadRunRequest(f"model.context must be one of {list(POLICIES)}")
+    history_n = model.get("historyN")
+    if history_n is not None and (
+        not isinstance(history_n, int) or isinstance(history_n, bool) or history_n < 1
+    ):
+        raise BadRunRequest(f"model.historyN must be an integer >= 1, got {history_n!r}")
     if model.get("parse", "strict") not in ("strict", "lenient"):
         raise BadRunRequest("model.parse must be 'strict' or 'lenient'")
     actions = model.get("actions")

@@ -6,7 +6,7 @@ import asyncio
 import itertools
 import time
 from collections import OrderedDict
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any
 
 import httpx
@@ -14,7 +14,15 @@ import httpx
 from cua_rl.core.fields import doc
 from cua_rl.sim.actions import ActionParseError, action_regex, to_event_args, to_gym_action
 from cua_rl.sim.agent.runs import EndRun, Run, iso, validate_run_body
-from cua_rl.sim.flavours import get_flavour
+from cua_rl.sim.context import (
+    DEFAULT_HISTORY_N,
+    POLICIES,
+    ContextPolicy,
+    Screen,
+    StepRecord,
+    build_messages,
+)
+from cua_rl.sim.flavours import Flavour, get_flavour
 
 IMAGE_CALL_ID = "__step_message_image__"
 END_TOKENS = ("<|im_end|>", "<|endoftext|>")
@@ -39,6 +47,15 @@ class AgentServerConfig:
     )
     http_timeout_s: float = doc(60.0, "timeout of each gym / model HTTP call")
     max_runs_kept: int = doc(512, "finished runs kept for GET before the oldest are dropped")
+    context: str = doc(
+        "full",
+        "context policy of runs whose model object names none: full (append-only), mai-ui "
+        "(rebuilt each step, re-rendered history, last history_n screenshots, re-asks) or "
+        "current (current screenshot + list of earlier actions); docs/agent.md",
+    )
+    history_n: int = doc(
+        DEFAULT_HISTORY_N, "mai-ui context: screenshots per request, the current one included"
+    )
 
     def __post_init__(self) -> None:
         from cua_rl.errors import ConfigError
@@ -53,6 +70,41 @@ class AgentServerConfig:
             raise ConfigError(f"http_timeout_s must be > 0, got {self.http_timeout_s}")
         if self.max_runs_kept < 1:
             raise ConfigError(f"max_runs_kept must be >= 1, got {self.max_runs_kept}")
+        if self.context not in POLICIES:
+            raise ConfigError(f"context must be one of {', '.join(POLICIES)}, got {self.context!r}")
+        if self.history_n < 1:
+            raise ConfigError(f"history_n must be >= 1, got {self.history_n}")
+
+
+@dataclass
+class _RunContext:
+    """What one run's steps share: where to act, how to prompt, what happened so far."""
+
+    gym: str
+    model: dict
+    flavour: Flavour
+    policy: ContextPolicy
+    device: str
+    history: list[StepRecord] = field(default_factory=list)
+    urls: dict[str, str] = field(default_factory=dict)  # image sent -> the gym's URL
+
+
+def _record_messages(record: dict, messages: list[dict], policy, step: int, urls: dict) -> None:
+    """The step's ``messages`` as gbox-mini-agent steps hold them, with the gym's screenshot
+    URLs: with ``full`` what the step added to the conversation, otherwise the whole request
+    (it is rebuilt every step)."""
+    new = messages if policy.name != "full" or step == 1 else messages[-1:]
+    for m in new:
+        if not isinstance(m["content"], list):
+            record["messages"].append(dict(m))
+            continue
+        parts = [
+            {"type": "image_url", "image_url": {"url": urls.get(url, url)}}
+            if p.get("type") == "image_url" and (url := p["image_url"]["url"])
+            else p
+            for p in m["content"]
+        ]
+        record["messages"].append({"role": m["role"], "callId": IMAGE_CALL_ID, "content": parts})
 
 
 class AgentService:
@@ -138,25 +190,26 @@ class AgentService:
         body = run.body
         model = body["model"]
         env = body["env"]
-        gym = (
-            f"{env['gymBaseUrl'].rstrip('/')}/api/v1/{env['gymId']}/executions/{env['executionId']}"
+        base = env["gymBaseUrl"].rstrip("/")
+        ctx = _RunContext(
+            gym=f"{base}/api/v1/{env['gymId']}/executions/{env['executionId']}",
+            model=model,
+            flavour=get_flavour(model.get("flavour", "sim")),
+            policy=ContextPolicy(
+                model.get("context", self.config.context),
+                model.get("historyN", self.config.history_n),
+            ),
+            device=body.get("standardActionSpace", "mobile"),
         )
-        flavour = get_flavour(model.get("flavour", "sim"))
-        messages: list[dict] = [
-            {"role": "system", "content": flavour.prompt(model.get("tools"))},
-            {"role": "user", "content": f"Task: {body['task']}"},
-        ]
         prev_step: dict | None = None
         step_limit = body.get("maxStepTimeSec")
         for step in range(1, body["maxSteps"] + 1):
             run.emit("step_start", step)
             record = {"index": step - 1, "step": step, "messages": [], "actions": []}
-            if step == 1:
-                record["messages"].extend(messages)
             run.steps.append(record)
             try:
                 async with asyncio.timeout(step_limit):
-                    finished = await self._step(run, step, gym, model, messages, record, prev_step)
+                    finished = await self._step(run, step, ctx, record, prev_step)
             except TimeoutError as exc:
                 # Only this step's own timeout arrives here: when maxRunTimeSec fires, the
                 # cancellation passes through this context and the run's timeout converts it.
@@ -170,43 +223,57 @@ class AgentService:
                 return step
         return body["maxSteps"]
 
-    async def _step(self, run, step, gym, model, messages, record, prev_step) -> bool:
-        """One step: screenshot, model call, one action; whether the run is finished."""
-        shot = await self._observe(step, gym, model, messages, record, prev_step)
-        text = await self._ask_model(run, step, model, messages, record, shot)
-        return await self._act(run, step, gym, model, record, shot, text)
+    async def _step(self, run, step, ctx: _RunContext, record, prev_step) -> bool:
+        """One step: screenshot, model call(s), one action; whether the run is finished."""
+        shot, screen = await self._observe(step, ctx, prev_step)
+        messages = build_messages(
+            run.body["task"],
+            ctx.history,
+            screen,
+            ctx.flavour,
+            ctx.policy,
+            device=ctx.device,
+            tools=ctx.model.get("tools"),
+        )
+        ctx.urls[screen.image_url] = shot["url"]
+        _record_messages(record, messages, ctx.policy, step, ctx.urls)
+        text, action, error = await self._ask_model(run, step, ctx, messages, record, shot)
+        ctx.history.append(StepRecord(screen, text, action))
+        return await self._act(run, step, ctx.gym, record, shot, action, error, text)
 
-    async def _observe(self, step, gym, model, messages, record, prev_step) -> dict:
-        """Take the screenshot (the previous step's "after"), add it to the conversation."""
-        shot = await self._gym_post(f"{gym}/screenshot", None)
+    async def _observe(self, step, ctx: _RunContext, prev_step) -> tuple[dict, Screen]:
+        """Take the screenshot (the previous step's "after")."""
+        shot = await self._gym_post(f"{ctx.gym}/screenshot", None)
         if prev_step is not None:
             for act in prev_step["actions"]:
                 act["obs"]["screenshots"][0]["screenshot_after"] = shot.get("url")
-        mode = model.get("imageMode", self.config.image_mode)
+        mode = ctx.model.get("imageMode", self.config.image_mode)
         image_url = shot["data_url"] if mode == "data" else shot["url"]
-        user_msg = {
-            "role": "user",
-            "content": [
-                {"type": "text", "text": f"Step {step}. Screen {shot['width']}x{shot['height']}."},
-                {"type": "image_url", "image_url": {"url": image_url}},
-            ],
-        }
-        messages.append(user_msg)
-        record["messages"].append(
-            {
-                "role": "user",
-                "callId": IMAGE_CALL_ID,
-                "content": [
-                    user_msg["content"][0],
-                    {"type": "image_url", "image_url": {"url": shot["url"]}},
-                ],
-            }
-        )
-        return shot
+        return shot, Screen(step, image_url, shot["width"], shot["height"])
 
-    async def _ask_model(self, run, step, model, messages, record, shot) -> str:
-        """The model's reply text; its tokens and logprobs go to ``run.tokens``."""
-        request = await self._build_request(model, messages, shot)
+    async def _ask_model(self, run, step, ctx: _RunContext, messages, record, shot):
+        """(reply text, parsed action or None, parse error or None). The request is built once:
+        a reply that does not parse is asked again with the identical body (policy max_asks)."""
+        request = await self._build_request(ctx.model, messages, shot)
+        lenient = ctx.model.get("parse") == "lenient"
+        for _ask in range(ctx.policy.max_asks):
+            text = await self._call(run, step, ctx.model, request)
+            try:
+                action = ctx.flavour.read_reply(
+                    text, shot["width"], shot["height"], lenient=lenient
+                )
+            except ActionParseError as exc:
+                action, error = None, exc
+            else:
+                error = None
+                break
+        record["messages"].append({"role": "assistant", "content": text})
+        record["text"] = text
+        record["thinking"] = action.thought if action is not None else ""
+        return text, action, error
+
+    async def _call(self, run, step, model, request) -> str:
+        """One model call; its tokens and logprobs go to ``run.tokens``."""
         run.emit("model_call", step, modelSpecificInput=request)
         t0 = time.time()
         output = await self._model_call(model, request)
@@ -228,28 +295,20 @@ class AgentService:
                 ],
             }
         )
-        messages.append({"role": "assistant", "content": text})
-        record["messages"].append({"role": "assistant", "content": text})
-        record["text"] = text
-        record["thinking"] = ""
         return text
 
-    async def _act(self, run, step, gym, model, record, shot, text) -> bool:
-        """Parse the reply and run its action on the gym (a reply that does not parse is an
-        ``invalid`` action); whether the run is finished."""
+    async def _act(self, run, step, gym, record, shot, action, error, text) -> bool:
+        """Run the parsed action on the gym (a reply that did not parse is an ``invalid``
+        action); whether the run is finished."""
         start_ms = int(time.time() * 1000)
         finished = False
-        try:
-            action = get_flavour(model.get("flavour", "sim")).read_reply(
-                text, shot["width"], shot["height"], lenient=model.get("parse") == "lenient"
-            )
-        except ActionParseError as exc:
+        if action is None:
             event_action = {
                 "name": "invalid",
-                "args": {"text": text, "error": str(exc)},
+                "args": {"text": text, "error": str(error)},
                 "callId": f"call-{step}-0",
-                "rawFeedback": f"parse_error: {exc}",
-                "rawResult": {"ok": False, "error": f"parse_error: {exc}"},
+                "rawFeedback": f"parse_error: {error}",
+                "rawResult": {"ok": False, "error": f"parse_error: {error}"},
             }
         else:
             finished, result = await self._execute(gym, action)

@@ -8,7 +8,11 @@
   ``<tools>`` block (``cua_rl.sim.flavours.qwen3_vl``).
 
 Every flavour turns a reply into the same ``Action`` the agent executes on the gym, so a real
-checkpoint's replies run against the sim unchanged. docs/agent.md documents each format.
+checkpoint's replies run against the sim unchanged, and renders a parsed action back into its
+canonical text (``render``: an assistant message; ``describe``: one line of a list of earlier
+actions), which the context policies (``cua_rl.sim.context``) put in the history. The prompt
+and the function names follow the device (``standardActionSpace``: ``mobile`` or ``pc``).
+docs/agent.md documents each format.
 """
 
 from __future__ import annotations
@@ -27,12 +31,22 @@ class ReadReply(Protocol):
 @dataclass(frozen=True)
 class Flavour:
     name: str
-    # extra tools (MAI-UI's MCP tools, more Qwen functions) -> the system message
-    prompt: Callable[[list[dict] | None], str]
+    # (extra tools: MAI-UI's MCP tools, more Qwen functions; device) -> the system message
+    prompt: Callable[[list[dict] | None, str], str]
     read_reply: ReadReply
+    # (parsed action, width, height, device) -> canonical assistant text / one-line call
+    render: Callable[[Action, int, int, str], str]
+    describe: Callable[[Action, int, int, str], str]
 
 
 FLAVOUR_NAMES = ("sim", "mai-ui", "qwen3-vl")
+DEVICES = ("mobile", "pc")
+
+
+def _sim_text(action: Action, width: int, height: int, device: str = "mobile") -> str:
+    from cua_rl.sim.actions import format_action
+
+    return format_action(action)
 
 
 def get_flavour(name: str) -> Flavour:
@@ -40,9 +54,19 @@ def get_flavour(name: str) -> Flavour:
     from cua_rl.sim.flavours import mai_ui, qwen3_vl
 
     if name == "sim":
-        return Flavour("sim", lambda tools: actions.SYSTEM_PROMPT, actions.read_reply)
+        return Flavour(
+            "sim",
+            lambda tools, device="mobile": actions.system_prompt(device),
+            actions.read_reply,
+            _sim_text,
+            _sim_text,
+        )
     if name == mai_ui.NAME:
-        return Flavour(name, mai_ui.system_prompt, mai_ui.read_reply)
+        return Flavour(
+            name, mai_ui.system_prompt, mai_ui.read_reply, mai_ui.render, mai_ui.describe
+        )
     if name == qwen3_vl.NAME:
-        return Flavour(name, qwen3_vl.system_prompt, qwen3_vl.read_reply)
+        return Flavour(
+            name, qwen3_vl.system_prompt, qwen3_vl.read_reply, qwen3_vl.render, qwen3_vl.describe
+        )
     raise ValueError(f"unknown agent flavour {name!r}; use one of {', '.join(FLAVOUR_NAMES)}")

@@ -22,10 +22,14 @@ import json
 
 from cua_rl.sim.actions import Action, ActionParseError
 from cua_rl.sim.flavours.toolcall import (
+    call_of,
+    canonical_call,
     first_tool_call,
     lenient_tap,
     swipe_towards,
+    thought_of,
     to_pixels,
+    tool_call_block,
 )
 
 NAME = "mai-ui"
@@ -48,10 +52,15 @@ _ACTIONS = (
 )
 
 
-def system_prompt(tools: list[dict] | None = None) -> str:
+# What the prompt says the agent operates, per standardActionSpace: MAI-UI's prompt names a
+# phone; on a desktop or a web page (MiniWoB) that would describe a device the model does not see.
+_DEVICE = {"mobile": "a phone", "pc": "a computer screen showing a web page"}
+
+
+def system_prompt(tools: list[dict] | None = None, device: str = "mobile") -> str:
     lines = [
-        "You are a GUI agent operating a phone. You get the task, your earlier actions and a "
-        "screenshot per step; choose the next action.",
+        f"You are a GUI agent operating {_DEVICE[device]}. You get the task, your earlier "
+        "actions and a screenshot per step; choose the next action.",
         "",
         "## Output Format",
         "First your reasoning in <thinking> </thinking> tags, then the action as a JSON object "
@@ -118,9 +127,25 @@ def read_reply(text: str, width: int, height: int, *, lenient: bool = False) -> 
     try:
         name, args = first_tool_call(text)
         if name != FUNCTION:
-            return Action("mcp_call", {"tool": name, "arguments": args}, text)
-        return parse_mobile_use(args, width, height, text)
+            action = Action("mcp_call", {"tool": name, "arguments": args}, text)
+        else:
+            action = parse_mobile_use(args, width, height, text)
+        action.call, action.thought = canonical_call(name, args), thought_of(text)
+        return action
     except ActionParseError:
         if not lenient or not isinstance(text, str) or not text.strip():
             raise
         return lenient_tap(text, width, height)
+
+
+def render(action: Action, width: int, height: int, device: str = "mobile") -> str:
+    """The assistant text MAI-UI's agent puts in its history for a parsed action: the thought in
+    ``<thinking>`` and the call as compact JSON, never the sampled text (MAI-UI keeps
+    ``mobile_use`` on every device)."""
+    call = tool_call_block(call_of(action, FUNCTION, width, height))
+    return f"<thinking>\n{action.thought}\n</thinking>\n{call}"
+
+
+def describe(action: Action, width: int, height: int, device: str = "mobile") -> str:
+    """One line for a textual list of earlier actions: the call's compact JSON."""
+    return json.dumps(call_of(action, FUNCTION, width, height), separators=(",", ":"))

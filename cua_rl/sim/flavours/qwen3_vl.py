@@ -24,9 +24,13 @@ from cua_rl.sim.flavours.mai_ui import parse_mobile_use
 from cua_rl.sim.flavours.toolcall import (
     TOOLS_POSTAMBLE,
     TOOLS_PREAMBLE,
+    call_of,
+    canonical_call,
     first_tool_call,
     lenient_tap,
+    thought_of,
     to_pixels,
+    tool_call_block,
 )
 
 NAME = "qwen3-vl"
@@ -86,8 +90,61 @@ MOBILE_USE = {
 }
 
 
-def system_prompt(tools: list[dict] | None = None) -> str:
-    listed = [MOBILE_USE, *(tools or [])]
+_COMPUTER_HELP = (
+    "The action to perform:\n"
+    "* `left_click`: click the point `coordinate`.\n"
+    "* `double_click`: double-click the point `coordinate`.\n"
+    "* `right_click`: right-click the point `coordinate`.\n"
+    "* `type`: type `text` into the focused element.\n"
+    "* `key`: press the keys `keys` (the last one is sent).\n"
+    "* `scroll`: scroll by `pixels` (negative scrolls down).\n"
+    "* `wait`: wait `time` seconds.\n"
+    "* `answer`: give the final answer `text`.\n"
+    "* `terminate`: end the task with `status` success or failure."
+)
+COMPUTER_USE = {
+    "type": "function",
+    "function": {
+        "name": "computer_use",
+        "description": "Use a mouse and keyboard to interact with a computer screen showing a "
+        "web page, and see the result as a screenshot. Points are [x, y] on a 0-999 grid over "
+        "the screen, (0, 0) at the top left; click the centre of an element.",
+        "parameters": {
+            "type": "object",
+            "required": ["action"],
+            "properties": {
+                "action": {
+                    "type": "string",
+                    "description": _COMPUTER_HELP,
+                    "enum": [
+                        "left_click",
+                        "double_click",
+                        "right_click",
+                        "type",
+                        "key",
+                        "scroll",
+                        "wait",
+                        "answer",
+                        "terminate",
+                    ],  # fmt: skip
+                },
+                "coordinate": {"type": "array", "description": "[x, y] for the clicks"},
+                "keys": {"type": "array", "description": "key names, for key"},
+                "text": {"type": "string", "description": "for type and answer"},
+                "pixels": {"type": "number", "description": "for scroll"},
+                "time": {"type": "number", "description": "seconds, for wait"},
+                "status": {"type": "string", "enum": ["success", "failure"]},
+            },
+        },
+    },
+}
+# The function a device is operated with (standardActionSpace): Qwen3-VL's mobile agent declares
+# mobile_use, its computer-use agent computer_use; lenient taps click with that function's verb.
+FUNCTIONS = {"mobile": (MOBILE_USE, "click"), "pc": (COMPUTER_USE, "left_click")}
+
+
+def system_prompt(tools: list[dict] | None = None, device: str = "mobile") -> str:
+    listed = [FUNCTIONS[device][0], *(tools or [])]
     body = "".join("\n" + json.dumps(t, ensure_ascii=False) for t in listed)
     return TOOLS_PREAMBLE + body + TOOLS_POSTAMBLE
 
@@ -116,12 +173,32 @@ def read_reply(text: str, width: int, height: int, *, lenient: bool = False) -> 
         name, args = first_tool_call(text)
         if name == "mobile_use":
             if args.get("action") == "key":
-                return Action("key", {"key": str(args.get("text", "")).lower()}, text)
-            return parse_mobile_use(args, width, height, text)
-        if name == "computer_use":
-            return _computer_use(args, width, height, text)
-        raise ActionParseError(f"unknown function {name!r}; expected mobile_use or computer_use")
+                action = Action("key", {"key": str(args.get("text", "")).lower()}, text)
+            else:
+                action = parse_mobile_use(args, width, height, text)
+        elif name == "computer_use":
+            action = _computer_use(args, width, height, text)
+        else:
+            raise ActionParseError(
+                f"unknown function {name!r}; expected mobile_use or computer_use"
+            )
+        action.call, action.thought = canonical_call(name, args), thought_of(text)
+        return action
     except ActionParseError:
         if not lenient or not isinstance(text, str) or not text.strip():
             raise
         return lenient_tap(text, width, height)
+
+
+def describe(action: Action, width: int, height: int, device: str = "mobile") -> str:
+    """One line for a textual list of earlier actions: the call's compact JSON."""
+    function, click = FUNCTIONS[device][0]["function"]["name"], FUNCTIONS[device][1]
+    return json.dumps(call_of(action, function, width, height, click), separators=(",", ":"))
+
+
+def render(action: Action, width: int, height: int, device: str = "mobile") -> str:
+    """The assistant text for a parsed action: its thought (if any), then the call as compact
+    JSON in ``<tool_call>`` tags, as the chat template writes a tool call."""
+    function, click = FUNCTIONS[device][0]["function"]["name"], FUNCTIONS[device][1]
+    call = tool_call_block(call_of(action, function, width, height, click))
+    return f"{action.thought}\n{call}" if action.thought else call

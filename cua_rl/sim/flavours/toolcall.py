@@ -8,6 +8,7 @@ grid of 0-999 over the screenshot, whatever its size: pixels are ``x / 999 * wid
 from __future__ import annotations
 
 import json
+import math
 import re
 
 from cua_rl.sim.actions import Action, ActionParseError, grid_cell_centre
@@ -49,6 +50,50 @@ def first_tool_call(text: str) -> tuple[str, dict]:
     if not isinstance(args, dict):
         raise ActionParseError("arguments must be a JSON object")
     return call["name"], args
+
+
+_THINKING = re.compile(r"</?think(?:ing)?>")
+_POINT_KEYS = ("coordinate", "coordinate2", "start_coordinate", "end_coordinate")
+
+
+def thought_of(text: str) -> str:
+    """The reasoning before a reply's first ``<tool_call>``, without its thinking tags."""
+    head = text.split("<tool_call>", 1)[0] if isinstance(text, str) else ""
+    return _THINKING.sub("", head).strip()
+
+
+def canonical_call(name: str, args: dict) -> dict:
+    """A parsed call as the history re-renders it: points as integer grid coordinates."""
+    out = dict(args)
+    for key in _POINT_KEYS:
+        value = out.get(key)
+        if isinstance(value, list | tuple) and len(value) == 2:
+            if all(isinstance(v, int | float) and not isinstance(v, bool) for v in value):
+                out[key] = [int(round(v)) for v in value]
+    return {"name": name, "arguments": out}
+
+
+def tool_call_block(call: dict) -> str:
+    """``<tool_call>`` with the call as compact JSON (MAI-UI's history form)."""
+    body = json.dumps(call, ensure_ascii=False, separators=(",", ":"))
+    return f"<tool_call>\n{body}\n</tool_call>"
+
+
+def to_grid(x: int, y: int, width: int, height: int, grid: int = GRID) -> list[int]:
+    """Screenshot pixels as a point on the 0-``grid`` scale. Rounded up, so that ``to_pixels``
+    (which truncates) gives the same pixel back on screens up to ``grid`` pixels wide."""
+    return [min(math.ceil(x * grid / width), grid), min(math.ceil(y * grid / height), grid)]
+
+
+def call_of(action: Action, function: str, width: int, height: int, click: str = "click") -> dict:
+    """The flavour's call of a parsed action: the one the reply made, or for a lenient tap (a
+    reply with no call) a click at the tapped point."""
+    if action.call is not None:
+        return action.call
+    if action.name == "tap":
+        point = to_grid(action.params["x"], action.params["y"], width, height)
+        return {"name": function, "arguments": {"action": click, "coordinate": point}}
+    raise ValueError(f"action {action.name!r} carries no {function} call to re-render")
 
 
 def to_pixels(value, width: int, height: int, grid: int = GRID) -> tuple[int, int]:
