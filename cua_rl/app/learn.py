@@ -187,14 +187,13 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
         "--context",
         choices=CONTEXTS,
         default=None,
-        help="the local agent's context policy (agent.model_options.context; default: the "
-        "agent's own, full)",
+        help="the local agent's context policy (agent.context; default: the agent's own, full)",
     )
     parser.add_argument(
         "--history-n",
         type=int,
         default=None,
-        help="screenshots per request of the mai-ui context (agent.model_options.historyN)",
+        help="screenshots per request of the mai-ui context (agent.history_n)",
     )
     parser.add_argument(
         "--control",
@@ -232,12 +231,12 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
 
 
 def agent_overrides(args: argparse.Namespace) -> list[str]:
-    """train.py overrides for the context flags (``++``: model_options may lack the key)."""
+    """train.py overrides for the context flags."""
     out = []
     if args.context is not None:
-        out.append(f"++agent.model_options.context={args.context}")
+        out.append(f"agent.context={args.context}")
     if args.history_n is not None:
-        out.append(f"++agent.model_options.historyN={args.history_n}")
+        out.append(f"agent.history_n={args.history_n}")
     return out
 
 

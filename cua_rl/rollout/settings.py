@@ -10,6 +10,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 
 from cua_rl.core.fields import doc
+from cua_rl.errors import ConfigError
 from cua_rl.gateway.config import GatewayConfig, Sampling
 from cua_rl.genv import GenvTimeouts
 from cua_rl.mini_agent import DriverConfig
@@ -29,6 +30,9 @@ class GymSection:
         help="Train/eval split, name and tag filters, limits", factory=TaskSelectionConfig
     )
     timeouts: GenvTimeouts = doc(help="Gym call timeouts and retry bounds", factory=GenvTimeouts)
+
+
+CONTEXT_POLICIES = ("", "full", "mai-ui", "current")
 
 
 def _logprobs_on() -> dict:
@@ -56,6 +60,32 @@ class AgentSection:
         factory=list,
     )
     driver: DriverConfig = doc(help="Client-side polling and deadline", factory=DriverConfig)
+    context: str = doc(
+        "",
+        "The local agent's context policy (docs/agent.md): full (the append-only "
+        "conversation), mai-ui (a window of history_n screenshots, history re-rendered from the "
+        "parsed action, re-asks), current (the current screenshot and a list of past actions). "
+        "Empty: the agent's own (gbox-mini-agent builds its context itself).",
+    )
+    history_n: int = doc(0, "mai-ui context: screenshots per request; 0: the agent's default (3)")
+
+    def __post_init__(self) -> None:
+        if self.context not in CONTEXT_POLICIES:
+            raise ConfigError(
+                f"agent.context={self.context!r}; use one of full, mai-ui, current (or leave it "
+                "empty for the agent's own)"
+            )
+        if self.history_n < 0:
+            raise ConfigError(f"agent.history_n={self.history_n} must be >= 1 (or 0: default)")
+
+    def run_model_options(self) -> dict:
+        """What the run's model object carries for the context policy (set fields only)."""
+        out: dict = {}
+        if self.context:
+            out["context"] = self.context
+        if self.history_n:
+            out["historyN"] = self.history_n
+        return out
 
 
 @dataclass

@@ -123,6 +123,7 @@ class CUAAgentWorkflow(RolloutWorkflow):
         options = {
             "temperature": s.sampling.temperature,
             "maxTokens": s.sampling.max_new_tokens,
+            **s.agent.run_model_options(),
             **s.agent.model_options,
         }
         return RunSpec(

@@ -235,10 +235,6 @@ def test_family_and_context_flags_reach_the_training_config(tmp_path):
     cfg = OmegaConf.to_object(to_structured_cfg(raw, config_cls=CUAConfig))
     assert cfg.gym.selection.tags == ["learn2"]
     assert cfg.agent.max_steps == 2
-    assert cfg.agent.model_options == {
-        "logprobs": True,
-        "parse": "lenient",
-        "context": "mai-ui",
-        "historyN": 2,
-    }
+    assert (cfg.agent.context, cfg.agent.history_n) == ("mai-ui", 2)
+    assert cfg.agent.run_model_options() == {"context": "mai-ui", "historyN": 2}
     assert cfg.gconfig.n_samples * cfg.train_dataset.batch_size == 24

@@ -1,0 +1,99 @@
+"""Every call trains, whatever the agent keeps in its context: a real asynchronous training per
+context policy of the local agent (docs/agent.md).
+
+``make demo``'s launcher with the local agent building its requests as MAI-UI's agent does (a
+window of 3 screenshots, history re-rendered from the parsed action) or with the current
+screenshot only; two steps of staleness, so weight updates land in the middle of episodes. The
+append-only policy (``full``) is the demo's own (tests/app/test_train_local.py) and each family's
+(tests/app/test_families_train.py). Expected values come from the run's own records of what was
+sampled (the step stats AReaL logged, the monitor's turns) and from the trainer's transformers
+forward (AReaL's ``behave_approx_kl``), never from the row builder.
+"""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+
+from tests.conftest import db_rows, run_demo
+
+pytestmark = pytest.mark.slow
+
+STEPS = 3
+TOL = 1e-3
+
+
+@pytest.fixture(scope="module", params=["mai-ui", "current"])
+def trained(request, tmp_path_factory):
+    run_dir = tmp_path_factory.mktemp(f"context-{request.param}") / "run"
+    run = run_demo(
+        run_dir,
+        "rollout.max_head_offpolicyness=2",
+        f"total_train_epochs={STEPS}",
+        f"total_train_steps={STEPS}",
+        "rollout.max_concurrent_rollouts=8",
+        f"agent.context={request.param}",
+        timeout=1500,
+    )
+    return request.param, run
+
+
+@pytest.mark.timeout(1600)
+def test_every_call_is_trained_once_with_exact_logprobs(trained):
+    policy, run = trained
+    assert run.returncode == 0, run.output[-6000:]
+    db = run.db
+    steps = db_rows(db, "SELECT step, status, metrics_json FROM step ORDER BY step")
+    assert [(n, st) for n, st, _ in steps] == [(n, "completed") for n in range(1, STEPS + 1)]
+    stats = [json.loads(m or "{}") for _, _, m in steps]
+    for n, m in enumerate(stats, 1):
+        assert m.get("rollout/accepted") == 1.0, (policy, n, m)
+        assert not {k: v for k, v in m.items() if "/rejected/" in k and v}, (policy, n, m)
+    # A step's row statistics cover the episodes that finished since the previous step.
+    rows = [m for m in stats if "rollout/cua/sampled_tokens" in m]
+    assert rows, stats
+    for m in rows:
+        # Means per episode: every sampled token trained, no turn dropped.
+        assert m["rollout/cua/trained_tokens"] == pytest.approx(m["rollout/cua/sampled_tokens"])
+        assert m["rollout/cua/dropped_turns"] == 0.0
+        assert m["rollout/cua/trained_turns"] == pytest.approx(m["rollout/cua/turns"])
+    # Each call re-renders its history, so the prefix breaks on every call after the first:
+    # one row per call.
+    multi = [m for m in rows if m["rollout/cua/turns"] > 1.0]
+    assert multi, rows
+    for m in multi:
+        assert m["rollout/cua/rows"] == pytest.approx(m["rollout/cua/turns"]), (policy, m)
+    # Step 1's tokens were all sampled by version 0, the weights the trainer then held: its
+    # transformers forward reproduces vLLM's logprob of every trained token, in every row.
+    first = stats[0]
+    for stat in ("min", "max"):
+        assert abs(first[f"ppo_actor/update/behave_approx_kl/{stat}"]) < TOL, (policy, first)
+    assert first["ppo_actor/update/unclipped_behave_tokens"] > 0
+
+
+@pytest.mark.timeout(1600)
+def test_the_monitor_marks_every_turn_trained_and_episodes_straddle_updates(trained):
+    policy, run = trained
+    assert run.returncode == 0, run.output[-6000:]
+    turns = db_rows(
+        run.db,
+        "SELECT r.id, t.metrics_json FROM turn t JOIN rollout r ON t.rollout_id = r.id "
+        "WHERE r.source_type = 'step' AND r.status = 'completed'",
+    )
+    assert turns
+    versions: dict[int, set[int]] = {}
+    for rid, mj in turns:
+        m = json.loads(mj or "{}")
+        assert m.get("trained") is True, (policy, rid, m)
+        versions.setdefault(rid, set()).update(m.get("versions", []))
+    # Weight updates landed in the middle of some episodes: their turns carry several versions.
+    assert any(len(v) > 1 for v in versions.values()), versions
+    conv = [
+        json.loads(mj or "{}").get("conversion", {})
+        for (mj,) in db_rows(
+            run.db,
+            "SELECT metrics_json FROM rollout WHERE source_type = 'step' AND status = 'completed'",
+        )
+    ]
+    assert conv and all(c["trained_tokens"] == c["sampled_tokens"] for c in conv), conv[:3]
