@@ -3,11 +3,14 @@ test_dashboard_browser.py look at the same pages in Chromium on a real run's dat
 
 from __future__ import annotations
 
+import html
+import json
 import re
 
 import httpx
 import pytest
 
+from cua_rl.monitor.server.rollout_view import conversion_view
 from cua_rl.monitor.server.views import action_overlay, reward_colour, token_view
 
 from .conftest import MonitorProcess, uid
@@ -284,3 +287,158 @@ def test_episodes_stopped_by_the_end_of_a_run_are_not_rejections(store):
     assert page["reasons"] == [("missing_tokens", 1)]
     episodes = next(c for c in page["charts"] if c["id"] == "episodes")
     assert dict(episodes["series"]) == {"accepted": [2], "rejected": [1], "stopped": [2]}
+
+
+# ---------------------------------------------------------------------------- what the rows trained
+
+
+def _conversion(**overrides) -> dict:
+    """An episode's conversion stats as the workflow records them (``convert_turns``' keys)."""
+    stats = {
+        "rows": 2, "trained_turns": 3, "dropped_turns": 0, "sampled_tokens": 147,
+        "trained_tokens": 147, "row_tokens": 910, "images": 3, "distinct_images": 3,
+        "processed_images": 3, "prefix_breaks": 1, "segments": 2, "turns": 3,
+    }  # fmt: skip
+    return {**stats, **overrides}
+
+
+def _rollout(uuid: str, step: str, task: str, **overrides) -> dict:
+    record = {
+        "client_id": uuid, "rollout_id": uuid, "step_client_id": step, "task_client_id": task,
+        "model_path": "m", "status": "completed", "reward": 1.0, "num_turns": 2,
+    }  # fmt: skip
+    return {**record, **overrides}
+
+
+def _turn(uuid: str, n: int, **overrides) -> dict:
+    record = {"client_id": f"{uuid}:turn:{n}", "rollout_client_id": uuid, "turn": n,
+              "model_response": f"reply {n}"}  # fmt: skip
+    return {**record, **overrides}
+
+
+def _step(name: str, n: int, **metrics) -> dict:
+    return {"client_id": f"step-{name}-{n}-0", "training_client_id": name, "step": n,
+            "batch": 0, "status": "completed", "reward_mean": 0.5, "metrics_json": metrics}  # fmt: skip
+
+
+def _facts(page: str) -> tuple[str, str, bool]:
+    """The rollout page's "rows trained" and "tokens trained / sampled" facts as shown, and
+    whether the tokens fact is highlighted."""
+    rows = re.search(r'<span id="rows-trained">([^<]*)</span>', page).group(1)
+    tokens = re.search(r'<div id="tokens-trained"([^>]*)><b>[^<]*</b>([^<]*)', page)
+    return rows, tokens.group(2), 'class="dropped"' in tokens.group(1)
+
+
+def _pills(page: str) -> list[str | None]:
+    """Per turn card: its trained pill ("trained", "not trained") or None."""
+    cards = page.split('class="turn card"')[1:]
+    found = [
+        re.search(r'<span class="pill (?:not-)?trained"[^>]*>([^<]*)</span>', c) for c in cards
+    ]
+    return [m.group(1) if m else None for m in found]
+
+
+@pytest.fixture(scope="module")
+def trained(server):
+    """Rollouts whose rows trained every token, rollouts that dropped some, an old rollout
+    recorded before conversion stats existed and a rejected one; steps with and without the
+    per-episode row stats."""
+    name, task = uid("rows-run-"), uid("rows-task-")
+    step = f"step-{name}-1-0"
+    all_, dropped, old, rejected = (uid(f"{k}-") for k in ("all", "dropped", "old", "rejected"))
+    batch = {
+        "training": {"client_id": name, "run_name": name, "log_path": "l", "model_name": "m",
+                     "status": "completed"},
+        "tasks": [{"client_id": task, "task_id": task, "name": "rows task", "description": "d"}],
+        "steps": [
+            _step(name, 1, **{"rollout/cua/rows": 2.0, "rollout/cua/sampled_tokens": 147.0,
+                              "rollout/cua/trained_tokens": 147.0,
+                              "rollout/cua/dropped_turns": 0.0}),
+            _step(name, 2, **{"rollout/cua/rows": 1.5, "rollout/cua/sampled_tokens": 150.0,
+                              "rollout/cua/trained_tokens": 120.5,
+                              "rollout/cua/dropped_turns": 0.5}),
+            _step(name, 3, **{"rollout/cua/success": 1.0}),
+        ],
+        "rollouts": [
+            _rollout(all_, step, task, metrics_json={"conversion": _conversion(), "timings": {}}),
+            _rollout(dropped, step, task, metrics_json={"conversion": _conversion(
+                rows=1, trained_turns=2, dropped_turns=1, trained_tokens=90)}),
+            _rollout(old, step, task),
+            _rollout(rejected, step, task, status="failed", reward=None,
+                     status_message="missing_tokens"),
+        ],
+        "turns": [
+            _turn(all_, 1, metrics_json={"trained": True}),
+            _turn(all_, 2, metrics_json={"trained": True, "timings": {"model_s": 0.5}}),
+            _turn(dropped, 1, metrics_json={"trained": True}),
+            _turn(dropped, 2, metrics_json={"trained": False}),
+            _turn(old, 1),
+            _turn(old, 2, metrics_json={"timings": {"model_s": 0.5}}),
+        ],
+    }  # fmt: skip
+    resp = httpx.post(
+        f"{server.base_url}/api/ingest/batch", json=batch, headers=server.headers(), timeout=30
+    )
+    assert resp.status_code == 200, resp.text
+    answer = resp.json()
+    ids = [r["id"] for r in answer["rollouts"]]
+    return {
+        "training_id": answer["training_id"],
+        **dict(zip(("all", "dropped", "old", "rejected"), ids, strict=True)),
+    }
+
+
+def test_a_rollout_whose_rows_trained_every_token_says_so(user, trained):
+    page = user.get(f"/rollouts/{trained['all']}").text
+    assert _facts(page) == ("2", "147 / 147", False)
+    assert "tokens dropped" not in page
+    assert _pills(page) == ["trained", "trained"]
+
+
+def test_dropped_tokens_are_highlighted_and_the_untrained_turn_is_marked(user, trained):
+    page = user.get(f"/rollouts/{trained['dropped']}").text
+    assert _facts(page) == ("1", "90 / 147", True)
+    assert "57 tokens dropped, 1 turn not trained" in page
+    assert _pills(page) == ["trained", "not trained"]
+
+
+@pytest.mark.parametrize("which", ["old", "rejected"])
+def test_a_rollout_without_conversion_stats_shows_dashes_and_no_pill(user, trained, which):
+    resp = user.get(f"/rollouts/{trained[which]}")
+    assert resp.status_code == 200
+    assert _facts(resp.text) == ("–", "–", False)
+    assert "not trained" not in resp.text
+    assert _pills(resp.text) == ([None, None] if which == "old" else [])
+
+
+def test_training_page_shows_rows_and_tokens_trained_and_sampled_per_episode(user, trained):
+    page = user.get(f"/trainings/{trained['training_id']}").text
+    cells = re.findall(r'<td class="num ep-tokens( dropped)?">([^<]*)</td>', page)
+    assert cells == [("", "147 / 147"), (" dropped", "120.5 / 150"), ("", "–")]
+    charts = {c["id"]: c for c in json.loads(html.unescape(
+        re.search(r'<script type="application/json" id="chart-data"[^>]*>(.*?)</script>',
+                  page, re.S).group(1)))}  # fmt: skip
+    assert dict(charts["episode_tokens"]["series"]) == {
+        "trained": [147.0, 120.5, None],
+        "sampled": [147.0, 150.0, None],
+    }
+    assert dict(charts["episode_rows"]["series"]) == {"rows": [2.0, 1.5, None]}
+
+
+@pytest.mark.parametrize(
+    ("extra", "expected"),
+    [
+        ({"metrics_json": {"conversion": _conversion()}}, (2, 147, 147, 0)),
+        ({"metrics_json": json.dumps({"conversion": _conversion(trained_tokens=100)})},
+         (2, 100, 147, 47)),
+        ({"metrics_json": {"conversion": _conversion(rows=True, trained_tokens="147")}},
+         (None, None, 147, 0)),
+        ({"metrics_json": {"timings": {}}}, (None, None, None, 0)),
+        ({"metrics_json": "not json"}, (None, None, None, 0)),
+        ({}, (None, None, None, 0)),
+    ],
+)  # fmt: skip
+def test_conversion_view_reads_what_it_can_and_never_fails(extra, expected):
+    view = conversion_view(extra)
+    got = (view["rows"], view["trained_tokens"], view["sampled_tokens"], view["dropped_tokens"])
+    assert got == expected

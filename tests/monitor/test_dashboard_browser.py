@@ -264,3 +264,71 @@ def test_without_the_token_the_browser_gets_the_login_page(served, browser, tmp_
     digest = sqlite3.connect(served.db).execute("SELECT sha256 FROM screenshot").fetchone()[0]
     resp = page.request.get(f"{served.base_url}/api/screenshots/{digest}")
     assert resp.status == 401
+
+
+@pytest.fixture
+def rows_server(tmp_path):
+    """A monitor of its own (no demo run needed) holding one rollout whose rows dropped tokens:
+    one turn trained, one not."""
+    proc = MonitorProcess(tmp_path / "rows.db", token="rows-token")
+    proc.start()
+    name, task, uuid = "rows-run", "rows-task", "rows-rollout"
+    step = f"step-{name}-1-0"
+    conversion = {"rows": 1, "trained_turns": 1, "dropped_turns": 1, "sampled_tokens": 147,
+                  "trained_tokens": 90, "turns": 2}  # fmt: skip
+    batch = {
+        "training": {"client_id": name, "run_name": name, "log_path": "l", "model_name": "m",
+                     "status": "completed"},
+        "tasks": [{"client_id": task, "task_id": task, "name": "rows task", "description": "d"}],
+        "steps": [{"client_id": step, "training_client_id": name, "step": 1, "batch": 0,
+                   "status": "completed",
+                   "metrics_json": {"rollout/cua/rows": 1.0, "rollout/cua/sampled_tokens": 147.0,
+                                    "rollout/cua/trained_tokens": 90.0}}],
+        "rollouts": [{"client_id": uuid, "rollout_id": uuid, "step_client_id": step,
+                      "task_client_id": task, "model_path": "m", "status": "completed",
+                      "reward": 1.0, "num_turns": 2,
+                      "metrics_json": {"conversion": conversion, "timings": {}}}],
+        "turns": [
+            {"client_id": f"{uuid}:turn:{n}", "rollout_client_id": uuid, "turn": n,
+             "model_response": f"reply {n}", "metrics_json": {"trained": n == 1}}
+            for n in (1, 2)
+        ],
+    }  # fmt: skip
+    resp = httpx.post(
+        f"{proc.base_url}/api/ingest/batch", json=batch, headers=proc.headers(), timeout=30
+    )
+    assert resp.status_code == 200, resp.text
+    proc.rollout_id = resp.json()["rollouts"][0]["id"]
+    proc.training_id = resp.json()["training_id"]
+    yield proc
+    proc.stop()
+
+
+def test_a_rollout_page_shows_what_its_rows_trained(rows_server, browser, tmp_path):
+    """Rows and tokens trained / sampled at the top, dropped tokens highlighted in red, and a
+    pill per turn; the step's per-episode figures on the training page; no demo run needed."""
+    _login(browser, rows_server.base_url, rows_server.token)
+    page = browser.page
+    page.goto(f"{rows_server.base_url}/rollouts/{rows_server.rollout_id}")
+    page.wait_for_load_state("networkidle")
+    assert page.inner_text("#rows-trained") == "1"
+    fact = page.locator("#tokens-trained")
+    assert "90 / 147" in fact.inner_text() and "57 tokens dropped" in fact.inner_text()
+    # Highlighted as the stylesheet says: red text on a red-tinted background.
+    colour = fact.evaluate("e => getComputedStyle(e).color")
+    background = fact.evaluate("e => getComputedStyle(e).backgroundColor")
+    assert colour == "rgb(197, 34, 31)" and background == "rgb(252, 232, 230)", (colour, background)
+    pills = page.eval_on_selector_all(".turn .pill.trained, .turn .pill.not-trained",
+                                      "els => els.map(e => e.textContent)")  # fmt: skip
+    assert pills == ["trained", "not trained"]
+    shot = tmp_path / "rollout-rows.png"
+    page.screenshot(path=str(shot), full_page=True)
+    print("page screenshot:", shot)
+    # The training page: the step's per-episode tokens highlighted, the new curves drawn.
+    page.goto(f"{rows_server.base_url}/trainings/{rows_server.training_id}")
+    page.wait_for_load_state("networkidle")
+    assert page.inner_text("td.ep-tokens.dropped") == "90 / 147"
+    for chart in ("episode_tokens", "episode_rows"):
+        assert page.locator(f"#chart-{chart} canvas").count() == 1, chart
+    page.screenshot(path=str(tmp_path / "training-rows.png"), full_page=True)
+    assert browser.problems == []

@@ -6,18 +6,28 @@ rollouts, a rollout's turns), never by the size of the database, so pages stay f
 database of millions of turns (``bench/monitor_ingest.py`` measures them).
 
 Numbers the trainer logs as AReaL stats (success, entropy, staleness, accepted and rejected
-episodes) are read from the step's ``metrics_json``; the keys are listed in ``STEP_METRICS``.
+episodes, rows and tokens trained / sampled per episode) are read from the step's
+``metrics_json``; the keys are listed in ``STEP_METRICS``. How a rollout's turns are drawn and
+what its rows trained is ``rollout_view.py``.
 """
 
 from __future__ import annotations
 
-import json
 import math
 from datetime import UTC, datetime
 from typing import Any
 
-from cua_rl.monitor.protocol import SOURCE_ID_COLUMNS, TERMINAL, parse_screenshot_uri
+from cua_rl.monitor.protocol import SOURCE_ID_COLUMNS, TERMINAL
 from cua_rl.monitor.server.read import MonitorReader
+from cua_rl.monitor.server.rollout_view import (
+    action_overlay,
+    conversion_view,
+    screenshot_view,
+    token_view,
+    trained_flag,
+)
+from cua_rl.monitor.server.rollout_view import finite_or_none as _finite
+from cua_rl.monitor.server.rollout_view import parse_json as _json
 
 # Curve -> candidate keys in a step's metrics_json (first present wins); AReaL's names moved
 # between releases and depend on the loss in use.
@@ -32,7 +42,11 @@ STEP_METRICS: dict[str, tuple[str, ...]] = {
         "rollout/staleness",
     ),
     "accepted_rate": ("rollout/cua/accepted",),
+    # Per episode (the step's mean): trained < sampled means calls no row trains.
+    "rows": ("rollout/cua/rows",),
+    "sampled_tokens": ("rollout/cua/sampled_tokens",),
     "trained_tokens": ("rollout/cua/trained_tokens",),
+    "dropped_turns": ("rollout/cua/dropped_turns",),
 }
 # Time per phase: AReaL's own timers (seconds) when the step logged them.
 PHASE_TIMERS = {
@@ -47,16 +61,6 @@ ACTIVE_TRAINING = ("pending", "initializing", "running", "paused")
 HEARTBEAT_LOST = "heartbeat lost"
 FINISHED = TERMINAL["rollout"]
 _NO_OUTCOMES = {"accepted": 0, "rejected": 0, "stopped": 0, "running": 0}
-LOW_TOKENS = 3  # how many least likely tokens a turn marks
-
-
-def _json(text: Any) -> Any:
-    if not isinstance(text, str) or not text:
-        return None
-    try:
-        return json.loads(text)
-    except ValueError:
-        return None
 
 
 def parse_time(value: Any) -> datetime | None:
@@ -90,10 +94,6 @@ def _metric(metrics: dict | None, name: str) -> float | None:
         if isinstance(v, int | float) and math.isfinite(v):
             return float(v)
     return None
-
-
-def _finite(v: Any) -> float | None:
-    return float(v) if isinstance(v, int | float) and math.isfinite(v) else None
 
 
 # ---------------------------------------------------------------------------- trainings
@@ -159,6 +159,13 @@ def training_page(read: MonitorReader, training_id: int, *, now: datetime, stale
         s["success"] = _metric(metrics, "success")
         s["entropy"] = _metric(metrics, "entropy")
         s["staleness"] = _metric(metrics, "staleness")
+        for key in ("rows", "sampled_tokens", "trained_tokens", "dropped_turns"):
+            s[f"ep_{key}"] = _metric(metrics, key)
+        s["ep_dropped"] = (
+            s["ep_trained_tokens"] is not None
+            and s["ep_sampled_tokens"] is not None
+            and s["ep_trained_tokens"] < s["ep_sampled_tokens"]
+        )
         s["rollout_s"] = seconds_between(
             s["rollout_start_time"], s["rollout_end_time"] or s["training_start_time"]
         )
@@ -172,9 +179,6 @@ def training_page(read: MonitorReader, training_id: int, *, now: datetime, stale
         s["eval_success"] = ev["success_rate"] if ev else None
         s["eval_id"] = ev["id"] if ev else None
         s.update(outcomes.get(s["id"], _NO_OUTCOMES))
-        if s["num_tokens"] is None:
-            tokens = _metric(metrics, "trained_tokens")
-            s["num_tokens"] = tokens
     baseline_success = next(
         (b["success_rate"] for b in baselines if b["success_rate"] is not None), None
     )
@@ -215,8 +219,12 @@ def training_charts(steps: list[dict], baseline_success: float | None) -> list[d
         {"id": "entropy", "title": "Entropy", "x": x, "series": [["entropy", col("entropy")]]},
         {"id": "grad_norm", "title": "Gradient norm", "x": x,
          "series": [["grad norm", col("policy_gradient_norm")]]},
-        {"id": "tokens", "title": "Trained tokens", "x": x,
+        {"id": "tokens", "title": "Trained tokens (step)", "x": x,
          "series": [["tokens", col("num_tokens")]]},
+        {"id": "episode_tokens", "title": "Tokens trained / sampled per episode", "x": x,
+         "series": [["trained", col("ep_trained_tokens")], ["sampled", col("ep_sampled_tokens")]]},
+        {"id": "episode_rows", "title": "Rows per episode", "x": x,
+         "series": [["rows", col("ep_rows")]]},
         {"id": "staleness", "title": "Policy staleness", "x": x,
          "series": [["staleness", col("staleness")]]},
         {"id": "phases", "title": "Time per phase (s)", "x": x,
@@ -294,6 +302,7 @@ def rollout_page(read: MonitorReader, rollout_id: int) -> dict | None:
         return None
     rollout = rows[0]
     rollout["extra"] = read.extras("rollout", [rollout_id]).get(rollout_id, {})
+    rollout["conversion"] = conversion_view(rollout["extra"])
     task = read.task_brief(rollout["task_id"])
     kind = rollout["source_type"]
     source_id = rollout[SOURCE_ID_COLUMNS[kind]]
@@ -308,6 +317,7 @@ def rollout_page(read: MonitorReader, rollout_id: int) -> dict | None:
         t["extra"] = turn_extras.get(t["id"], {})
         t["actions"], t["observations"] = [], []
         t["metrics"] = _json(t.get("metrics_json"))
+        t["trained"] = trained_flag(t["metrics"])
     for key, table in (("actions", "action"), ("observations", "obs")):
         items = read.turn_items(table, rollout_id)
         extras = read.extras(table, [i["id"] for i in items])
@@ -350,95 +360,6 @@ def rollout_page(read: MonitorReader, rollout_id: int) -> dict | None:
         "history": history,
         "live": rollout["status"] not in FINISHED,
     }
-
-
-def screenshot_view(obs: dict | None) -> dict | None:
-    if obs is None:
-        return None
-    extra = obs.get("extra") or {}
-    digest = parse_screenshot_uri(obs.get("screenshot_uri"))
-    width = extra.get("source_width") or extra.get("image_width")
-    height = extra.get("source_height") or extra.get("image_height")
-    return {
-        "sha256": digest,
-        "uri": obs.get("screenshot_uri"),
-        "width": width if isinstance(width, int) and width > 0 else None,
-        "height": height if isinstance(height, int) and height > 0 else None,
-        "error": extra.get("screenshot_error"),
-    }
-
-
-def _point(args: dict, *names: str) -> tuple[float, float] | None:
-    for name in names:
-        p = args.get(name)
-        if (
-            isinstance(p, dict)
-            and _finite(p.get("x")) is not None
-            and _finite(p.get("y")) is not None
-        ):
-            return float(p["x"]), float(p["y"])
-        if isinstance(p, list | tuple) and len(p) == 2 and all(_finite(v) is not None for v in p):
-            return float(p[0]), float(p[1])
-    return None
-
-
-def action_overlay(name: Any, args: Any) -> dict:
-    """How to draw one action on its screenshot: a tap point, a swipe arrow or a text label.
-
-    Coordinates are the screenshot pixels the agent saw (``point{x,y}``, ``startPoint`` /
-    ``endPoint``, or flat ``x, y`` / ``x1, y1, x2, y2`` as the sim gym takes them).
-    """
-    name = str(name or "action")
-    args = args if isinstance(args, dict) else {}
-    start = _point(args, "startPoint", "start", "from")
-    end = _point(args, "endPoint", "end", "to")
-    if start is None and all(_finite(args.get(k)) is not None for k in ("x1", "y1", "x2", "y2")):
-        start = (float(args["x1"]), float(args["y1"]))
-        end = (float(args["x2"]), float(args["y2"]))
-    if start and end:
-        return {
-            "kind": "swipe",
-            "name": name,
-            "x": start[0],
-            "y": start[1],
-            "x2": end[0],
-            "y2": end[1],
-        }
-    point = _point(args, "point", "position", "coordinate")
-    if point is None and _finite(args.get("x")) is not None and _finite(args.get("y")) is not None:
-        point = (float(args["x"]), float(args["y"]))
-    if point:
-        return {"kind": "tap", "name": name, "x": point[0], "y": point[1]}
-    text = args.get("content", args.get("text", args.get("key", args.get("direction"))))
-    label = name if text in (None, "") else f"{name}: {text}"
-    return {"kind": "label", "name": name, "text": label}
-
-
-def token_view(actions: list[dict]) -> dict | None:
-    """The reply's tokens (on the turn's first action) with the least likely ones marked."""
-    for a in actions:
-        tokens, logprobs = _json(a.get("tokens")), _json(a.get("logprobs"))
-        if not isinstance(tokens, list) or not tokens:
-            continue
-        if not isinstance(logprobs, list) or len(logprobs) != len(tokens):
-            logprobs = [None] * len(tokens)
-        texts = (a.get("extra") or {}).get("token_texts")
-        if not isinstance(texts, list) or len(texts) != len(tokens):
-            texts = None
-        finite = [(lp, i) for i, lp in enumerate(logprobs) if _finite(lp) is not None]
-        low = {i for _, i in sorted(finite)[:LOW_TOKENS]}
-        items = [
-            {
-                "id": tok,
-                "text": texts[i] if texts else None,
-                "logprob": logprobs[i],
-                "low": i in low,
-            }
-            for i, tok in enumerate(tokens)
-        ]
-        mean = sum(lp for lp, _ in finite) / len(finite) if finite else None
-        return {"count": len(tokens), "mean_logprob": mean, "items": items}
-    return None
 
 
 # ---------------------------------------------------------------------------- history
