@@ -40,7 +40,7 @@ class StepPoint:
     step: int
     success: float | None  # share of the step's accepted episodes the gym judged solved
     reward: float | None
-    episodes: int | None  # rows the step trained on
+    episodes: int | None  # episodes the step trained on (whole groups)
     elapsed_s: float | None  # from the training's start to the step's commit
     staleness: float | None  # mean policy versions between sampling and the update
 

@@ -3,7 +3,7 @@
 The trainer's and AReaL's workers' output goes to log files; the terminal gets one live line
 (the step of N, the step's episodes finished / running / rejected, the last reward and success)
 and, once a step is recorded completed, one summary line with rounded numbers: the batch it
-trained on (its size, mean reward and trained tokens), and the training episodes that finished
+trained on (its episodes, their rows and trained tokens), and the training episodes that finished
 since the step before (counts, reward and success; an asynchronous step trains on a batch that
 finished earlier, so the two differ). Everything is
 read from the monitor's SQLite file (read-only, so it never contends with the writer), which
@@ -144,7 +144,9 @@ class DemoProgress:
             # What the step trained on, then the episodes that finished since the step before
             # (asynchronous steps train on batches finished earlier, so the two differ). The
             # step record's reward columns describe the latter when it holds any episode.
-            trained = metrics.get("ppo_actor/task_reward/avg")
+            # AReaL's task reward is the group-normalised one (the group filter writes it):
+            # the reward shown is the episodes', from the workflow's own stats.
+            rows = metrics.get("ppo_actor/n_seqs")
             done, rejected = self._finished(db, training["id"], prev_end, s["end_time"])
             prev_end = s["end_time"]
             finished = f"finished since the step before: {done} accepted, {rejected} rejected"
@@ -152,14 +154,12 @@ class DemoProgress:
                 finished += f", reward {_fmt(metrics['rollout/cua/reward'])}"
                 if s["reward_std"] is not None:
                     finished += f" ± {_fmt(s['reward_std'])}"
-            elif trained is None and s["reward_mean"] is not None:
-                trained = s["reward_mean"]
             success = metrics.get("rollout/cua/success")
             if success is not None:
                 finished += f", success {_pct(success)}"
             parts = [
                 f"trained on {int(s['num_trajectories'] or 0)} episodes"
-                + (f" (reward {_fmt(trained)})" if trained is not None else "")
+                + (f" ({int(rows)} rows)" if rows is not None else "")
                 + f", {int(s['num_tokens'] or 0)} tokens",
                 finished,
             ]

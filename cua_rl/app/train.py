@@ -185,7 +185,8 @@ def run_training(config: CUAConfig) -> int:
     watch = RejectionWatch(log_dir / "outcomes", config.failfast, stop_systematic).start()
     with MonitorEndpoint(config) as endpoint, stopping(watch):
         monitor = TrainingMonitor(
-            endpoint.client_config(log_dir), config.run_name, heartbeat_s=config.monitor.heartbeat_s
+            endpoint.client_config(log_dir), config.run_name, heartbeat_s=config.monitor.heartbeat_s,
+            episodes_per_step=config.train_dataset.batch_size * config.gconfig.n_samples,
         )
         monitor.start()
         monitor.training_started(config=config, total_steps=n_steps, log_path=str(log_dir))

@@ -26,6 +26,7 @@ def _batch(step_status: str = "completed", rollouts: tuple[str, ...] = ()) -> di
             "metrics_json": {
                 "rollout/cua/success": 0.25, "rollout/cua/reward": -0.22499999403953552,
                 "ppo_actor/task_reward/avg": -0.15000000596046448,
+                "ppo_actor/n_seqs": 12.0,
             },
         }],
         "evals": [{"client_id": f"eval-{RUN}-1", "training_client_id": RUN, "step": 1,
@@ -67,7 +68,7 @@ def test_a_completed_step_gets_one_rounded_summary_line(tmp_path):
     lines = out.getvalue().splitlines()
     assert lines[0] == (
         # An episode cancelled when the run ended was stopped: neither accepted nor rejected.
-        "step 1/2: trained on 4 episodes (reward -0.15), 136 tokens, finished since the step "
+        "step 1/2: trained on 4 episodes (12 rows), 136 tokens, finished since the step "
         "before: 3 accepted, 0 rejected, reward -0.22 ± 0.04, success 25%, eval success 50%, 42s"
     )
     assert len([ln for ln in lines if ln.startswith("step 1/2:")]) == 1
@@ -94,7 +95,7 @@ def test_an_eval_pass_is_named_after_its_step_and_a_finished_run_has_no_live_lin
     progress.close()
     store.close()
     lines = out.getvalue().splitlines()
-    assert lines[0].startswith("step 1/2: trained on 4 episodes (reward -0.15)")
+    assert lines[0].startswith("step 1/2: trained on 4 episodes (12 rows)")
     assert lines[1:] == [
         "eval after step 1/2 · rollout · episodes 0 finished, 0 running, 0 rejected"
     ]
@@ -111,8 +112,8 @@ def test_a_step_counts_the_episodes_that_finished_since_the_step_before(tmp_path
         "step": 2,
         "start_time": "2026-01-01 00:00:41.6",
         "end_time": "2026-01-01 00:01:00",
-        # No episode reached the stats of this window: the trained batch's reward only.
-        "reward_mean": -0.4, "reward_std": None, "metrics_json": {"ppo_actor/task_reward/avg": -0.4},
+        # No episode reached the stats of this window: nothing but the trained batch's size.
+        "reward_mean": -0.4, "reward_std": None, "metrics_json": {"ppo_actor/n_seqs": 4.0},
     }  # fmt: skip
     batch["steps"].append(step2)
     # Sampled by step 1's policy, but finished after step 1 ended: step 2's line counts them.
@@ -130,6 +131,6 @@ def test_a_step_counts_the_episodes_that_finished_since_the_step_before(tmp_path
     lines = [ln for ln in out.getvalue().splitlines() if ln.startswith("step ")]
     assert "finished since the step before: 2 accepted, 0 rejected" in lines[0], lines
     assert lines[1] == (
-        "step 2/2: trained on 4 episodes (reward -0.40), 136 tokens, "
+        "step 2/2: trained on 4 episodes (4 rows), 136 tokens, "
         "finished since the step before: 2 accepted, 1 rejected, 18s"
     ), lines

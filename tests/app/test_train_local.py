@@ -147,7 +147,7 @@ def test_demo_trains_and_records_everything(demo_run):
     summaries = [
         ln
         for ln in lines
-        if re.match(rf"\[demo\] step \d/{DEMO_STEPS}: trained on \d+ episodes \(reward ", ln)
+        if re.match(rf"\[demo\] step \d/{DEMO_STEPS}: trained on \d+ episodes \(\d+ rows\), ", ln)
     ]
     want = [f"[demo] step {n}/{DEMO_STEPS}" for n in range(1, DEMO_STEPS + 1)]
     assert [ln.split(":")[0] for ln in summaries] == want

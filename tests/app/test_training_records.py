@@ -3,6 +3,7 @@ trainer hooks record phases without changing what the trainer does."""
 
 from __future__ import annotations
 
+import json
 import sqlite3
 import time
 
@@ -104,6 +105,25 @@ def test_training_lifecycle_records(monitor, tmp_path):
     ).fetchall()
     assert ("training",) in history and ("completed",) in history
     db.close()
+
+
+def test_a_step_counts_the_episodes_it_trained_not_its_rows(monitor, tmp_path):
+    # 2 tasks x 2 samples, each episode 3 rows (an agent that re-renders its history).
+    cfg = MonitorClientConfig(base_url=monitor.url, spool_path=str(tmp_path / "spool.jsonl"))
+    tm = TrainingMonitor(cfg, RUN, episodes_per_step=4)
+    tm.start()
+    tm.training_started(config=_Config(), total_steps=1, log_path="logs")
+    tm.step_started(1, total_steps=1)
+    tm.step_committed(
+        1, {"ppo_actor/n_seqs": 12.0, "ppo_actor/n_valid_tokens": 40.0}, total_steps=1
+    )
+    assert tm.flush(20)
+    tm.close()
+    db = sqlite3.connect(monitor.db_path)
+    row = db.execute("SELECT num_trajectories, num_tokens, metrics_json FROM step").fetchone()
+    db.close()
+    assert row[:2] == (4, 40)
+    assert json.loads(row[2])["ppo_actor/n_seqs"] == 12.0  # the rows stay in the step's metrics
 
 
 def test_ctrl_c_marks_the_training_cancelled(monitor, tmp_path):

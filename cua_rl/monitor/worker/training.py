@@ -51,6 +51,8 @@ STEP_COLUMNS: dict[str, tuple[str, ...]] = {
     "policy_gradient_norm": ("ppo_actor/update/grad_norm", "ppo_actor/update/grad_norm/avg"),
     "learning_rate": ("ppo_actor/update/lr", "ppo_actor/update/lr/avg"),
     "reward_mean": ("rollout/cua/reward", "ppo_actor/task_reward/avg", "rollout/reward"),
+    # Rows, not episodes (an episode gives a row per run of consistent calls): replaced by the
+    # step's episode count when the monitor knows it (TrainingMonitor's episodes_per_step).
     "num_trajectories": ("ppo_actor/n_seqs", "ppo_actor/update/n_seqs"),
     # Trained (loss-masked) tokens of the step, summed over its rows.
     "num_tokens": ("ppo_actor/n_valid_tokens", "ppo_actor/update/n_valid_tokens"),
@@ -117,9 +119,12 @@ class TrainingMonitor:
         run_name: str,
         *,
         heartbeat_s: float = HEARTBEAT_S,
+        episodes_per_step: int | None = None,
     ):
         self.run = run_name
         self.heartbeat_s = heartbeat_s
+        # A step trains whole groups: batch_size tasks x n_samples episodes, however many rows.
+        self.episodes_per_step = episodes_per_step
         self._started = False
         self._beat: asyncio.Task | None = None
         self.enabled = client_config is not None
@@ -343,6 +348,11 @@ class TrainingMonitor:
                 "end_time": now,
                 "training_end_time": now,
                 **step_fields(stats),
+                **(
+                    {"num_trajectories": self.episodes_per_step}
+                    if self.episodes_per_step
+                    else {}
+                ),
                 "metrics_json": _clean(stats),
             },
         )
