@@ -1,6 +1,6 @@
 """Train a GUI agent with AReaL's PPOTrainer: ``python -m examples.cua_agent.train --config X.yaml``.
 
-The script loads the config (AReaL's ``load_expr_config``: a YAML plus ``key=value`` overrides),
+The script loads the config (``config_load``: a YAML plus ``key=value`` overrides, any field),
 selects the tasks into train and eval datasets, opens the run's monitor records (an embedded
 SQLite monitor when only ``monitor.db_path`` is given), runs a baseline evaluation, then
 ``PPOTrainer.train`` with ``CUAAgentWorkflow`` and the complete-group filter passed by dotted
@@ -24,6 +24,7 @@ import sys
 from pathlib import Path
 from typing import Any
 
+from cua_rl.app import config_load
 from cua_rl.app.check import fetch_tasks, run_check
 from cua_rl.app.config import CUAConfig
 from cua_rl.app.endpoint import MonitorEndpoint
@@ -64,10 +65,9 @@ def split_argv(argv: list[str]) -> tuple[bool, list[str]]:
 
 
 def load_config(argv: list[str]) -> CUAConfig:
-    from areal.api.cli_args import load_expr_config
-
-    config, _ = load_expr_config(argv, CUAConfig)
-    return config
+    # AReaL's load_expr_config, with known fields settable without "+" and every mistake one
+    # line (config_load.py).
+    return config_load.load_config(argv, CUAConfig)
 
 
 # ---------------------------------------------------------------------------- training
