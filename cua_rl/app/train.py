@@ -29,6 +29,7 @@ from cua_rl.app.check import fetch_tasks, run_check
 from cua_rl.app.config import CUAConfig
 from cua_rl.app.endpoint import MonitorEndpoint
 from cua_rl.app.failfast import RejectionWatch
+from cua_rl.app.run_record import claim_run_name
 from cua_rl.app.signals import SystematicRejection, Terminated, stop_systematic, stopping
 from cua_rl.app.signals import install as install_signals
 from cua_rl.areal.hooks import TrainerHooks
@@ -188,6 +189,9 @@ def run_training(config: CUAConfig) -> int:
 
     watch = RejectionWatch(log_dir / "outcomes", config.failfast, stop_systematic).start()
     with MonitorEndpoint(config) as endpoint, stopping(watch):
+        # A second run of the same names gets its own record unless it resumes (run_record.py).
+        token = config.monitor.token or os.environ.get("MONITOR_PROJECT_TOKEN") or None
+        claim_run_name(config, endpoint.url if config.monitor.enabled else "", token)
         monitor = TrainingMonitor(
             endpoint.client_config(log_dir), config.run_name, heartbeat_s=config.monitor.heartbeat_s
         )
