@@ -141,10 +141,17 @@ def test_known_fields_the_yaml_lacks_load_without_plus(tmp_path):
     assert cfg.agent.max_steps == 7
 
 
-def test_the_correct_configs_load(tmp_path):
-    for name in ("local.yaml", "learn.yaml", "miniwob.yaml", "miniwob-learn.yaml"):
-        cfg = load_config(_argv(tmp_path / name, ROOT / "configs" / name))
+def test_the_shipped_configs_load_without_warnings_about_themselves(tmp_path):
+    from cua_rl.gateway.config import pause_warning
+
+    required = ["gym.base_url=http://gym:8800", "gym.gym_id=g", "agent.base_url=http://a:3000"]
+    required.append("monitor.base_url=http://monitor:8000")
+    for name in ("cua.yaml", "local.yaml", "learn.yaml", "miniwob.yaml", "miniwob-learn.yaml"):
+        extra = required if name == "cua.yaml" else []
+        cfg = load_config(_argv(tmp_path / name, ROOT / "configs" / name, *extra))
         assert isinstance(cfg, CUAConfig), name
+        step, wait = cfg.agent.max_step_time_s, cfg.gateway.max_pause_wait_s
+        assert pause_warning(cfg.saver, cfg.evaluator, step, wait) is None, name
 
 
 def _documented_keys() -> set[str]:
