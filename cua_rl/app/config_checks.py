@@ -14,6 +14,7 @@ import importlib
 from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
+from urllib.parse import urlsplit
 
 from cua_rl.errors import ConfigError
 
@@ -87,6 +88,13 @@ RULES: tuple[Rule, ...] = (
     positive("agent.max_step_time_s", "seconds of one step, e.g. agent.max_step_time_s=120"),
     one_of("agent.action_space", ACTION_SPACES, "mobile for Android, pc for Linux desktops"),
     non_empty("agent.base_url", "the gbox-mini-agent URL, e.g. agent.base_url=http://agent:3000"),
+    Rule(
+        "gym.base_url",
+        lambda v: "/api/" not in f"{urlsplit(v).path}/",
+        "the gym server's root, without /api/v1",
+        "e.g. gym.base_url=http://gym:8800 (the client adds /api/v1/{gym_id})",
+        bad=("http://127.0.0.1:8800/api/v1/sim",),
+    ),
     positive("monitor.heartbeat_s", "e.g. monitor.heartbeat_s=30"),
     non_negative("failfast.window", "turns the check off", "e.g. failfast.window=32"),
     positive("drain.timeout_s", "e.g. drain.timeout_s=20"),

@@ -34,7 +34,7 @@ from cua_rl.app.signals import SystematicRejection, Terminated, stop_systematic,
 from cua_rl.app.signals import install as install_signals
 from cua_rl.areal.hooks import TrainerHooks
 from cua_rl.areal.support import check_areal
-from cua_rl.errors import ConfigError
+from cua_rl.errors import ConfigError, ServiceError
 from cua_rl.logs import get_logger
 from cua_rl.monitor.worker.training import TrainingMonitor
 from cua_rl.rollout.groups import GROUP_SIZE_ENV, ZERO_VARIANCE_TOL_ENV
@@ -350,6 +350,10 @@ def main(argv: list[str] | None = None) -> int:
     except SystematicRejection as exc:
         print(f"training failed: {exc}", file=sys.stderr)
         return 3
+    except ServiceError as exc:
+        # A gym, agent or monitor that cannot be reached is the operator's to fix, not a bug.
+        print(f"service error: {exc} (--check tests every service)", file=sys.stderr)
+        return 1
     except Terminated as exc:
         # Already recorded as cancelled and cleaned up; exit as a process killed by it would.
         print(f"stopped by {exc}", file=sys.stderr)
