@@ -31,7 +31,7 @@ from collections.abc import AsyncIterator, Awaitable, Callable
 from contextlib import asynccontextmanager
 from dataclasses import dataclass
 from typing import Any, TypeVar
-from urllib.parse import quote
+from urllib.parse import quote, urlsplit
 
 import httpx
 
@@ -130,7 +130,13 @@ class GenvClient:
             raise ConfigError(
                 f"gym_id={gym_id!r} is required (there is no safe default); set it to the gym's id, e.g. 'sim'"
             )
-        self.base = f"{base_url.rstrip('/')}/api/v1/{gym_id}"
+        if "/api/" in f"{urlsplit(base_url).path}/":
+            raise ConfigError(
+                f"gym base_url={base_url!r} has the API path in it: give the server root, e.g. "
+                f"{base_url.split('/api/', 1)[0]} (the client adds /api/v1/{{gym_id}})"
+            )
+        self.root = base_url.rstrip("/")
+        self.base = f"{self.root}/api/v1/{gym_id}"
         self.gym_id = gym_id
         self.timeouts = timeouts or GenvTimeouts()
         self._own = client is None
@@ -177,12 +183,26 @@ class GenvClient:
                 r = await self._client.request(method, self.base + path, json=json, timeout=t)
         except (TimeoutError, httpx.TimeoutException) as e:
             raise GymError(f"gym {op} timed out after {timeout:g}s") from e
+        except httpx.ConnectError as e:
+            raise GymError(
+                f"gym {op}: nothing answers at {self.root} ({e}): start the gym, or fix the host "
+                "and port of gym.base_url"
+            ) from e
         except httpx.HTTPError as e:
             raise GymError(f"gym {op} failed in transport: {type(e).__name__}: {e}") from e
         if r.status_code >= 400:
             detail, body = _detail(r)
+            # A 404 on a gym's own path: the URL or the id is wrong, rarely the call itself.
+            hint = (
+                f" (is {self.root} the gym server's root and {self.gym_id!r} a gym it serves? "
+                "check gym.base_url and gym.gym_id)"
+                if r.status_code == 404
+                else ""
+            )
             raise GymError(
-                f"gym {op} answered {r.status_code}: {detail}", status=r.status_code, body=body
+                f"gym {op} answered {r.status_code}: {detail}{hint}",
+                status=r.status_code,
+                body=body,
             )
         try:
             return r.json()

@@ -2,8 +2,8 @@
 
 Nothing trains: the gym lists and selects its tasks (so a bad selection shows here too), the
 agent answers a run lookup, the model endpoint serves the model (or the engine's path exists),
-the monitor accepts the token or its embedded database opens, and the gateway's address is one
-the agent can reach. The exit status is 1 when any check fails.
+the monitor accepts the token or its embedded database opens, the gateway's address is one
+the agent can reach, and the ``workflow:`` class imports. The exit status is 1 when any check fails.
 """
 
 from __future__ import annotations
@@ -170,9 +170,20 @@ def family_check(config: CUAConfig) -> CheckResult:
     return CheckResult("family", not problems, "; ".join([family.describe(), *problems]))
 
 
+def workflow_check(config: CUAConfig) -> CheckResult:
+    """AReaL's workers import ``workflow:`` by its dotted path; a bad one fails here, not there."""
+    from cua_rl.app.config_checks import import_workflow
+
+    try:
+        import_workflow(config.workflow)
+    except ConfigError as exc:
+        return CheckResult("workflow", False, str(exc))
+    return CheckResult("workflow", True, f"{config.workflow} imports")
+
+
 def run_check(config: CUAConfig) -> int:
     print(f"ok   config   {config.experiment_name}/{config.trial_name} is valid")
-    results = [family_check(config), *asyncio.run(check_services(config))]
+    results = [family_check(config), workflow_check(config), *asyncio.run(check_services(config))]
     for r in results:
         print(r.line())
     failed = [r.name for r in results if not r.ok]

@@ -15,6 +15,7 @@ from urllib.parse import urlsplit
 
 from areal.api.cli_args import GRPOConfig, vLLMConfig
 
+from cua_rl.app.config_checks import check_fields
 from cua_rl.app.failfast import FailFastConfig
 from cua_rl.areal.logits import LogitsConfig
 from cua_rl.areal.support import check_areal_version
@@ -178,6 +179,8 @@ class CUAConfig(GRPOConfig):
 
     def validate(self) -> None:
         """Cross-section checks; each message says how to fix the config."""
+        # Ranges and cross-field rules, one table row per field (config_checks.py).
+        check_fields(self)
         if self.logits.selective:
             check_areal_version()
         if not self.gym.gym_id:

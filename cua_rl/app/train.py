@@ -1,6 +1,6 @@
 """Train a GUI agent with AReaL's PPOTrainer: ``python -m examples.cua_agent.train --config X.yaml``.
 
-The script loads the config (AReaL's ``load_expr_config``: a YAML plus ``key=value`` overrides),
+The script loads the config (``config_load``: a YAML plus ``key=value`` overrides, any field),
 selects the tasks into train and eval datasets, opens the run's monitor records (an embedded
 SQLite monitor when only ``monitor.db_path`` is given), runs a baseline evaluation, then
 ``PPOTrainer.train`` with ``CUAAgentWorkflow`` and the complete-group filter passed by dotted
@@ -24,15 +24,17 @@ import sys
 from pathlib import Path
 from typing import Any
 
+from cua_rl.app import config_load
 from cua_rl.app.check import fetch_tasks, run_check
 from cua_rl.app.config import CUAConfig
 from cua_rl.app.endpoint import MonitorEndpoint
 from cua_rl.app.failfast import RejectionWatch
+from cua_rl.app.run_record import claim_run_name
 from cua_rl.app.signals import SystematicRejection, Terminated, stop_systematic, stopping
 from cua_rl.app.signals import install as install_signals
 from cua_rl.areal.hooks import TrainerHooks
 from cua_rl.areal.support import check_areal
-from cua_rl.errors import ConfigError
+from cua_rl.errors import ConfigError, ServiceError
 from cua_rl.logs import get_logger
 from cua_rl.monitor.worker.training import TrainingMonitor
 from cua_rl.tasks import build_datasets
@@ -63,10 +65,9 @@ def split_argv(argv: list[str]) -> tuple[bool, list[str]]:
 
 
 def load_config(argv: list[str]) -> CUAConfig:
-    from areal.api.cli_args import load_expr_config
-
-    config, _ = load_expr_config(argv, CUAConfig)
-    return config
+    # AReaL's load_expr_config, with known fields settable without "+" and every mistake one
+    # line (config_load.py).
+    return config_load.load_config(argv, CUAConfig)
 
 
 # ---------------------------------------------------------------------------- training
@@ -184,6 +185,9 @@ def run_training(config: CUAConfig) -> int:
 
     watch = RejectionWatch(log_dir / "outcomes", config.failfast, stop_systematic).start()
     with MonitorEndpoint(config) as endpoint, stopping(watch):
+        # A second run of the same names gets its own record unless it resumes (run_record.py).
+        token = config.monitor.token or os.environ.get("MONITOR_PROJECT_TOKEN") or None
+        claim_run_name(config, endpoint.url if config.monitor.enabled else "", token)
         monitor = TrainingMonitor(
             endpoint.client_config(log_dir), config.run_name, heartbeat_s=config.monitor.heartbeat_s,
             episodes_per_step=config.train_dataset.batch_size * config.gconfig.n_samples,
@@ -343,6 +347,10 @@ def main(argv: list[str] | None = None) -> int:
     except SystematicRejection as exc:
         print(f"training failed: {exc}", file=sys.stderr)
         return 3
+    except ServiceError as exc:
+        # A gym, agent or monitor that cannot be reached is the operator's to fix, not a bug.
+        print(f"service error: {exc} (--check tests every service)", file=sys.stderr)
+        return 1
     except Terminated as exc:
         # Already recorded as cancelled and cleaned up; exit as a process killed by it would.
         print(f"stopped by {exc}", file=sys.stderr)

@@ -254,8 +254,10 @@ def pause_warning(saver, evaluator, step_time_s: float | None, pause_wait_s: flo
         return None
     return (
         f"saver/evaluator run while the rollout is paused, and a model call arriving then waits "
-        f"for the weight update, the save and the evaluation; agent.max_step_time_s="
-        f"{step_time_s:g} fails the agent's step if they take longer. Set "
-        f"agent.max_step_time_s above the longest save + evaluation (gateway.max_pause_wait_s="
-        f"{pause_wait_s:g} bounds the wait), or save and evaluate less often"
+        f"for the weight update, the save and the evaluation, up to gateway.max_pause_wait_s="
+        f"{pause_wait_s:g}; agent.max_step_time_s={step_time_s:g} fails the agent's step first. "
+        f"Set gateway.max_pause_wait_s to your longest update + save + evaluation and "
+        f"agent.max_step_time_s to at least that (e.g. both {pause_wait_s:g}, or both "
+        f"{step_time_s:g} if that covers them), or set saver.freq_epochs/freq_steps and "
+        f"evaluator.freq_epochs/freq_steps to null"
     )

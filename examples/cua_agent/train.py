@@ -2,7 +2,7 @@
 
     python -m examples.cua_agent.train --config configs/cua.yaml [--check] [key=value ...]
 
-The launcher (``cua_rl.app.train``) loads the config (AReaL's ``load_expr_config``: a YAML plus
+The launcher (``cua_rl.app.train``) loads the config (``cua_rl.app.config_load``: a YAML plus
 ``key=value`` overrides), selects the tasks into train and eval datasets, opens the run's monitor
 records, runs a baseline evaluation, then ``PPOTrainer.train`` with the workflow the config names
 (``workflow:``, by default this folder's ``CUAAgentWorkflow``) and the complete-group filter. The

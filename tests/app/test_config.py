@@ -5,9 +5,10 @@ from __future__ import annotations
 from pathlib import Path
 
 import pytest
-from areal.api.cli_args import load_expr_config, vLLMConfig
+from areal.api.cli_args import vLLMConfig
 
 from cua_rl.app.config import CUAConfig
+from cua_rl.app.config_load import load_config
 from cua_rl.errors import ConfigError
 
 ROOT = Path(__file__).resolve().parents[2]
@@ -25,10 +26,9 @@ PROD_REQUIRED = [
 
 
 def _load(path: Path, tmp_path: Path, *overrides: str) -> CUAConfig:
-    # fileroot redirected: load_expr_config writes the resolved config under the stats logger root.
+    # fileroot redirected: the loader writes the resolved config under the stats logger root.
     argv = ["--config", str(path), f"cluster.fileroot={tmp_path}", *overrides]
-    cfg, _ = load_expr_config(argv, CUAConfig)
-    return cfg
+    return load_config(argv, CUAConfig)
 
 
 def test_production_config_loads_with_overrides(tmp_path):

@@ -15,10 +15,13 @@ ROOT = Path(__file__).resolve().parents[2]
 
 def _load(path: Path) -> CUAConfig:
     """AReaL's load_expr_config without its side effects (name_resolve, config.yaml saved)."""
-    from areal.api.cli_args import parse_cli_args, to_structured_cfg
+    from areal.api.cli_args import to_structured_cfg
     from omegaconf import OmegaConf
 
-    cfg, _ = parse_cli_args(["--config", str(path)])
+    from cua_rl.app.config_load import compose_yaml
+
+    # Composed from the file's own folder (AReaL's parse_cli_args follows a symlinked venv).
+    cfg = compose_yaml(path, [])
     return OmegaConf.to_object(to_structured_cfg(cfg, config_cls=CUAConfig))
 
 
