@@ -104,24 +104,6 @@ RULES: tuple[Rule, ...] = (
 )
 
 
-def _group_size_matches(config: Any) -> None:
-    norm = lookup(config, "actor.reward_norm")
-    size = lookup(config, "actor.reward_norm.group_size") if norm not in (None, _UNSET) else None
-    levels = {
-        lookup(config, "actor.reward_norm.mean_level"),
-        lookup(config, "actor.reward_norm.std_level"),
-    }
-    n = lookup(config, "gconfig.n_samples")
-    if size in (None, _UNSET) or "group" not in levels or size == n:
-        return
-    raise FieldError(
-        "actor.reward_norm.group_size",
-        f"actor.reward_norm.group_size={size} but gconfig.n_samples={n}: each normalisation "
-        "group must be one task's episodes; set actor.reward_norm.group_size=${gconfig.n_samples} "
-        "in the YAML (or equal to gconfig.n_samples)",
-    )
-
-
 def _batch_fits_groups(config: Any) -> None:
     batch = lookup(config, "train_dataset.batch_size")
     consumer = lookup(config, "rollout.consumer_batch_size")
@@ -135,7 +117,9 @@ def _batch_fits_groups(config: Any) -> None:
     )
 
 
-CROSS_RULES: tuple[Callable[[Any], None], ...] = (_group_size_matches, _batch_fits_groups)
+# actor.reward_norm / adv_norm: refused by CUAConfig._validate_normalisation (episodes have a
+# variable number of rows, AReaL's groups are fixed chunks of rows).
+CROSS_RULES: tuple[Callable[[Any], None], ...] = (_batch_fits_groups,)
 
 
 def lookup(config: Any, key: str) -> Any:

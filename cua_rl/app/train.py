@@ -189,7 +189,9 @@ def run_training(config: CUAConfig) -> int:
         token = config.monitor.token or os.environ.get("MONITOR_PROJECT_TOKEN") or None
         claim_run_name(config, endpoint.url if config.monitor.enabled else "", token)
         monitor = TrainingMonitor(
-            endpoint.client_config(log_dir), config.run_name, heartbeat_s=config.monitor.heartbeat_s,
+            endpoint.client_config(log_dir),
+            config.run_name,
+            heartbeat_s=config.monitor.heartbeat_s,
             episodes_per_step=config.train_dataset.batch_size * config.gconfig.n_samples,
         )
         monitor.start()

@@ -41,7 +41,12 @@ BAD = [
     ("rollout.max_concurrent_rollouts", 0, "0", "e.g. rollout.max_concurrent_rollouts=32"),
     ("rollout.max_concurrent_rollouts", -5, "-5", "must be > 0"),
     ("gconfig.n_samples", -1, "-1", "e.g. gconfig.n_samples=4"),
-    ("actor.reward_norm.group_size", 3, "3", "set actor.reward_norm.group_size="),
+    (
+        "actor.reward_norm",
+        {"mean_level": "group", "std_level": "group"},
+        "{mean_level: group, std_level: group}",
+        "set actor.reward_norm: null",
+    ),
     ("rollout.consumer_batch_size", 5, "5", "train_dataset.batch_size"),
     ("gateway.max_connections", -1, "-1", "must be >= 0"),
 ]

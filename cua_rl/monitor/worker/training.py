@@ -348,11 +348,7 @@ class TrainingMonitor:
                 "end_time": now,
                 "training_end_time": now,
                 **step_fields(stats),
-                **(
-                    {"num_trajectories": self.episodes_per_step}
-                    if self.episodes_per_step
-                    else {}
-                ),
+                **({"num_trajectories": self.episodes_per_step} if self.episodes_per_step else {}),
                 "metrics_json": _clean(stats),
             },
         )
