@@ -17,6 +17,7 @@ from areal.api.cli_args import GRPOConfig, vLLMConfig
 
 from cua_rl.app.config_checks import check_fields
 from cua_rl.app.failfast import FailFastConfig
+from cua_rl.app.placement import check_placement
 from cua_rl.areal.logits import LogitsConfig
 from cua_rl.areal.support import check_areal_version
 from cua_rl.core.fields import doc
@@ -172,6 +173,12 @@ class CUAConfig(GRPOConfig):
         "(each episode counted once, however many rows it has); actor.reward_norm stays null",
         factory=GroupNormConfig,
     )
+    cpu: bool = doc(
+        False,
+        "Train on this machine's CPU with the harness in cua_rl/cpu (make demo, make learn, "
+        "configs/local.yaml). False: AReaL's GPU path; the GPUs the backend strings imply are "
+        "checked against the scheduler at load (cua_rl/app/placement.py).",
+    )
 
     def __post_init__(self):
         super().__post_init__()
@@ -226,6 +233,8 @@ class CUAConfig(GRPOConfig):
                     "monitor.db_path is set: point it at a monitor, give an SQLite path for the "
                     "embedded one, or set monitor.enabled=false"
                 )
+        if not self.cpu:
+            check_placement(self)
 
     def _validate_model_endpoint(self) -> None:
         """Direct mode's constraints, the screenshot hosts' reach, the external endpoint's URL."""

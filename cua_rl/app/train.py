@@ -29,6 +29,7 @@ from cua_rl.app.check import fetch_tasks, run_check
 from cua_rl.app.config import CUAConfig
 from cua_rl.app.endpoint import MonitorEndpoint
 from cua_rl.app.failfast import RejectionWatch
+from cua_rl.app.harness import cuda_available, use_cpu_harness
 from cua_rl.app.run_record import claim_run_name
 from cua_rl.app.signals import SystematicRejection, Terminated, stop_systematic, stopping
 from cua_rl.app.signals import install as install_signals
@@ -82,11 +83,10 @@ def total_steps(config: CUAConfig, n_train: int) -> int:
 
 
 def prepare_platform(config: CUAConfig) -> None:
-    """On a machine without a GPU, apply what AReaL needs to train on CPU (docs/areal-cpu.md);
-    under ``scheduler.type: ray`` connect to the cluster first (docs/cluster.md)."""
-    import torch
-
-    on_cpu = not torch.cuda.is_available()
+    """With ``cpu: true``, apply what AReaL needs to train on CPU (docs/areal-cpu.md); under
+    ``scheduler.type: ray`` connect to the cluster first (docs/cluster.md). The config decides,
+    not this machine's CUDA: a Ray or Slurm trainer usually has none (cua_rl/app/harness.py)."""
+    on_cpu = config.cpu
     if on_cpu:
         from cua_rl.cpu.training import enable_cpu_training
 
@@ -331,6 +331,8 @@ def main(argv: list[str] | None = None) -> int:
     if check:
         return run_check(config)
     try:
+        # Before anything starts: a local GPU run without CUDA would fail in the workers.
+        use_cpu_harness(config, cuda_available())
         from cua_rl.app.family import check_family
 
         check_family(config)

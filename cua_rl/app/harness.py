@@ -1,0 +1,36 @@
+"""Whether this run uses the CPU harness (``cua_rl/cpu``): the config says so, never the CUDA of
+the trainer's machine.
+
+Under ``scheduler.type=ray`` or ``slurm`` the trainer (controller) only schedules: it usually
+runs on a login or head node without a GPU while AReaL's workers get the GPUs, so a missing CUDA
+there says nothing about the run. ``cpu: true`` (``configs/local.yaml``, hence ``make demo`` and
+``make learn``) selects the harness; ``cpu: false`` is AReaL's GPU path, and under the local
+scheduler, where the workers are this machine's children, it needs CUDA here: without it the run
+stops at start instead of turning into a CPU run.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+from cua_rl.errors import ConfigError
+
+
+def cuda_available() -> bool:
+    import torch
+
+    return torch.cuda.is_available()
+
+
+def use_cpu_harness(config: Any, cuda: bool) -> bool:
+    """True for the CPU harness; raises ConfigError for a local GPU run on a machine without CUDA."""
+    if config.cpu:
+        return True
+    if config.scheduler.type == "local" and not cuda:
+        raise ConfigError(
+            "cpu=false with scheduler.type=local needs CUDA on this machine, and torch sees none "
+            "(torch.cuda.is_available() is false: no NVIDIA driver, a CPU-only torch, or "
+            "CUDA_VISIBLE_DEVICES empty or hiding the GPUs): fix that, or set cpu=true to run "
+            "the CPU harness (configs/local.yaml)"
+        )
+    return False
