@@ -117,4 +117,4 @@ def test_the_trainer_goes_on_under_ray_without_cuda(tmp_path):
     there, after the point where a local run stops)."""
     proc = _train(tmp_path, "ray")
     assert NO_CUDA not in proc.stderr
-    assert "gym list tasks failed" in proc.stderr, proc.stderr[-2000:]
+    assert "service error: gym list tasks" in proc.stderr, proc.stderr[-2000:]
