@@ -127,14 +127,22 @@ def test_a_processor_without_a_known_rule_is_run():
     assert counts == [_oracle(improc, w, h)[1] for w, h in sizes]
 
 
-def test_the_fallback_is_logged_once_per_reason(caplog, monkeypatch):
+def test_the_fallback_is_logged_once_per_reason(monkeypatch):
     monkeypatch.setattr(vision, "_explained", set())
     improc = _released(16, 1_048_576, False)
     improc.do_resize = False
-    with caplog.at_level(logging.INFO, logger="cua_rl.gateway.vision"):
+    # The module's own logger (it does not propagate, and AReaL may have replaced the logger
+    # manager since it was made): listen on it directly.
+    records: list[logging.LogRecord] = []
+    handler = logging.Handler()
+    handler.emit = records.append
+    vision.log.addHandler(handler)
+    try:
         PadCounter(improc, TrajectoryConfig())
         PadCounter(improc, TrajectoryConfig())
-    lines = [r.getMessage() for r in caplog.records if "do_resize off" in r.getMessage()]
+    finally:
+        vision.log.removeHandler(handler)
+    lines = [r.getMessage() for r in records if "do_resize off" in r.getMessage()]
     assert lines == [
         "gateway pad counts run the image processor: Qwen2VLImageProcessor has do_resize off"
     ]
