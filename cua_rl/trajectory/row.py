@@ -418,11 +418,10 @@ def _assemble(seg, version_of, reward, image_id, pixel_values, grid) -> dict[str
 
 
 def image_urls_needed(turns: Sequence[Turn], config: TrajectoryConfig | None = None) -> list[str]:
-    """The image URLs conversion will read: the last prompt of each segment (an append-only
-    history carries every earlier screenshot in the last one), plus those of turns that the
-    retokenising fallback will rebuild. Segments are not known before the fallback has run, so
-    every turn's images are named: a turn's images are its segment's last prompt's or earlier."""
-    config = config or TrajectoryConfig()
+    """The image URLs conversion will read, each once: every turn's (a row holds the images of
+    its segment's last prompt, and segments are known only once the retokenising fallback has
+    run; an append-only history names no image its last turn does not). ``config`` is kept for
+    callers that pass it."""
     urls: list[str] = []
     for t in turns:
         urls.extend(u for u in t.image_urls if u not in urls)
