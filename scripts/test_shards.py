@@ -8,7 +8,8 @@ run and the Ray and Slurm trainings of tests/cluster in one; the run-end trainin
 ended four ways, a trainer killed outright) in another. The main process streams as usual; the
 others' output goes to log files, printed when all have ended. The exit status is the first failing process's. Two trainings at
 once on one machine are safe only because AReaL's port choice no longer follows the training
-seed (cua_rl/areal/ports.py): before that, trainings of one config drew the same ports.
+seed (cua_rl/areal/ports.py): before that, trainings of one config drew the same ports. The
+trainings per context policy (tests/app/test_context_train.py) ride with the run-end group.
 
     python scripts/test_shards.py [--log-dir DIR] [-- extra pytest args for every process]
 """
@@ -32,7 +33,11 @@ BESIDE = {
         "tests/curriculum/test_in_the_loop.py",
         "tests/cluster",
     ),
-    "run-end": ("tests/app/test_run_end.py", "tests/monitor/test_safety_trainer_killed.py"),
+    "run-end": (
+        "tests/app/test_run_end.py",
+        "tests/monitor/test_safety_trainer_killed.py",
+        "tests/app/test_context_train.py",
+    ),
 }
 
 
