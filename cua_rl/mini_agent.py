@@ -2,8 +2,7 @@
 
 ``MiniAgentClient`` has one async method per endpoint and raises :class:`AgentError` for transport
 failures and bad answers; "404 = none yet" endpoints return empty results instead. Events arrive
-incrementally and overlap between polls (``from`` is inclusive), so ``EventLog`` de-duplicates on
-``(type, ts, step, actionIndex)`` and keeps the server's order.
+incrementally and overlap between polls: ``cua_rl.agent_events.EventLog`` de-duplicates them.
 
 ``RunDriver`` owns one run from ``POST /runs`` to a terminal status: it polls with capped
 exponential backoff, treats unknown statuses as "still running", retries transient failures a
@@ -22,6 +21,12 @@ from typing import Any
 
 import httpx
 
+from cua_rl.agent_events import (  # noqa: F401  (EventLog, MalformedEvent, event_key: re-exported)
+    EventLog,
+    MalformedEvent,
+    event_key,
+    event_step,
+)
 from cua_rl.aio import within
 from cua_rl.core.fields import doc
 from cua_rl.errors import AgentError, ConfigError
@@ -31,59 +36,9 @@ TERMINAL_STATUSES = frozenset({"completed", "failed"})
 KNOWN_RUNNING = frozenset({"queued", "pending", "created", "starting", "running"})
 
 
-class MalformedEvent(AgentError):
-    """The agent sent an event that breaks the event format (not transient: no retry)."""
-
-
 class AgentUnreachable(AgentError):
     """No connection to the agent could be opened, so the request was never sent (an agent
     restarting or not up yet); unlike a lost answer, a retry cannot start anything twice."""
-
-
-def _event_step(event: dict) -> Any:
-    # Older servers number turns instead of steps.
-    return event.get("step", event.get("turn"))
-
-
-def event_key(event: dict) -> tuple:
-    """The identity of an event across overlapping fetches."""
-    return (event.get("type"), event.get("ts"), _event_step(event), event.get("actionIndex"))
-
-
-class EventLog:
-    """Append-only, de-duplicated event list in the order the server delivered them."""
-
-    def __init__(self) -> None:
-        self._events: list[dict] = []
-        self._seen: set[tuple] = set()
-
-    def add(self, events: list[dict]) -> int:
-        """Add what is new; returns how many events were new."""
-        added = 0
-        for event in events:
-            if not isinstance(event, dict) or "type" not in event:
-                raise MalformedEvent(f"malformed event (expected an object with 'type'): {event!r}")
-            key = event_key(event)
-            try:
-                if key in self._seen:
-                    continue
-                self._seen.add(key)
-            except TypeError as exc:  # unhashable ts/step: the server broke the format
-                raise MalformedEvent(f"malformed event key {key!r}: {exc}") from exc
-            self._events.append(event)
-            added += 1
-        return added
-
-    @property
-    def events(self) -> list[dict]:
-        return list(self._events)
-
-    @property
-    def last_ts(self) -> Any:
-        return self._events[-1].get("ts") if self._events else None
-
-    def __len__(self) -> int:
-        return len(self._events)
 
 
 class MiniAgentClient:
@@ -100,6 +55,9 @@ class MiniAgentClient:
             raise ConfigError(
                 f"agent base_url must be an http(s) URL such as http://127.0.0.1:8080, got {base_url!r}"
             )
+        root, sep, _ = base_url.partition("/runs")
+        if sep:  # a run's URL pasted instead of the service's
+            raise ConfigError(f"agent base_url={base_url!r} has /runs in it: give {root}")
         self.base_url = base_url.rstrip("/")
         self._own_client = client is None
         self._client = client or httpx.AsyncClient(timeout=timeout_s)
@@ -119,14 +77,19 @@ class MiniAgentClient:
         try:
             resp = await self._client.request(method, url, **kwargs)
         except (httpx.ConnectError, httpx.ConnectTimeout) as exc:
-            raise AgentUnreachable(f"{method} {path}: {type(exc).__name__}: {exc}") from exc
+            raise AgentUnreachable(
+                f"{method} {path}: nothing answers at {self.base_url} ({type(exc).__name__}: "
+                f"{exc}): start the agent service, or fix the host and port of agent.base_url"
+            ) from exc
         except httpx.HTTPError as exc:
             raise AgentError(f"{method} {path}: {type(exc).__name__}: {exc}") from exc
         if resp.status_code == 404 and none_on_404:
             return None
         if resp.status_code >= 400:
+            hint = f" (is {self.base_url} the agent service's root? check agent.base_url)"
             raise AgentError(
-                f"{method} {path} answered {resp.status_code}: {resp.text[:500]}",
+                f"{method} {path} answered {resp.status_code}: {resp.text[:500]}"
+                + (hint if resp.status_code == 404 else ""),
                 status=resp.status_code,
                 body=resp.text,
             )
@@ -335,7 +298,7 @@ def summarize_events(events: list[dict]) -> tuple[str | None, int, list[str], st
     errors: list[str] = []
     end_reason = None
     for ev in events:
-        step = _event_step(ev)
+        step = event_step(ev)
         if isinstance(step, int):
             steps = max(steps, step)
         kind = ev.get("type")

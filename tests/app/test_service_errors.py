@@ -1,4 +1,5 @@
-"""Wrong gym URLs and an unreachable gym are one line with the fix, against the real sim gym."""
+"""Wrong gym and agent URLs and unreachable services are one line with the fix, against the real
+sim gym and the real local agent service."""
 
 from __future__ import annotations
 
@@ -10,8 +11,9 @@ from pathlib import Path
 
 import pytest
 
-from cua_rl.errors import ConfigError, GymError
+from cua_rl.errors import AgentError, ConfigError, GymError
 from cua_rl.genv import GenvClient, GenvTimeouts
+from cua_rl.mini_agent import AgentUnreachable, MiniAgentClient
 from cua_rl.serving import bind_free_port
 from cua_rl.sim.gym import GymServer
 
@@ -52,6 +54,31 @@ def test_an_unreachable_gym_names_its_address(dead_url):
         asyncio.run(_list(dead_url, "sim"))
     assert f"nothing answers at {dead_url}" in str(info.value)
     assert "fix the host and port of gym.base_url" in str(info.value)
+
+
+async def _run_status(base_url: str):
+    async with MiniAgentClient(base_url) as client:
+        return await client.get_run("nosuch")
+
+
+def test_a_run_url_as_the_agent_base_url_is_refused_with_its_root():
+    with pytest.raises(ConfigError, match=r"has /runs in it: give http://127.0.0.1:3000$"):
+        MiniAgentClient("http://127.0.0.1:3000/runs/abc")
+
+
+def test_an_agent_url_that_is_not_the_service_root_names_the_key():
+    with GymServer() as gym:  # a live server that is not the agent: every agent path is a 404
+        with pytest.raises(AgentError) as info:
+            asyncio.run(_run_status(gym.url))
+    assert info.value.status == 404
+    assert f"is {gym.url} the agent service's root? check agent.base_url" in str(info.value)
+
+
+def test_an_unreachable_agent_names_its_address(dead_url):
+    with pytest.raises(AgentUnreachable) as info:
+        asyncio.run(_run_status(dead_url))
+    assert f"nothing answers at {dead_url}" in str(info.value)
+    assert "fix the host and port of agent.base_url" in str(info.value)
 
 
 def test_the_launcher_reports_an_unreachable_gym_in_one_line(tmp_path, dead_url):
