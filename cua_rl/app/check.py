@@ -3,7 +3,7 @@
 Nothing trains: the gym lists and selects its tasks (so a bad selection shows here too), the
 agent answers a run lookup, the policy's folder holds a config.json and weights (and an external
 endpoint serves the model), the monitor accepts the token or its embedded database opens, the
-gateway's address is one the agent can reach, the ``workflow:`` class imports, and under ray or
+gateway's address is one the agent can reach, the ``workflow:`` class imports, the GPU inference stack (``stack``) and under ray or
 slurm the lines of ``check_cluster`` (Ray address, sbatch, shared paths). The exit status is 1
 when any check fails.
 """
@@ -190,10 +190,12 @@ def workflow_check(config: CUAConfig) -> CheckResult:
 def run_check(config: CUAConfig) -> int:
     print(f"ok   config   {config.experiment_name}/{config.trial_name} is valid")
     from cua_rl.app.check_cluster import cluster_checks
+    from cua_rl.app.stack import stack_check
 
     results = [
         family_check(config),
         workflow_check(config),
+        stack_check(config),
         *cluster_checks(config, dict(os.environ)),
         *asyncio.run(check_services(config)),
     ]
