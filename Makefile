@@ -11,7 +11,7 @@ PY_VLLM := $(VENV_VLLM)/bin/python
 PIP_QUIET ?= -q
 export CUA_VLLM_PYTHON ?= $(abspath $(PY_VLLM))
 
-.PHONY: help envs venv venv-vllm test test-fast lint format demo demo-ray clean-envs freeze-vllm models browser learn
+.PHONY: help envs venv venv-vllm test test-fast lint format demo demo-ray clean-envs freeze-vllm models browser learn gpu-stack
 SUDO := $(shell [ "$$(id -u)" = 0 ] || echo sudo)
 
 help:
@@ -22,6 +22,7 @@ help:
 	@echo "make test-fast  the suite without tests marked slow"
 	@echo "make lint       ruff check + format check"
 	@echo "make models     build the tiny local models into .cache/models"
+	@echo "make gpu-stack  GPU node only: the inference engine for rollout.backend (GPU_BACKEND=vllm|sglang, GPU_PYTHON=AReaL's python); never run here"
 
 venv: $(VENV)/.stamp
 venv-vllm: $(VENV_VLLM)/.stamp
@@ -102,6 +103,14 @@ format: venv
 freeze-vllm: venv-vllm
 	$(PY_VLLM) -m pip freeze --exclude-editable | grep -vE '^(torchaudio|torchcodec)==' > requirements/vllm-constraints.txt.new
 	@echo "review and move requirements/vllm-constraints.txt.new over requirements/vllm-constraints.txt"
+
+# The GPU inference stack (cua_rl/app/stack.py), into the environment AReaL trains in on a GPU
+# node; never run by test or demo, and written, never run on a GPU (CUDA wheels, no GPU here).
+#   make gpu-stack GPU_PYTHON=/path/to/areal-env/bin/python GPU_BACKEND=sglang
+GPU_PYTHON ?= python
+GPU_BACKEND ?= vllm
+gpu-stack:
+	$(GPU_PYTHON) -m pip install -r requirements/gpu-$(GPU_BACKEND).txt
 
 clean-envs:
 	rm -rf $(VENV) $(VENV_VLLM)

@@ -1,9 +1,11 @@
 """``train.py --check``: the config is valid and every service it names answers, one line each.
 
 Nothing trains: the gym lists and selects its tasks (so a bad selection shows here too), the
-agent answers a run lookup, the model endpoint serves the model (or the engine's path exists),
-the monitor accepts the token or its embedded database opens, the gateway's address is one
-the agent can reach, and the ``workflow:`` class imports. The exit status is 1 when any check fails.
+agent answers a run lookup, the policy's folder holds a config.json and weights (and an external
+endpoint serves the model), the monitor accepts the token or its embedded database opens, the
+gateway's address is one the agent can reach, the ``workflow:`` class imports, the GPU inference stack (``stack``) and under ray or
+slurm the lines of ``check_cluster`` (Ray address, sbatch, shared paths). The exit status is 1
+when any check fails.
 """
 
 from __future__ import annotations
@@ -80,11 +82,15 @@ async def check_agent(config: CUAConfig, http: httpx.AsyncClient) -> CheckResult
 
 async def check_model(config: CUAConfig, http: httpx.AsyncClient) -> CheckResult:
     # An external endpoint must serve the model; the engine's own servers are started later.
+    from cua_rl.app.check_cluster import model_folder_problem
+
+    path = config.model_path()
+    # The trainer loads the policy from its folder even when an external endpoint serves it.
+    problem = model_folder_problem(path) if path else "actor.path is unset"
+    if problem:
+        return CheckResult("model", False, f"{problem}: point actor.path at the checkpoint folder")
     if not config.endpoint.base_url:
-        path = config.model_path()
-        ok = bool(path) and (not path.startswith(("/", ".")) or Path(path).exists())
-        detail = f"engine servers started by the trainer from {path!r}"
-        return CheckResult("model", ok, detail + ("" if ok else " (path does not exist)"))
+        return CheckResult("model", True, f"engine servers started by the trainer from {path!r}")
     url = config.endpoint.base_url.rstrip("/")
     try:
         resp = await http.get(f"{url}/models")
@@ -183,7 +189,16 @@ def workflow_check(config: CUAConfig) -> CheckResult:
 
 def run_check(config: CUAConfig) -> int:
     print(f"ok   config   {config.experiment_name}/{config.trial_name} is valid")
-    results = [family_check(config), workflow_check(config), *asyncio.run(check_services(config))]
+    from cua_rl.app.check_cluster import cluster_checks
+    from cua_rl.app.stack import stack_check
+
+    results = [
+        family_check(config),
+        workflow_check(config),
+        stack_check(config),
+        *cluster_checks(config, dict(os.environ)),
+        *asyncio.run(check_services(config)),
+    ]
     for r in results:
         print(r.line())
     failed = [r.name for r in results if not r.ok]

@@ -71,7 +71,11 @@ RULES: tuple[Rule, ...] = (
     positive("train_dataset.batch_size", "tasks per step, e.g. train_dataset.batch_size=8"),
     positive("valid_dataset.batch_size", "e.g. valid_dataset.batch_size=8"),
     positive("total_train_epochs", "e.g. total_train_epochs=10"),
-    positive("total_train_steps", "e.g. total_train_steps=100, or null for the epochs' count"),
+    non_negative(
+        "total_train_steps",
+        "evaluates actor.path on the eval split without training",
+        "e.g. total_train_steps=100, or null for the epochs' count",
+    ),
     positive(
         "rollout.max_concurrent_rollouts",
         "each rollout holds a gym box and an agent run: e.g. rollout.max_concurrent_rollouts=32",

@@ -9,6 +9,8 @@ SIGTERM: a first SIGTERM stops as Ctrl-C does, AReaL's workers and servers inclu
 kills at once). However the run ends, AReaL's clean-up destroys the rollout engine before it stops
 the workers, and that drains the episodes in flight (``cua_rl.rollout.drain``).
 
+``total_train_steps=0`` runs the baseline pass alone: ``actor.path`` evaluated, nothing trained.
+
 ``--check`` validates the config and reaches the gym, the agent, the model endpoint and the
 monitor, printing one line per service, and exits 1 if any is unreachable, without training.
 """
@@ -175,6 +177,11 @@ def run_training(config: CUAConfig) -> int:
     tasks = asyncio.run(fetch_tasks(config))
     train_ds, eval_ds = build_datasets(tasks, config.gym.selection)
     n_steps = total_steps(config, len(train_ds))
+    if config.total_train_steps == 0 and not len(eval_ds):
+        raise ConfigError(
+            "total_train_steps=0 evaluates the eval split, but gym.selection leaves it empty: "
+            "select eval tasks (docs/cluster.md, Evaluating a checkpoint)"
+        )
     log_dir = Path(StatsLogger.get_log_path(config.stats_logger))
     log_dir.mkdir(parents=True, exist_ok=True)
     print(
@@ -251,8 +258,13 @@ class _Run:
             valid = eval_ds if len(eval_ds) else None
             with make_trainer(config, self.train_ds, valid, sampler) as trainer:
                 self.hooks.attach(trainer)
-                if config.evaluator.eval_before_train:
+                # total_train_steps=0: the baseline pass alone evaluates actor.path.
+                eval_only = config.total_train_steps == 0
+                if config.evaluator.eval_before_train or eval_only:
                     run_baseline(trainer, config, self.monitor, settings["baseline"], len(eval_ds))
+                if eval_only:
+                    print(f"evaluated {config.model_path()} on {len(eval_ds)} tasks", flush=True)
+                    return
                 trainer.train(
                     workflow=config.workflow,
                     workflow_kwargs={"settings": settings["train"]},
@@ -351,6 +363,9 @@ def main(argv: list[str] | None = None) -> int:
     except SystematicRejection as exc:
         print(f"training failed: {exc}", file=sys.stderr)
         return 3
+    except ConfigError as exc:
+        print(f"config error: {exc}", file=sys.stderr)
+        return 2
     except ServiceError as exc:
         # A gym, agent or monitor that cannot be reached is the operator's to fix, not a bug.
         print(f"service error: {exc} (--check tests every service)", file=sys.stderr)

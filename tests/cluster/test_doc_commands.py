@@ -32,8 +32,17 @@ def commands(tool: str) -> list[tuple[dict[str, str], list[str]]]:
     return out
 
 
+EVAL_ONLY = "total_train_steps=0"
+
+
+def trainings() -> list[tuple[dict[str, str], list[str]]]:
+    return [
+        (env, argv) for env, argv in commands("examples.cua_agent.train") if EVAL_ONLY not in argv
+    ]
+
+
 def test_the_page_gives_one_node_ray_and_slurm(tmp_path):
-    cmds = commands("examples.cua_agent.train")
+    cmds = trainings()
     schedulers = [
         next((a for a in argv if a.startswith("scheduler.type=")), "local") for _, argv in cmds
     ]
@@ -46,7 +55,7 @@ def _load(argv: list[str], tmp_path: Path) -> CUAConfig:
 
 
 def test_each_training_command_places_what_its_backend_strings_say(tmp_path, monkeypatch):
-    for i, (env, argv) in enumerate(commands("examples.cua_agent.train")):
+    for i, (env, argv) in enumerate(trainings()):
         run = tmp_path / str(i)
         (run / "nr").mkdir(parents=True)
         cfg = _load(argv, run)
@@ -87,3 +96,23 @@ def test_the_monitor_command_listens_for_the_cluster_with_a_token():
     assert args.command == "serve" and args.host == "0.0.0.0"
     assert args.token or env.get("MONITOR_PROJECT_TOKEN")
     assert args.db.startswith("/storage/")
+
+
+def test_the_eval_command_is_the_one_node_training_on_a_checkpoint(tmp_path, tiny_vl_model_dir):
+    """The launcher's eval-only path (``tests/app/test_eval_only.py`` runs it) takes
+    ``total_train_steps=0``; the rest of the command is the one-node training's."""
+    evals = [c for c in commands("examples.cua_agent.train") if EVAL_ONLY in c[1]]
+    ((env, argv),) = evals
+    assert "actor.path=<checkpoint-dir>" in argv and env.get("MONITOR_PROJECT_TOKEN")
+    argv = [f"actor.path={tiny_vl_model_dir}" if a.startswith("actor.path=") else a for a in argv]
+    from cua_rl.app.train import load_config  # the launcher's loader: keys as users type them
+
+    cfg = load_config(
+        [str(ROOT / a) if a.endswith(".yaml") else a for a in argv]
+        + [f"cluster.fileroot={tmp_path}"]
+    )
+    assert cfg.total_train_steps == 0 and cfg.actor.path == str(tiny_vl_model_dir)
+    assert cfg.trial_name != "run1"  # its own record, not the training's
+    one_node = trainings()[0][1]
+    extra = {a.split("=", 1)[0] for a in argv} - {a.split("=", 1)[0] for a in one_node}
+    assert extra == {"trial_name", "total_train_steps"}, extra
