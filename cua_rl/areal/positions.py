@@ -37,8 +37,9 @@ def fix_qwen2_5_vl_image_positions() -> bool:
         from transformers.models.qwen2_5_vl import modeling_qwen2_5_vl as mod
     except ImportError:
         return False
-    original = getattr(mod.Qwen2_5_VLModel, "get_vision_position_ids", None)
-    if original is None or not _faulty(original):
+    # Declared in cua_rl.areal.support: a release without it fails the start-up check.
+    original = mod.Qwen2_5_VLModel.get_vision_position_ids
+    if not _faulty(original):
         return False
 
     def get_vision_position_ids(

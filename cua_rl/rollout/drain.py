@@ -240,7 +240,7 @@ def drain_before_runner_stops() -> None:
         return
 
     def destroy(self, *args, **kwargs):
-        loop = getattr(self, "_loop", None)
+        loop = self._loop  # declared in cua_rl.areal.support
         if loop is not None and loop.is_running():
             self.paused.set()  # no episode starts while the drain runs (destroy resumes it)
             done = asyncio.run_coroutine_threadsafe(_drain_then_flush(), loop)
