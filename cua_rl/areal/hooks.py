@@ -16,7 +16,7 @@ from cua_rl.logs import get_logger
 from cua_rl.monitor.worker.batches import utc_now
 from cua_rl.monitor.worker.training import TrainingMonitor, _clean
 
-log = get_logger("cua_rl.lifecycle")
+log = get_logger(__name__)
 
 
 class TrainerHooks:

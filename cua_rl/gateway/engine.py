@@ -33,7 +33,7 @@ from cua_rl.gateway.config import Sampling
 from cua_rl.gateway.render import BadRequest, Image
 from cua_rl.logs import get_logger
 
-log = get_logger("cua_rl.gateway.engine")
+log = get_logger(__name__)
 
 PAUSE_POLL_S = 0.2
 

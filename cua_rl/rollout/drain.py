@@ -32,7 +32,7 @@ from cua_rl.errors import ConfigError
 from cua_rl.logs import get_logger
 from cua_rl.rollout.services import loop_monitors
 
-log = get_logger("cua_rl.drain")
+log = get_logger(__name__)
 
 # Why a drained episode's rollout and environment were closed (their status message).
 DRAIN_REASON = "run ended: drained"

@@ -57,7 +57,7 @@ from cua_rl.trajectory import (
 )
 from cua_rl.trajectory.row import episode_id_of
 
-log = get_logger("cua_rl.workflow")
+log = get_logger(__name__)
 
 
 class CUAAgentWorkflow(RolloutWorkflow):
