@@ -93,19 +93,20 @@ _GATEWAY = "cua_rl/gateway/engine.py calls"
 _HOOKS = "cua_rl/areal/hooks.py"
 
 RELIANCES: tuple[Reliance, ...] = (
-    # Selective logits: six FSDPEngine methods overridden, one trainer factory extended.
+    # The trainer factory (every fsdp engine is our class); selective logits: six FSDPEngine
+    # methods overridden.
     Reliance(_FSDP, "FSDPPPOActor.forward_backward_batch", _LOGITS),
     Reliance(_FSDP, "FSDPPPOActor.forward_batch", _LOGITS),
     Reliance(_FSDP, "FSDPPPOActor._prepare_mb_inputs", _LOGITS),
     Reliance(_FSDP, "FSDPPPOActor._compute_logprobs", _LOGITS),
     Reliance(_FSDP, "FSDPPPOActor._compute_logprobs_entropy", _LOGITS),
     Reliance(_FSDP, "FSDPPPOActor._get_vocab_min_max_logits", _LOGITS),
-    Reliance("areal", "PPOTrainer._create_train_engine", _LOGITS),
+    Reliance("areal", "PPOTrainer._create_train_engine", "cua_rl/areal/actor.py overrides"),
     Reliance("areal.utils.functional", "gather_logprobs", "cua_rl/areal/logits_engine.py calls"),
     Reliance(
         "areal.utils.functional", "gather_logprobs_entropy", "cua_rl/areal/logits_engine.py calls"
     ),
-    Reliance("areal.utils.environ", "is_single_controller", "cua_rl/areal/logits_engine.py calls"),
+    Reliance("areal.utils.environ", "is_single_controller", "cua_rl/areal/actor.py calls"),
     # The curriculum's train loader.
     Reliance(
         "areal", "PPOTrainer._create_dataloader", "cua_rl/areal/curriculum_trainer.py overrides"
