@@ -50,7 +50,7 @@ LOGPROBS_MODES = ("processed_logprobs", "raw_logprobs", "processed_logits", "raw
 ENDPOINT_MODES = ("gateway", "direct")
 DEFAULT_WORKFLOW = "examples.cua_agent.workflow.CUAAgentWorkflow"
 
-log = get_logger("cua_rl.app.config")
+log = get_logger(__name__)
 
 
 @dataclass

@@ -8,7 +8,7 @@ from pathlib import Path
 from cua_rl.app.config import CUAConfig
 from cua_rl.logs import get_logger
 
-log = get_logger("cua_rl.train")
+log = get_logger(__name__)
 
 
 class MonitorEndpoint:

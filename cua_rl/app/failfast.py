@@ -24,7 +24,7 @@ from cua_rl.core.reasons import AGENT_PREFIX, Reason, gateway_reason
 from cua_rl.errors import ConfigError
 from cua_rl.logs import get_logger
 
-log = get_logger("cua_rl.app.failfast")
+log = get_logger(__name__)
 
 _IMAGE_HOSTS = (
     "the screenshots come from a host that is not allowed: add it to "

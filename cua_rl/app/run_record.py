@@ -23,7 +23,7 @@ import httpx
 from cua_rl.errors import ConfigError, MonitorError
 from cua_rl.logs import get_logger
 
-log = get_logger("cua_rl.train")
+log = get_logger(__name__)
 
 RESUMING_MODES = ("on", "auto")
 MAX_SUFFIX = 1000

@@ -42,7 +42,8 @@ from cua_rl.logs import get_logger
 from cua_rl.monitor.worker.training import TrainingMonitor
 from cua_rl.tasks import build_datasets
 
-log = get_logger("cua_rl.train")
+# Its module name spelt out: run as ``python -m``, ``__name__`` would be ``__main__``.
+log = get_logger("cua_rl.app.train")
 
 
 # ---------------------------------------------------------------------------- arguments

@@ -16,7 +16,7 @@ from cua_rl.logs import get_logger
 from cua_rl.monitor.worker.batches import utc_now
 from cua_rl.monitor.worker.training import TrainingMonitor, _clean
 
-log = get_logger("cua_rl.lifecycle")
+log = get_logger(__name__)
 
 
 class TrainerHooks:
@@ -63,7 +63,7 @@ class TrainerHooks:
     def attach(self, trainer: Any) -> None:
         m = self.monitor
         # A run resumed by AReaL's recover goes on with the step after the last checkpoint.
-        recovered = getattr(trainer, "recover_info", None)
+        recovered = trainer.recover_info
         if recovered is not None:
             self.current_step = int(recovered.last_step_info.global_step) + 2
         first = self.current_step
@@ -102,9 +102,7 @@ class TrainerHooks:
             ("ppo_update", "training", "training"),
             ("update_weights", "training", "checkpointing"),
         ):
-            original = getattr(actor, name, None)
-            if original is None:
-                continue
+            original = getattr(actor, name)
 
             def wrapped(*a, _orig=original, _status=status, _phase=phase, **kw):
                 fields = {"training_start_time": utc_now()} if _phase == "training" else {}
@@ -118,18 +116,17 @@ class TrainerHooks:
 
             setattr(actor, name, wrapped)
 
-        evaluate_fn = getattr(trainer, "_evaluate_fn", None)
-        if evaluate_fn is not None:
+        evaluate_fn = trainer._evaluate_fn
 
-            def on_eval(*a, **kw):
-                step = self.current_step
-                self._safe(
-                    lambda: m.eval_started(
-                        step, model_path=self.model_path, total_tasks=self.eval_tasks
-                    )
+        def on_eval(*a, **kw):
+            step = self.current_step
+            self._safe(
+                lambda: m.eval_started(
+                    step, model_path=self.model_path, total_tasks=self.eval_tasks
                 )
-                return evaluate_fn(*a, **kw)
+            )
+            return evaluate_fn(*a, **kw)
 
-            # The baseline pass calls the original: it has a record of its own, not an eval's.
-            on_eval.__wrapped__ = evaluate_fn
-            trainer._evaluate_fn = on_eval
+        # The baseline pass calls the original: it has a record of its own, not an eval's.
+        on_eval.__wrapped__ = evaluate_fn
+        trainer._evaluate_fn = on_eval

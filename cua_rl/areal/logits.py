@@ -33,14 +33,17 @@ class LogitsConfig:
 
 
 def trainer_class(config: LogitsConfig, base: type | None = None) -> type:
-    """The trainer class to construct: ``base`` (default AReaL's ``PPOTrainer``) as it is, or
-    with selective logits (``logits_engine.with_selective_logits``)."""
+    """The trainer class to construct: ``base`` (default AReaL's ``PPOTrainer``) with cua-rl's
+    fsdp actor (``actor.with_actor``, whose module applies the trainer-side fixes), or with
+    selective logits (``logits_engine.with_selective_logits``, the same actor's subclass)."""
     if base is None:
         from areal import PPOTrainer
 
         base = PPOTrainer
     if not config.selective:
-        return base
+        from cua_rl.areal.actor import with_actor
+
+        return with_actor(base)
     check_areal_version()
     from cua_rl.areal.logits_engine import with_selective_logits
 

@@ -24,9 +24,10 @@ file, class or function is modified):
 
 Layouts it does not cover (tensor or sequence parallelism, tree training, critics, micro-batches
 without a loss mask, a model without an output embedding) take AReaL's path unchanged.
-``SelectiveLogitsMixin`` makes a ``PPOTrainer`` (or a subclass, such as a trainer with its own
-data loader) create this actor, and the reference and teacher models, for the fsdp backend;
-workers import the engine class by its dotted path, so it works under any scheduler.
+``SelectiveLogitsMixin`` (``cua_rl.areal.actor.ActorMixin`` with this class) makes a
+``PPOTrainer`` (or a subclass, such as a trainer with its own data loader) create this actor,
+and the reference and teacher models, for the fsdp backend; workers import the engine class by
+its dotted path, so it works under any scheduler.
 ``SelectiveLogitsTrainer`` is ``PPOTrainer`` with it; ``cua_rl.areal.logits.trainer_class``
 picks the trainer from the config.
 """
@@ -39,19 +40,14 @@ from typing import Any
 
 import torch
 from areal import PPOTrainer
-from areal.engine.fsdp_engine import FSDPPPOActor
-from areal.utils.environ import is_single_controller
 from areal.utils.functional import gather_logprobs, gather_logprobs_entropy
 
-from cua_rl.areal.positions import fix_qwen2_5_vl_image_positions
+from cua_rl.areal.actor import ActorMixin, CuaPPOActor
 from cua_rl.areal.support import SUPPORTED_AREAL, check_areal_version
 from cua_rl.errors import CuaRlError
 from cua_rl.logs import get_logger
 
 log = get_logger(__name__)
-# Workers import this module by the engine's dotted path: the trainer's Qwen2.5-VL positions
-# then match vLLM's (cua_rl.areal.positions).
-fix_qwen2_5_vl_image_positions()
 
 # Rows per chunk of the statistics pass: its transient is STATS_CHUNK_TOKENS x vocabulary
 # logits (about 78 MB in bf16 for a Qwen-VL head), and a GPU still runs full-size GEMMs.
@@ -89,8 +85,8 @@ class _Plan:
         return values.new_zeros(self.length).index_copy(0, self.keep, values)
 
 
-class SelectiveLogitsPPOActor(FSDPPPOActor):
-    """``FSDPPPOActor`` whose LM head and log-softmax run only at the loss positions."""
+class SelectiveLogitsPPOActor(CuaPPOActor):
+    """``FSDPPPOActor`` (through ``CuaPPOActor``, whose module applies the trainer-side fixes) whose LM head and log-softmax run only at the loss positions."""
 
     def __init__(self, config: Any):
         check_areal_version()
@@ -216,20 +212,10 @@ class SelectiveLogitsPPOActor(FSDPPPOActor):
         return plan.vocab_min, plan.vocab_max
 
 
-class SelectiveLogitsMixin:
+class SelectiveLogitsMixin(ActorMixin):
     """Put before a ``PPOTrainer`` (sub)class: its fsdp train engines become selective."""
 
-    def _create_train_engine(self, actor_config, alloc):
-        if alloc.backend != "fsdp":
-            return super()._create_train_engine(actor_config, alloc)
-        # AReaL's fsdp branch with our class: a controller sends workers the class's dotted
-        # path, which they import; without a controller the engine lives in this process.
-        if is_single_controller():
-            actor = SelectiveLogitsPPOActor.as_controller(actor_config, self.scheduler)
-        else:
-            actor = SelectiveLogitsPPOActor(config=actor_config)
-        actor.create_process_group(parallel_strategy=alloc.parallel)
-        return actor
+    actor_class = SelectiveLogitsPPOActor
 
 
 class SelectiveLogitsTrainer(SelectiveLogitsMixin, PPOTrainer):

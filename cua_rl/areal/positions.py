@@ -10,9 +10,10 @@ would then train on logprobs its own forward cannot reproduce.
 
 ``fix_qwen2_5_vl_image_positions`` replaces the temporal spacing by 1 when the installed
 transformers shows the fault, checked by calling the function itself, so a fixed release is left
-alone. Videos, the only inputs that need the spacing, are refused by the row builder. The actor
-engine module applies it on import (rollout and trainer workers import it by its dotted path);
-``cua_rl.testing.forward`` applies it before reproducing rows.
+alone. Videos, the only inputs that need the spacing, are refused by the row builder.
+``cua_rl.areal.actor`` applies it on import: every fsdp train engine's class is defined there or
+in a module that imports it, and training workers import that class by its dotted path, whether
+``logits.selective`` is on or off. ``cua_rl.testing.forward`` applies it before reproducing rows.
 """
 
 from __future__ import annotations
@@ -37,8 +38,9 @@ def fix_qwen2_5_vl_image_positions() -> bool:
         from transformers.models.qwen2_5_vl import modeling_qwen2_5_vl as mod
     except ImportError:
         return False
-    original = getattr(mod.Qwen2_5_VLModel, "get_vision_position_ids", None)
-    if original is None or not _faulty(original):
+    # Declared in cua_rl.areal.support: a release without it fails the start-up check.
+    original = mod.Qwen2_5_VLModel.get_vision_position_ids
+    if not _faulty(original):
         return False
 
     def get_vision_position_ids(

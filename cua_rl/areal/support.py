@@ -1,10 +1,13 @@
 """The AReaL release cua-rl is written against, and every AReaL name it relies on beyond the API.
 
 cua-rl overrides, wraps or replaces a few AReaL members that are not a public API (a method whose
-name starts with ``_``, a module global, a method patched on an instance), and calls a few
-functions by their module path. A new AReaL release may rename or drop any of them; the failure
-would then surface deep inside a training (an override never called, a wrapper never reached).
-``check_areal`` looks every one of them up before training starts and names what is missing.
+name starts with ``_``, a module global, a method patched on a class or an instance, an attribute
+the constructor sets), and calls a few functions by their module path. A new AReaL release may
+rename or drop any of them; the failure would then surface deep inside a training (an override
+never called, a wrapper never reached), or, read with a default, turn a feature off unnoticed.
+So the code reads them directly, and ``check_areal`` looks every one of them up before training
+starts and names what is missing. The same holds for the few transformers and torch internals
+patched, at the versions AReaL pins.
 
 Adding a reliance on an AReaL internal means adding a ``Reliance`` line here. docs/conventions.md
 says how to move to another AReaL release.
@@ -13,6 +16,8 @@ says how to move to another AReaL release.
 from __future__ import annotations
 
 import importlib
+import inspect
+import re
 from collections.abc import Callable
 from dataclasses import dataclass
 from importlib.metadata import PackageNotFoundError, version
@@ -30,34 +35,78 @@ SUPPORTED_AREAL = "1.0.4"
 
 @dataclass(frozen=True)
 class Reliance:
-    """One AReaL name: ``module`` imported, then ``attribute`` (dotted) looked up in it."""
+    """One AReaL name: ``module`` imported, then ``attribute`` (dotted) looked up in it.
+
+    ``set_by``: the attribute is an instance's, assigned (``self.<last part> =``) in that method
+    of the class the attribute path names. ``params``: the callable must take these parameters
+    (a wrapper passes them on by name).
+    """
 
     module: str
     attribute: str
     use: str  # who relies on it, and how: overrides, wraps, replaces, calls
+    set_by: str = ""
+    params: tuple[str, ...] = ()
 
     @property
     def name(self) -> str:
         return f"{self.module}.{self.attribute}"
 
+    def gap(self, module: object) -> str | None:
+        """Why ``module`` does not satisfy this reliance, or None."""
+        parts = self.attribute.split(".")
+        lookup = parts[:-1] if self.set_by else parts
+        obj = module
+        for part in lookup:
+            if not hasattr(obj, part):
+                return f"no {part!r}"
+            obj = getattr(obj, part)
+        if self.set_by:
+            return _assigned_in(obj, self.set_by, parts[-1])
+        if self.params:
+            try:
+                have = inspect.signature(obj).parameters
+            except (TypeError, ValueError):
+                return "no signature to read"
+            lacking = [p for p in self.params if p not in have]
+            if lacking:
+                return f"does not take {', '.join(lacking)}"
+        return None
+
+
+def _assigned_in(cls: object, method: str, name: str) -> str | None:
+    fn = getattr(cls, method, None)
+    try:
+        source = inspect.getsource(fn)
+    except (TypeError, OSError):
+        return f"no source for {method} to find self.{name} in"
+    if not re.search(rf"\bself\.{re.escape(name)}\s*(:[^=\n]*)?=(?!=)", source):
+        return f"{method} does not set self.{name}"
+    return None
+
 
 _FSDP = "areal.engine.fsdp_engine"
 _LOGITS = "cua_rl/areal/logits_engine.py overrides"
+_RUNNER = "areal.infra.async_task_runner"
+_REMOTE = "areal.infra.remote_inf_engine"
+_GATEWAY = "cua_rl/gateway/engine.py calls"
+_HOOKS = "cua_rl/areal/hooks.py"
 
 RELIANCES: tuple[Reliance, ...] = (
-    # Selective logits: six FSDPEngine methods overridden, one trainer factory extended.
+    # The trainer factory (every fsdp engine is our class); selective logits: six FSDPEngine
+    # methods overridden.
     Reliance(_FSDP, "FSDPPPOActor.forward_backward_batch", _LOGITS),
     Reliance(_FSDP, "FSDPPPOActor.forward_batch", _LOGITS),
     Reliance(_FSDP, "FSDPPPOActor._prepare_mb_inputs", _LOGITS),
     Reliance(_FSDP, "FSDPPPOActor._compute_logprobs", _LOGITS),
     Reliance(_FSDP, "FSDPPPOActor._compute_logprobs_entropy", _LOGITS),
     Reliance(_FSDP, "FSDPPPOActor._get_vocab_min_max_logits", _LOGITS),
-    Reliance("areal", "PPOTrainer._create_train_engine", _LOGITS),
+    Reliance("areal", "PPOTrainer._create_train_engine", "cua_rl/areal/actor.py overrides"),
     Reliance("areal.utils.functional", "gather_logprobs", "cua_rl/areal/logits_engine.py calls"),
     Reliance(
         "areal.utils.functional", "gather_logprobs_entropy", "cua_rl/areal/logits_engine.py calls"
     ),
-    Reliance("areal.utils.environ", "is_single_controller", "cua_rl/areal/logits_engine.py calls"),
+    Reliance("areal.utils.environ", "is_single_controller", "cua_rl/areal/actor.py calls"),
     # The curriculum's train loader.
     Reliance(
         "areal", "PPOTrainer._create_dataloader", "cua_rl/areal/curriculum_trainer.py overrides"
@@ -98,6 +147,63 @@ RELIANCES: tuple[Reliance, ...] = (
         "cua_rl/rollout/drain.py drains its gathered episodes one by one (a cancelled gather "
         "ends with its first child)",
     ),
+    Reliance(
+        _RUNNER,
+        "AsyncTaskRunner._loop",
+        "cua_rl/rollout/drain.py runs the drain on the runner's loop",
+        set_by="__init__",
+    ),
+    Reliance(
+        _RUNNER,
+        "AsyncTaskRunner.paused",
+        "cua_rl/rollout/drain.py sets it so no episode starts during the drain",
+        set_by="__init__",
+    ),
+    # The engine AReaL hands ``arun_episode`` (the gateway's view of pauses, versions, servers).
+    Reliance(_REMOTE, "RemoteInfEngine.workflow_executor", _GATEWAY),
+    Reliance(_REMOTE, "RemoteInfEngine.get_version", _GATEWAY),
+    Reliance(_REMOTE, "RemoteInfEngine.choose_server", _GATEWAY + ", rollout/workflow.py calls"),
+    Reliance("areal.infra.workflow_executor", "WorkflowExecutor.is_paused", _GATEWAY),
+    # The monitor's hooks on the trainer and its actor (a controller under every scheduler).
+    Reliance("areal", "PPOTrainer.actor", _HOOKS + " wraps its methods", set_by="__init__"),
+    Reliance("areal", "PPOTrainer.stats_logger", _HOOKS + " wraps its commit", set_by="__init__"),
+    Reliance("areal", "PPOTrainer.recover_info", _HOOKS + " reads", set_by="__init__"),
+    Reliance("areal.trainer.ppo.actor", "PPOActorController.ppo_update", _HOOKS + " wraps"),
+    Reliance("areal.trainer.ppo.actor", "PPOActorController.update_weights", _HOOKS + " wraps"),
+    # Loopback and native Slurm for runs without a GPU cluster.
+    Reliance(
+        "areal.utils.network",
+        "gethostip",
+        "cua_rl/cpu/loopback.py and cpu/training.py replace it (and the copies AReaL modules "
+        "imported); gateway/server.py calls",
+    ),
+    Reliance(
+        "areal.infra.scheduler.local",
+        "LocalScheduler.fork_workers",
+        "cua_rl/cpu/loopback.py wraps it, passing command",
+        params=("role", "target_role", "command"),
+    ),
+    Reliance(
+        "areal.infra.scheduler.slurm",
+        "SlurmScheduler.__init__",
+        "cua_rl/cpu/training.py wraps it, defaulting container_type and container_mounts",
+        params=("container_type", "container_mounts"),
+    ),
+    Reliance("areal.engine.vllm_remote", "logger", "cua_rl/cpu/training.py logs to"),
+    Reliance("areal.utils.data", "concat_padded_tensors", "cua_rl/trajectory/row.py calls"),
+    # Outside AReaL, at the versions it pins: a correctness fix and the loopback store.
+    Reliance(
+        "transformers.models.qwen2_5_vl.modeling_qwen2_5_vl",
+        "Qwen2_5_VLModel.get_vision_position_ids",
+        "cua_rl/areal/positions.py wraps (the trainer's Qwen2.5-VL image positions)",
+        params=("start_position", "grid_thw", "time_interval"),
+    ),
+    Reliance("torch.distributed.rendezvous", "_create_c10d_store", "cua_rl/cpu/loopback.py wraps"),
+    Reliance(
+        "torch.distributed.rendezvous",
+        "_torchelastic_use_agent_store",
+        "cua_rl/cpu/loopback.py calls",
+    ),
 )
 
 
@@ -137,11 +243,9 @@ def missing(
         except ImportError as exc:
             lines.append(f"{r.name} (module does not import: {exc}; {r.use})")
             continue
-        for part in r.attribute.split("."):
-            if not hasattr(obj, part):
-                lines.append(f"{r.name} (no {part!r}; {r.use})")
-                break
-            obj = getattr(obj, part)
+        gap = r.gap(obj)
+        if gap:
+            lines.append(f"{r.name} ({gap}; {r.use})")
     return lines
 
 

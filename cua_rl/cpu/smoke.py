@@ -7,7 +7,7 @@ a completion with logprobs, and the reward is the share of lowercase ASCII lette
 completion (so samples of one group differ). Each committed step is appended to
 ``RUN_DIR/steps.jsonl`` and printed on one line. The exit status is 0 only if every step was
 committed. It trains with selective logits (``cua_rl.areal.logits``, as train.py does by
-default) unless ``--full-logits`` asks for AReaL's own ``PPOTrainer``.
+default) unless ``--full-logits`` asks for AReaL's logits path.
 """
 
 import argparse
@@ -156,7 +156,7 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument(
         "--full-logits",
         action="store_true",
-        help="AReaL's own PPOTrainer (logits at every position) instead of selective logits",
+        help="AReaL's logits path (logits at every position, logits.selective=false) instead of selective logits",
     )
     parser.add_argument("overrides", nargs="*", help="AReaL config overrides, key=value")
     args = parser.parse_args(argv)

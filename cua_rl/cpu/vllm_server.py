@@ -31,6 +31,7 @@ from pydantic import BaseModel
 
 from cua_rl.logs import get_logger
 
+# Its module name spelt out: run as ``python -m``, ``__name__`` would be ``__main__``.
 log = get_logger("cua_rl.cpu.vllm_server")
 
 AREAL_EXTENSION = "areal.engine.vllm_ext.vllm_worker_extension.VLLMWorkerExtension"

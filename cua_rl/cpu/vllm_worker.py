@@ -16,7 +16,7 @@ from pathlib import Path
 
 from cua_rl.logs import get_logger
 
-log = get_logger("cua_rl.cpu.vllm_worker")
+log = get_logger(__name__)
 
 
 def checkpoint_problem(path: str) -> str | None:

@@ -5,7 +5,7 @@ with its task, reward, success and step, and survives a restart of the training.
 keeps none of it: each draw reads the run's outcomes again, aggregated by the monitor per task
 and step (``GET /api/task-outcomes?run_name=``), so every process sees the same facts and a
 resumed run sees what the first one recorded. The policy version of step ``s`` is ``s - 1``
-(cua_rl/app/lifecycle.py).
+(``cua_rl/rollout/placement.py``).
 """
 
 from __future__ import annotations

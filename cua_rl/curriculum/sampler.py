@@ -36,7 +36,7 @@ from cua_rl.curriculum.selector import (
 from cua_rl.errors import ConfigError, MonitorError
 from cua_rl.logs import get_logger
 
-log = get_logger("cua_rl.curriculum")
+log = get_logger(__name__)
 
 STATE_FORMAT = 1
 

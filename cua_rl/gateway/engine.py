@@ -33,7 +33,7 @@ from cua_rl.gateway.config import Sampling
 from cua_rl.gateway.render import BadRequest, Image
 from cua_rl.logs import get_logger
 
-log = get_logger("cua_rl.gateway.engine")
+log = get_logger(__name__)
 
 PAUSE_POLL_S = 0.2
 
@@ -90,17 +90,18 @@ async def wait_while_paused(engine: EngineView, limit_s: float) -> float:
 
 
 class AReaLEngineView:
-    """``EngineView`` over AReaL's ``RemoteInfEngine`` (or the wrapper that holds one)."""
+    """``EngineView`` over the engine AReaL 1.0.4 passes ``arun_episode``: its ``RemoteInfEngine``
+    (the workflow executor's ``inference_engine``). Read through its public members, declared in
+    ``cua_rl.areal.support``: a missing one fails the call, never reads as "not paused"."""
 
     def __init__(self, engine: Any):
-        self.engine = getattr(engine, "_engine", engine)
+        self.engine = engine
 
     def get_version(self) -> int:
         return int(self.engine.get_version())
 
     def is_paused(self) -> bool:
-        executor = getattr(self.engine, "_workflow_executor", None)
-        return bool(executor is not None and executor.is_paused())
+        return bool(self.engine.workflow_executor.is_paused())
 
     def choose_server(self) -> str:
         return str(self.engine.choose_server())

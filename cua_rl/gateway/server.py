@@ -22,7 +22,7 @@ from cua_rl.gateway.session import EpisodeSession, SessionSpec
 from cua_rl.logs import get_logger
 from cua_rl.serving import ThreadedServer
 
-log = get_logger("cua_rl.gateway")
+log = get_logger(__name__)
 
 _WILDCARD = ("0.0.0.0", "::", "")
 

@@ -55,7 +55,7 @@ from cua_rl.trajectory.images import (
     image_token_ids,
 )
 
-log = get_logger("cua_rl.gateway.session")
+log = get_logger(__name__)
 
 VISION_TOKENS = ("<|image_pad|>", "<|video_pad|>", "<|vision_start|>", "<|vision_end|>")
 

@@ -24,7 +24,7 @@ from cua_rl.logs import get_logger
 from cua_rl.trajectory.config import TrajectoryConfig
 from cua_rl.trajectory.images import image_processor_of, iter_images, process_images
 
-log = get_logger("cua_rl.gateway.vision")
+log = get_logger(__name__)
 
 # Image processors whose resize rule is ``resized_size`` (transformers' slow and fast ones).
 KNOWN_PROCESSORS = frozenset({"Qwen2VLImageProcessor", "Qwen2VLImageProcessorFast"})

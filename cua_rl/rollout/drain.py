@@ -32,7 +32,7 @@ from cua_rl.errors import ConfigError
 from cua_rl.logs import get_logger
 from cua_rl.rollout.services import loop_monitors
 
-log = get_logger("cua_rl.drain")
+log = get_logger(__name__)
 
 # Why a drained episode's rollout and environment were closed (their status message).
 DRAIN_REASON = "run ended: drained"
@@ -240,7 +240,7 @@ def drain_before_runner_stops() -> None:
         return
 
     def destroy(self, *args, **kwargs):
-        loop = getattr(self, "_loop", None)
+        loop = self._loop  # declared in cua_rl.areal.support
         if loop is not None and loop.is_running():
             self.paused.set()  # no episode starts while the drain runs (destroy resumes it)
             done = asyncio.run_coroutine_threadsafe(_drain_then_flush(), loop)

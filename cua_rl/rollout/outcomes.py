@@ -15,7 +15,7 @@ from pathlib import Path
 
 from cua_rl.logs import get_logger
 
-log = get_logger("cua_rl.rollout.outcomes")
+log = get_logger(__name__)
 
 
 class OutcomeLog:

@@ -57,7 +57,7 @@ from cua_rl.trajectory import (
 )
 from cua_rl.trajectory.row import episode_id_of
 
-log = get_logger("cua_rl.workflow")
+log = get_logger(__name__)
 
 
 class CUAAgentWorkflow(RolloutWorkflow):
@@ -101,7 +101,7 @@ class CUAAgentWorkflow(RolloutWorkflow):
             return gateway_for(s.gateway).open(episode.rollout_uuid, spec)
         if s.endpoint.base_url:
             return s.endpoint.base_url.rstrip("/")
-        addr = str(getattr(engine, "_engine", engine).choose_server())
+        addr = str(engine.choose_server())
         addr = addr if addr.startswith(("http://", "https://")) else f"http://{addr}"
         return f"{addr.rstrip('/')}/v1"
 

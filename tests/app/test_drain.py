@@ -96,7 +96,16 @@ def _workflow(gym, agent, monitor, model, drain_s: float) -> CUAAgentWorkflow:
     )
 
 
+class _Running:
+    def is_paused(self) -> bool:
+        return False
+
+
 class _Engine:
+    """The members of AReaL's ``RemoteInfEngine`` the gateway reads (never paused here)."""
+
+    workflow_executor = _Running()
+
     def get_version(self) -> int:
         return 0
 

@@ -172,6 +172,8 @@ class _FakeActor:
 
 
 class _FakeTrainer:
+    recover_info = None  # a fresh run
+
     def __init__(self, fail=False):
         self.stats_logger = _FakeStatsLogger()
         self.actor = _FakeActor(fail)

@@ -52,13 +52,22 @@ FAST_GYM = GenvTimeouts(
 )
 
 
+class _Running:
+    """A workflow executor that is never paused (no weight update in these tests)."""
+
+    def is_paused(self) -> bool:
+        return False
+
+
 class FakeEngine:
-    """The two engine calls the workflow makes; records which server each episode got."""
+    """The members of AReaL's ``RemoteInfEngine`` the workflow and the gateway use; records which
+    server each episode got."""
 
     def __init__(self, addresses: list[str], version: int = 0):
         self.addresses = list(addresses)
         self.version = version
         self.chosen: list[str] = []
+        self.workflow_executor = _Running()
 
     def get_version(self) -> int:
         return self.version

@@ -61,8 +61,14 @@ def test_config_refuses_non_booleans():
 def test_trainer_class_follows_the_switch():
     from areal import PPOTrainer
 
-    assert sel.trainer_class(sel.LogitsConfig(selective=False)) is PPOTrainer
+    from cua_rl.areal import actor
+
+    # Off: AReaL's actor unchanged, made from our class (whose module applies the fixes).
+    assert sel.trainer_class(sel.LogitsConfig(selective=False)) is actor.CuaTrainer
+    assert actor.CuaTrainer.actor_class is actor.CuaPPOActor
     assert sel.trainer_class(sel.LogitsConfig()) is eng.SelectiveLogitsTrainer
+    assert eng.SelectiveLogitsTrainer.actor_class is eng.SelectiveLogitsPPOActor
+    assert issubclass(eng.SelectiveLogitsPPOActor, actor.CuaPPOActor)
     assert issubclass(eng.SelectiveLogitsTrainer, PPOTrainer)
 
 
@@ -73,8 +79,12 @@ class _LoaderTrainer:
 def test_a_trainer_subclass_gets_selective_logits_in_front():
     from areal import PPOTrainer
 
+    from cua_rl.areal.actor import ActorMixin
+
     base = type("LoaderTrainer", (_LoaderTrainer, PPOTrainer), {})
-    assert sel.trainer_class(sel.LogitsConfig(selective=False), base) is base
+    plain = sel.trainer_class(sel.LogitsConfig(selective=False), base)
+    assert issubclass(plain, base) and issubclass(plain, ActorMixin)
+    assert not issubclass(plain, eng.SelectiveLogitsMixin)
     cls = sel.trainer_class(sel.LogitsConfig(), base)
     assert issubclass(cls, base) and issubclass(cls, eng.SelectiveLogitsMixin)
     # Our engine factory first, then the subclass's own methods, then AReaL's.
@@ -90,7 +100,8 @@ def test_another_areal_release_is_refused(monkeypatch):
     monkeypatch.setattr(support, "areal_version", lambda: "1.0.5")
     with pytest.raises(ConfigError, match="logits.selective=false"):
         sel.trainer_class(sel.LogitsConfig())
-    # Switched off, nothing of ours runs and the release does not matter.
+    # Switched off, no override mirrors an AReaL method body: the release check does not apply
+    # (check_areal still looks up the trainer factory the actor class goes through).
     sel.trainer_class(sel.LogitsConfig(selective=False))
 
 

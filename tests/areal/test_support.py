@@ -86,3 +86,40 @@ def test_another_release_with_every_name_only_warns():
         support.log.removeHandler(lines)
     assert len(lines.lines) == 1
     assert "AReaL 1.0.5 installed, cua-rl is written against 1.0.4" in lines.lines[0]
+
+
+def _holder(reliance: support.Reliance) -> tuple[object, str]:
+    """The module or class the reliance's last name is looked up in, and that name."""
+    obj: object = importlib.import_module(reliance.module)
+    parts = reliance.attribute.split(".")
+    for part in parts[:-1]:
+        obj = getattr(obj, part)
+    return obj, parts[-1]
+
+
+def _set_nothing(self, *args, **kwargs):
+    return None
+
+
+def _take_nothing(self):
+    return None
+
+
+@pytest.mark.parametrize("reliance", support.RELIANCES, ids=lambda r: r.name)
+def test_each_reliance_removed_fails_the_start_up_check_naming_it(monkeypatch, reliance):
+    holder, last = _holder(reliance)
+    if reliance.set_by:
+        # An instance attribute: the method that sets it no longer does.
+        monkeypatch.setattr(holder, reliance.set_by, _set_nothing)
+    elif reliance.params:
+        # Still there, but no longer takes what the wrapper passes on.
+        monkeypatch.setattr(holder, last, _take_nothing)
+    else:
+        # Gone from wherever it is defined (a base class, for an inherited method).
+        owners = [c for c in getattr(holder, "__mro__", (holder,)) if last in vars(c)]
+        for owner in owners:
+            monkeypatch.delattr(owner, last)
+    with pytest.raises(support.ArealMismatch) as err:
+        support.check_areal()
+    assert reliance.name in str(err.value)
+    assert reliance.use in str(err.value)

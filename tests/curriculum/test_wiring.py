@@ -122,8 +122,13 @@ def _trainer(recovered_global_step: int | None = None):
         recover_info = SimpleNamespace(
             last_step_info=SimpleNamespace(global_step=recovered_global_step)
         )
+    # The members TrainerHooks wraps (cua_rl.areal.support declares them on AReaL's trainer).
+    actor = SimpleNamespace(ppo_update=lambda batch: None, update_weights=lambda meta: None)
     return SimpleNamespace(
-        stats_logger=_Logger(), actor=SimpleNamespace(), recover_info=recover_info
+        stats_logger=_Logger(),
+        actor=actor,
+        recover_info=recover_info,
+        _evaluate_fn=lambda **kw: None,
     )
 
 

@@ -160,8 +160,10 @@ def test_every_page_loads_cleanly_with_curves_screenshots_and_drawn_actions(
 def _check_rollout_turns(page, db, rollout_id: int) -> None:
     """Each turn shows the screenshot the model saw (loaded from the store) and its action.
 
-    A rollout the run's end cancelled may hold a turn the gateway recorded live, whose screenshot
-    (recorded with the finished episode) never came: its card says so instead."""
+    A rollout the run's end cancelled may hold a turn without its screenshot: the workflow
+    records an episode's turns one by one after the agent run (``RolloutRecorder.record_turns``:
+    the turn, its actions, then its screenshot), and the drain's cancel can cut that between a
+    turn's records and its screenshot. Its card says so instead."""
     turns = db_rows(
         db,
         "SELECT t.id, EXISTS (SELECT 1 FROM obs o WHERE o.turn_id = t.id AND o.screenshot_uri "

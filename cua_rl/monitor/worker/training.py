@@ -36,7 +36,7 @@ from cua_rl.monitor.protocol import (
 from cua_rl.monitor.worker.batches import utc_now
 from cua_rl.monitor.worker.client import MonitorClient, MonitorClientConfig
 
-log = get_logger("cua_rl.lifecycle")
+log = get_logger(__name__)
 
 # How often a running training refreshes its heartbeat (the dashboard's default stale flag is
 # at 300 s).

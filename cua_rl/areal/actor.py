@@ -1,0 +1,66 @@
+"""The FSDP actor every cua-rl training runs, selective logits or not, and the trainer factory.
+
+AReaL's controller sends each training worker its engine class by dotted path; the worker imports
+that module and nothing else of cua-rl. A correctness fix the worker needs (transformers'
+Qwen2.5-VL image positions, ``cua_rl.areal.positions``) is therefore applied by importing this
+module, and every fsdp train engine (actor, reference, teacher) is made from a class defined here
+or in a module that imports it: ``CuaPPOActor`` (AReaL's ``FSDPPPOActor`` unchanged) when
+``logits.selective`` is off, ``logits_engine.SelectiveLogitsPPOActor`` (its subclass) when on.
+So an optimisation switch never decides whether a fix applies.
+
+``ActorMixin`` overrides ``PPOTrainer._create_train_engine`` (declared in
+``cua_rl.areal.support``) with AReaL's fsdp branch and ``actor_class``; other backends
+(megatron, archon) are AReaL's own, whose models are not transformers' and get no fix.
+"""
+
+from __future__ import annotations
+
+import functools
+
+from areal import PPOTrainer
+from areal.engine.fsdp_engine import FSDPPPOActor
+from areal.utils.environ import is_single_controller
+
+from cua_rl.areal.positions import fix_qwen2_5_vl_image_positions
+
+# Workers import this module by the engine's dotted path: the trainer's Qwen2.5-VL positions
+# then match vLLM's.
+fix_qwen2_5_vl_image_positions()
+
+
+class CuaPPOActor(FSDPPPOActor):
+    """AReaL's FSDP PPO actor; its module applies the trainer-side fixes on import."""
+
+
+class ActorMixin:
+    """Put before a ``PPOTrainer`` (sub)class: its fsdp train engines are ``actor_class``."""
+
+    actor_class: type[FSDPPPOActor] = CuaPPOActor
+
+    def _create_train_engine(self, actor_config, alloc):
+        if alloc.backend != "fsdp":
+            return super()._create_train_engine(actor_config, alloc)
+        # AReaL's fsdp branch with our class: a controller sends workers the class's dotted
+        # path, which they import; without a controller the engine lives in this process.
+        if is_single_controller():
+            actor = self.actor_class.as_controller(actor_config, self.scheduler)
+        else:
+            actor = self.actor_class(config=actor_config)
+        actor.create_process_group(parallel_strategy=alloc.parallel)
+        return actor
+
+
+class CuaTrainer(ActorMixin, PPOTrainer):
+    """``PPOTrainer`` whose fsdp train engines are ``CuaPPOActor``."""
+
+
+@functools.cache
+def with_actor(base: type) -> type:
+    """``base`` (``PPOTrainer`` or a subclass of it) with ``ActorMixin`` in front."""
+    if not issubclass(base, PPOTrainer):
+        raise TypeError(f"{base.__name__} is not a PPOTrainer")
+    if issubclass(base, ActorMixin):
+        return base
+    if base is PPOTrainer:
+        return CuaTrainer
+    return type(f"Cua{base.__name__}", (ActorMixin, base), {})
