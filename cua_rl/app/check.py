@@ -12,28 +12,18 @@ from __future__ import annotations
 
 import asyncio
 import os
-from dataclasses import dataclass
 from pathlib import Path
 from urllib.parse import urlsplit
 
 import httpx
 
+from cua_rl.app.check_result import CheckResult
 from cua_rl.app.config import CUAConfig
 from cua_rl.errors import AgentError, ConfigError, CuaRlError, GymError
 from cua_rl.genv import GenvClient
 from cua_rl.tasks import Task, load_tasks, select_tasks
 
 _LOOPBACK = ("127.0.0.1", "localhost", "::1")
-
-
-@dataclass
-class CheckResult:
-    name: str
-    ok: bool
-    detail: str
-
-    def line(self) -> str:
-        return f"{'ok  ' if self.ok else 'FAIL'} {self.name:<8} {self.detail}"
 
 
 def _reason(exc: BaseException) -> str:

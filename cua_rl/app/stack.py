@@ -21,7 +21,7 @@ import importlib.metadata
 from dataclasses import dataclass
 from typing import Any
 
-from cua_rl.app.check import CheckResult
+from cua_rl.app.check_result import CheckResult
 
 
 @dataclass(frozen=True)
