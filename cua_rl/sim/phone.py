@@ -65,6 +65,8 @@ class PhoneState:
     draft: str = ""
     calc_display: str = "0"
     calc_result: str | None = None
+    # Flips of the Wi-Fi switch in this execution (the learn2 family's validators count them).
+    wifi_toggles: int = 0
 
 
 class Phone:
@@ -231,6 +233,7 @@ class Phone:
             return None
         if wid == "settings.wifi":
             s.wifi = not s.wifi
+            s.wifi_toggles += 1
         elif wid == "settings.bluetooth":
             s.bluetooth = not s.bluetooth
         elif wid == "settings.brightness":

@@ -47,6 +47,14 @@ def _is(attr: str, want: object) -> Check:
     return check
 
 
+def _at_least(attr: str, n: int) -> Check:
+    def check(s: PhoneState, _a: str | None) -> tuple[bool, str]:
+        got = getattr(s, attr)
+        return got >= n, f"{attr} is {got}, want at least {n}"
+
+    return check
+
+
 def _brightness(lo: int, hi: int) -> Check:
     def check(s: PhoneState, _a: str | None) -> tuple[bool, str]:
         return lo <= s.brightness <= hi, f"brightness is {s.brightness}, want {lo}..{hi}"
@@ -258,31 +266,37 @@ LEARN_TASKS: tuple[SimTask, ...] = (
         (V("wifi_off", 1, _is("wifi", False)),),
     ),
 )
-# The "learn2" family (level "learn2"): two taps in sequence, each on a fixed cell centre of the
-# same 3x3 grid. Both tasks start on the home screen: the top-left cell's centre, (60, 106) at
-# 360x640, is the Settings icon; on Settings the top-right cell's centre, (300, 106), is the Wi-Fi
-# switch. No single tap solves either (the switch is not on the home screen), and no other pair of
-# cells does (docs/learning.md gives the chance rate). The settings_open validator pays half for
-# the first tap alone, so the first turn of an episode gets its own signal: a trainer that trains
-# only the last turn of an episode cannot learn the first tap.
+# The "learn2" family (level "learn2"): two taps on the same cell, in two steps. Both tasks start on
+# Settings, where the top-right cell's centre, (300, 106) at 360x640, is the Wi-Fi switch (as in
+# the learn family) and no other cell's centre does anything: the switch must be flipped twice, so
+# Wi-Fi ends as it started. One flip pays half (``flipped``), two the rest (``flipped_back``). One
+# tap cannot solve a task, and a policy that names cell 2 on every step solves both, so the
+# family needs no screen reading, only both turns trained: a trainer that trains the last turn
+# of an episode only never trains the first tap. docs/learning.md gives the chance rates.
 LEARN2_TASKS: tuple[SimTask, ...] = (
     SimTask(
         17,
-        "learn2_wifi_on",
+        "learn2_wifi_off_on",
         "learn2",
         "settings",
-        "Open Settings and turn Wi-Fi on.",
-        _set(screen="home", wifi=False),
-        (V("settings_open", 1, _is("screen", "settings")), V("wifi_on", 1, _is("wifi", True))),
+        "Turn Wi-Fi off, then back on.",
+        _set(screen="settings", wifi=True),
+        (
+            V("flipped", 1, _at_least("wifi_toggles", 1)),
+            V("flipped_back", 1, _at_least("wifi_toggles", 2)),
+        ),
     ),
     SimTask(
         18,
-        "learn2_wifi_off",
+        "learn2_wifi_on_off",
         "learn2",
         "settings",
-        "Open Settings and turn Wi-Fi off.",
-        _set(screen="home", wifi=True),
-        (V("settings_open", 1, _is("screen", "settings")), V("wifi_off", 1, _is("wifi", False))),
+        "Turn Wi-Fi on, then back off.",
+        _set(screen="settings", wifi=False),
+        (
+            V("flipped", 1, _at_least("wifi_toggles", 1)),
+            V("flipped_back", 1, _at_least("wifi_toggles", 2)),
+        ),
     ),
 )
 TASKS = TASKS + LEARN_TASKS + LEARN2_TASKS

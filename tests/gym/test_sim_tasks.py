@@ -124,9 +124,14 @@ SCRIPTS = {
     "sim-014-learn-open-calculator": ([tap(GRID[2])], None, [tap(GRID[1])], None),
     "sim-015-learn-wifi-on": ([tap(GRID[2])], None, [tap(BLUETOOTH)], None),
     "sim-016-learn-wifi-off": ([tap(GRID[2])], None, [tap(BLUETOOTH)], None),
-    # The learn2 family: the top-left cell (Settings icon), then the top-right one (Wi-Fi).
-    "sim-017-learn2-wifi-on": ([tap(GRID[0]), tap(GRID[2])], None, [tap(GRID[2])], None),
-    "sim-018-learn2-wifi-off": ([tap(GRID[0]), tap(GRID[2])], None, [tap(GRID[0])], None),
+    # The learn2 family: the top-right cell (the Wi-Fi switch) twice; once is not enough.
+    "sim-017-learn2-wifi-off-on": ([tap(GRID[2]), tap(GRID[2])], None, [tap(GRID[2])], None),
+    "sim-018-learn2-wifi-on-off": (
+        [tap(GRID[2]), tap(GRID[2])],
+        None,
+        [tap(GRID[2]), tap(BLUETOOTH)],
+        None,
+    ),
 }
 LEARN = ("sim-014-learn-open-calculator", "sim-015-learn-wifi-on", "sim-016-learn-wifi-off")
 
@@ -227,14 +232,13 @@ async def test_exactly_one_grid_cell_solves_each_learn_task(genv, gym, http, tas
     assert solved == [2]
 
 
-LEARN2 = ("sim-017-learn2-wifi-on", "sim-018-learn2-wifi-off")
+LEARN2 = ("sim-017-learn2-wifi-off-on", "sim-018-learn2-wifi-on-off")
 
 
 @pytest.mark.parametrize("task_id", LEARN2)
 async def test_only_the_two_tap_sequence_solves_each_learn2_task(genv, gym, http, task_id):
-    # Every pair of grid cells (81 episodes per task): only (top left, top right) solves it, so a
-    # uniformly random cell per step succeeds with 1/81. Ending on Settings scores 0.5: Settings
-    # first and anything but the switch, or a tap on nothing (cells 3-8) and then Settings.
+    # Every pair of grid cells (81 episodes per task): only the switch twice (2, 2) solves it, so
+    # a uniformly random cell per step succeeds with 1/81; one flip, at either step, scores 0.5.
     solved, scores = [], {}
     for first, second in [(a, b) for a in range(9) for b in range(9)]:
         async with genv.execution(task_id) as ex:
@@ -249,7 +253,7 @@ async def test_only_the_two_tap_sequence_solves_each_learn2_task(genv, gym, http
             scores[(first, second)] = result.score
             if result.success:
                 solved.append((first, second))
-    assert solved == [(0, 2)]
+    assert solved == [(2, 2)]
     halves = {pair for pair, score in scores.items() if score == 0.5}
-    assert halves == {(0, b) for b in (0, 1, 3, 4, 5, 6, 7, 8)} | {(a, 0) for a in range(3, 9)}
-    assert all(score == 0.0 for pair, score in scores.items() if pair not in {(0, 2), *halves})
+    assert halves == {(2, b) for b in range(9) if b != 2} | {(a, 2) for a in range(9) if a != 2}
+    assert all(score == 0.0 for pair, score in scores.items() if pair not in {(2, 2), *halves})
