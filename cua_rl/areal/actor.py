@@ -54,13 +54,19 @@ class CuaTrainer(ActorMixin, PPOTrainer):
     """``PPOTrainer`` whose fsdp train engines are ``CuaPPOActor``."""
 
 
+def mixed_trainer(base: type, mixin: type, plain: type, prefix: str) -> type:
+    """``base`` (``PPOTrainer`` or a subclass of it) with ``mixin`` in front; ``plain`` is the
+    named class for ``PPOTrainer`` itself."""
+    if not issubclass(base, PPOTrainer):
+        raise TypeError(f"{base.__name__} is not a PPOTrainer")
+    if issubclass(base, mixin):
+        return base
+    if base is PPOTrainer:
+        return plain
+    return type(f"{prefix}{base.__name__}", (mixin, base), {})
+
+
 @functools.cache
 def with_actor(base: type) -> type:
     """``base`` (``PPOTrainer`` or a subclass of it) with ``ActorMixin`` in front."""
-    if not issubclass(base, PPOTrainer):
-        raise TypeError(f"{base.__name__} is not a PPOTrainer")
-    if issubclass(base, ActorMixin):
-        return base
-    if base is PPOTrainer:
-        return CuaTrainer
-    return type(f"Cua{base.__name__}", (ActorMixin, base), {})
+    return mixed_trainer(base, ActorMixin, CuaTrainer, "Cua")

@@ -42,7 +42,7 @@ import torch
 from areal import PPOTrainer
 from areal.utils.functional import gather_logprobs, gather_logprobs_entropy
 
-from cua_rl.areal.actor import ActorMixin, CuaPPOActor
+from cua_rl.areal.actor import ActorMixin, CuaPPOActor, mixed_trainer
 from cua_rl.areal.support import SUPPORTED_AREAL, check_areal_version
 from cua_rl.errors import CuaRlError
 from cua_rl.logs import get_logger
@@ -225,10 +225,4 @@ class SelectiveLogitsTrainer(SelectiveLogitsMixin, PPOTrainer):
 @functools.cache
 def with_selective_logits(base: type) -> type:
     """``base`` (``PPOTrainer`` or a subclass of it) with ``SelectiveLogitsMixin`` in front."""
-    if not issubclass(base, PPOTrainer):
-        raise TypeError(f"{base.__name__} is not a PPOTrainer")
-    if issubclass(base, SelectiveLogitsMixin):
-        return base
-    if base is PPOTrainer:
-        return SelectiveLogitsTrainer
-    return type(f"SelectiveLogits{base.__name__}", (SelectiveLogitsMixin, base), {})
+    return mixed_trainer(base, SelectiveLogitsMixin, SelectiveLogitsTrainer, "SelectiveLogits")

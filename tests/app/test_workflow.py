@@ -295,27 +295,29 @@ async def test_cancelled_episode_leaves_no_open_execution(
     assert await _open_executions(gym) == []
 
 
+def _bare_workflow(**settings) -> CUAAgentWorkflow:
+    """A workflow whose services are never called: its settings' defaults plus ``settings``."""
+    return CUAAgentWorkflow(
+        WorkflowSettings(
+            gym=GymSection(),
+            agent=AgentSection(),
+            endpoint=EndpointSection(),
+            trajectory=TrajectoryConfig(),
+            reward=RewardConfig(),
+            processor_path="unused",
+            **settings,
+        )
+    )
+
+
 def test_the_train_workflow_gives_the_group_filter_its_settings():
     # AReaL calls the filter with the group alone, in the process that built the workflow.
-    def wf(phase: str, size: int) -> CUAAgentWorkflow:
-        return CUAAgentWorkflow(
-            WorkflowSettings(
-                gym=GymSection(),
-                agent=AgentSection(),
-                endpoint=EndpointSection(),
-                trajectory=TrajectoryConfig(),
-                reward=RewardConfig(),
-                processor_path="unused",
-                phase=phase,
-                group=GroupSettings(size=size),
-            )
-        )
-
     groups._settings = None
     try:
-        wf("train", 4)
+        _bare_workflow(phase="train", group=GroupSettings(size=4))
         assert groups.configured().size == 4
-        wf("eval", 1)  # an eval workflow in the same worker leaves the train group's settings
+        # An eval workflow in the same worker leaves the train group's settings.
+        _bare_workflow(phase="eval", group=GroupSettings(size=1))
         assert groups.configured().size == 4
     finally:
         groups._settings = None
@@ -342,19 +344,7 @@ def test_direct_mode_points_the_agent_at_the_engine_or_an_external_server(
 
 def test_rollouts_after_the_last_step_are_not_recorded_against_a_step():
     def wf(phase: str, total_steps: int) -> CUAAgentWorkflow:
-        return CUAAgentWorkflow(
-            WorkflowSettings(
-                gym=GymSection(),
-                agent=AgentSection(),
-                endpoint=EndpointSection(),
-                trajectory=TrajectoryConfig(),
-                reward=RewardConfig(),
-                processor_path="unused",
-                training_ref=RUN,
-                phase=phase,
-                total_steps=total_steps,
-            )
-        )
+        return _bare_workflow(training_ref=RUN, phase=phase, total_steps=total_steps)
 
     two_steps = wf("train", 2)
     # Versions 0 and 1 are trained by steps 1 and 2; version 2 was prefetched and never trained.
