@@ -62,7 +62,14 @@ def next_token_logprobs(
 
 
 def trained_gap(model, row: dict, **kwargs):
-    """|forward logprob - recorded logprob| on every trained token of ``row``."""
+    """|forward logprob - recorded logprob| on every trained token of ``row``; an episode's
+    batch of several rows (``ConversionResult.row``) is taken row by row, gaps in row order."""
+    import torch
+
+    from cua_rl.trajectory.row import unstack_rows
+
+    if row["input_ids"].shape[0] > 1:
+        return torch.cat([trained_gap(model, r, **kwargs) for r in unstack_rows(row)])
     pos = row["loss_mask"][0].nonzero().flatten()
     if not len(pos):
         raise ValueError("the row has no trained token")

@@ -318,7 +318,11 @@ async def test_an_agent_that_drops_its_oldest_screenshot_breaks_the_row_once(
         turns, processor=bpe_processor, reward=1.0, version=0, fetched_images=capture.images()
     )
     assert res.row is not None, res.reason
-    assert res.stats["prefix_breaks"] == 1 and res.stats["trained_turns"] == 2
+    # Every call trained: a row per segment, in turn order.
+    assert res.stats["prefix_breaks"] == 1 and res.stats["trained_turns"] == 4
+    assert len(res.rows) == 2 and res.trained == {0, 1, 2, 3}
+    for row, seg in zip(res.rows, segments, strict=True):
+        assert row["input_ids"][0].tolist() == seg.ids
 
 
 async def test_a_server_without_tokens_in_falls_back_to_text_and_counts_breaks(
@@ -366,6 +370,6 @@ async def test_a_server_without_tokens_in_falls_back_to_text_and_counts_breaks(
         turns, processor=bpe_processor, reward=1.0, version=0, fetched_images=capture.images()
     )
     assert res.row is not None, res.reason
-    assert res.stats["prefix_breaks"] == breaks
-    gap = trained_gap(load_vl_model(tiny_vl_bpe_model_dir), res.row)
+    assert res.stats["prefix_breaks"] == breaks and res.stats["trained_turns"] == 3
+    gap = trained_gap(load_vl_model(tiny_vl_bpe_model_dir), res.row)  # every row of the episode
     assert gap.max().item() < 1e-3
