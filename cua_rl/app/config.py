@@ -210,6 +210,7 @@ class CUAConfig(GRPOConfig):
                 "agent run, so bound it to what your gym can host (e.g. "
                 "rollout.max_concurrent_rollouts=32)"
             )
+        self.failfast.check_concurrency(self.rollout.max_concurrent_rollouts)
         parts = self.workflow.split(".")
         if len(parts) < 2 or not all(p.isidentifier() for p in parts) or parts[0] == "__main__":
             raise ConfigError(

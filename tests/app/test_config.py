@@ -139,6 +139,7 @@ def test_vllm_command_line_reaches_vllm(tmp_path):
         (["workflow=MyWorkflow"], "importable dotted path"),
         (["workflow=__main__.MyWorkflow"], "__main__ is not importable"),
         (["failfast.window=-1"], "failfast.window"),
+        (["failfast.persist_s=5"], "failfast.persist_s to at least 60"),
     ],
 )
 def test_each_bad_input_names_its_fix(tmp_path, overrides, fix):
