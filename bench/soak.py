@@ -15,8 +15,8 @@ and in turn:
 - ``monitor_kill``: the monitor SIGKILLed, restarted on its port and database later (the
   trainer's monitor client spools meanwhile and replays);
 - ``model_drop``: one model answer cut mid-way (the gateway re-sends it: nothing should be lost);
-- ``model_outage``: every model answer cut for a while, longer than the gateway's re-sends
-  (calls then fail: the episodes should be rejected with a reason).
+- ``model_outage``: every model answer cut for a while; the gateway holds the calls through it
+  (past ``gateway.model_outage_s`` they fail and their episodes are rejected with a reason).
 
 Printed (how each figure is computed: docs/soak.md): episodes started, finished,
 rejected by reason, cancelled, still open; which fault each rejection falls under (a rejection

@@ -27,6 +27,7 @@ from cua_rl.gateway.config import (
     GatewayConfig,
     Sampling,
     check_trainer_sampling,
+    outage_warning,
     pause_warning,
 )
 from cua_rl.logs import get_logger
@@ -209,6 +210,7 @@ class CUAConfig(GRPOConfig):
                 "agent run, so bound it to what your gym can host (e.g. "
                 "rollout.max_concurrent_rollouts=32)"
             )
+        self.failfast.check_concurrency(self.rollout.max_concurrent_rollouts)
         parts = self.workflow.split(".")
         if len(parts) < 2 or not all(p.isidentifier() for p in parts) or parts[0] == "__main__":
             raise ConfigError(
@@ -296,11 +298,13 @@ class CUAConfig(GRPOConfig):
         check_trainer_sampling(self.gconfig, use_lora=bool(getattr(self.actor, "use_lora", False)))
         if not self.gateway.max_connections:
             self.gateway.max_connections = self.rollout.max_concurrent_rollouts or 0
-        warning = pause_warning(
-            self.saver, self.evaluator, self.agent.max_step_time_s, self.gateway.max_pause_wait_s
-        )
-        if warning:
-            log.warning(warning)
+        step_s = self.agent.max_step_time_s
+        for warning in (
+            pause_warning(self.saver, self.evaluator, step_s, self.gateway.max_pause_wait_s),
+            outage_warning(step_s, self.gateway.model_outage_s),
+        ):
+            if warning:
+                log.warning(warning)
         if backend == "sglang":
             return  # SGLang returns logprobs after temperature by default; nothing else to set
         if not self.vllm.enable_scale_out and self.gateway.backend == "vllm":

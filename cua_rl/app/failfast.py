@@ -5,8 +5,11 @@ episode (the agent returns no token data, the gym refuses every create, the gate
 the agent's reach) keeps the trainer rolling out until someone stops it. Rollout workers append
 each episode's outcome to a file of their own under the run's log folder (``OutcomeLog``; the
 folder is on the file system AReaL already shares between nodes); the controller watches those
-files (``RejectionWatch``) and, when the last ``window`` episodes were all rejected for the same
-reason, calls back with that reason, which ``train.py`` turns into a failed training with advice.
+files (``RejectionWatch``) and, when one reason has rejected every episode for ``persist_s``
+(the span of the rejections' own times) and at least ``window`` episodes with none accepted,
+calls back with that reason, which ``train.py`` turns into a failed training with advice.
+Persistence, not a count: the episodes in flight (64 to 512 in production) are all rejected
+within seconds of any outage, a model-server restart or a gym deploy, which must not end a run.
 """
 
 from __future__ import annotations
@@ -14,7 +17,6 @@ from __future__ import annotations
 import json
 import os
 import threading
-from collections import deque
 from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
@@ -61,13 +63,27 @@ def advice_for(reason: str) -> str:
     return "read the rollout log (logs/rollout*.log) for the episodes' errors"
 
 
+# Below this, failfast.persist_s is a burst detector: one blip of a service rejects every
+# episode in flight at once.
+MIN_PERSIST_S = 60.0
+
+
 @dataclass
 class FailFastConfig:
     window: int = doc(
         32,
         (
-            "Stop the training as failed when this many consecutive episodes were all "
-            "rejected for the same reason; 0 turns the check off."
+            "Fewest consecutive episodes rejected for one reason before the training may be "
+            "stopped as failed (with failfast.persist_s); 0 turns the check off."
+        ),
+    )
+    persist_s: float = doc(
+        600.0,
+        (
+            "Stop only when one reason has rejected every episode for this long (from the "
+            "first to the latest rejection, none accepted between). The default outlasts a "
+            "model-server restart or a service deploy, and still stops a configuration that "
+            "can never work within 10 minutes."
         ),
     )
     poll_s: float = doc(2.0, "How often the controller reads the outcome files (s).")
@@ -75,19 +91,49 @@ class FailFastConfig:
     def __post_init__(self) -> None:
         if self.window < 0:
             raise ConfigError("failfast.window must be >= 0 (0 turns the check off)")
+        if self.persist_s < 0:
+            raise ConfigError("failfast.persist_s must be >= 0 seconds, e.g. 600")
         if self.poll_s <= 0:
             raise ConfigError("failfast.poll_s must be positive (seconds)")
 
+    def check_concurrency(self, in_flight: int | None) -> None:
+        """Refuse a check that the episodes in flight during one blip would trip at once."""
+        if not self.window or self.persist_s >= MIN_PERSIST_S:
+            return
+        if in_flight and self.window > in_flight:
+            return
+        concurrency = in_flight or "unbounded"
+        raise ConfigError(
+            f"failfast.persist_s={self.persist_s:g} with failfast.window={self.window} and "
+            f"rollout.max_concurrent_rollouts={concurrency}: the episodes in flight during a "
+            "service blip of a few seconds would all be rejected at once and stop the training. "
+            f"Set failfast.persist_s to at least {MIN_PERSIST_S:g} (default 600), or "
+            f"failfast.window above rollout.max_concurrent_rollouts"
+        )
 
-def systematic_reason(outcomes: list[tuple[bool, str | None]], window: int) -> str | None:
-    """The shared rejection reason when the last ``window`` outcomes are all that rejection."""
-    if window <= 0 or len(outcomes) < window:
-        return None
-    last = outcomes[-window:]
-    reasons = {reason for ok, reason in last}
-    if any(ok for ok, _ in last) or len(reasons) != 1:
-        return None
-    return next(iter(reasons)) or "rejected"
+
+@dataclass
+class Streak:
+    """The current run of rejections for one reason, none accepted since it began."""
+
+    reason: str | None = None
+    count: int = 0
+    first_t: float = 0.0
+    last_t: float = 0.0
+
+    def add(self, t: float, ok: bool, reason: str | None) -> None:
+        if ok:
+            self.reason, self.count = None, 0
+        elif self.count and reason == self.reason:
+            self.count, self.last_t = self.count + 1, max(self.last_t, t)
+        else:
+            self.reason, self.count, self.first_t, self.last_t = reason, 1, t, t
+
+    def persistent(self, window: int, persist_s: float) -> str | None:
+        """The reason, once it rejected ``window`` episodes in a row over ``persist_s``."""
+        if window <= 0 or self.count < window or self.last_t - self.first_t < persist_s:
+            return None
+        return self.reason or "rejected"
 
 
 class RejectionWatch:
@@ -102,7 +148,7 @@ class RejectionWatch:
         self.directory = Path(directory)
         self.config = config
         self.on_trip = on_trip
-        self.recent: deque[tuple[float, bool, str | None]] = deque(maxlen=max(config.window, 1))
+        self.streak = Streak()
         self._offsets: dict[Path, int] = {}
         self._stop = threading.Event()
         self._thread: threading.Thread | None = None
@@ -124,7 +170,7 @@ class RejectionWatch:
             reason = self.poll()
             if reason is not None:
                 self.tripped = reason
-                self.on_trip(reason, self.config.window)
+                self.on_trip(reason, self.streak.count)
                 return
 
     def poll(self) -> str | None:
@@ -147,5 +193,5 @@ class RejectionWatch:
                 except (ValueError, KeyError, TypeError):
                     continue
         for item in sorted(fresh):
-            self.recent.append(item)
-        return systematic_reason([(ok, r) for _, ok, r in self.recent], self.config.window)
+            self.streak.add(*item)
+        return self.streak.persistent(self.config.window, self.config.persist_s)

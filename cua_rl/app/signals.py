@@ -17,8 +17,8 @@ from cua_rl.app.failfast import RejectionWatch, advice_for
 
 
 class SystematicRejection(KeyboardInterrupt):
-    """Every recent episode was rejected for one reason: stopping is the only useful thing left.
-    Raised where Ctrl-C would be, so AReaL stops its workers and servers the same way."""
+    """Every episode for failfast.persist_s was rejected for one reason: stopping is the only
+    useful thing left. Raised where Ctrl-C would be, so AReaL stops its workers and servers the same way."""
 
     is_failure = True
 
@@ -28,8 +28,8 @@ class SystematicRejection(KeyboardInterrupt):
 
     def __str__(self) -> str:
         return (
-            f"the last {self.window} episodes were all rejected {self.reason!r}: "
-            f"{advice_for(self.reason)} (failfast.window={self.window}; 0 turns the check off)"
+            f"the last {self.window} episodes, over at least failfast.persist_s, were all rejected "
+            f"{self.reason!r}: {advice_for(self.reason)} (failfast.window=0 turns the check off)"
         )
 
 

@@ -37,6 +37,7 @@ class CapturedTurn:
     overridden: dict[str, Any] = field(default_factory=dict)  # those the trainer replaced
     aborts: int = 0
     retries: int = 0
+    outage_s: float = 0.0
     cut: int = 0
     paused_s: float = 0.0
     seconds: float = 0.0
@@ -101,6 +102,9 @@ class EpisodeCapture:
     disconnects: int = 0  # calls whose client left before the answer (nothing committed)
     discarded: int = 0  # generations no client received (never committed)
     fetches: int = 0  # image URLs fetched (once per distinct image, re-signed URLs included)
+    # Model-server outages the episode's calls were held through (failed calls' included).
+    outage_s: float = 0.0
+    outage_retries: int = 0
 
     def stats(self) -> dict[str, float]:
         """Per-episode counters for AReaL's stats (means across episodes)."""
@@ -113,6 +117,8 @@ class EpisodeCapture:
             "gateway/retries": float(sum(t.retries for t in turns)),
             "gateway/vision_token_stops": float(sum(t.cut for t in turns)),
             "gateway/paused_s": float(sum(t.paused_s for t in turns)),
+            "gateway/outage_s": float(self.outage_s),
+            "gateway/outage_retries": float(self.outage_retries),
             "gateway/overridden_calls": float(sum(1 for t in turns if t.overridden)),
             "gateway/versions_per_episode": float(len(versions)),
             "gateway/segments": float(max((t.segment for t in turns), default=0)),

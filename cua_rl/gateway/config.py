@@ -98,11 +98,14 @@ class GatewayConfig:
             "of clients and proxies do not cut it."
         ),
     )
-    retries: int = doc(
-        3,
+    model_outage_s: float = doc(
+        600.0,
         (
-            "Times a generation is re-sent after the model server drops the connection "
-            "or answers 5xx (the partial output is kept); after that the agent gets 502."
+            "Longest the model server may stay out (connections refused or dropped, 5xx "
+            "answers) while a call is held and re-sent with a growing backoff (at most 10 s "
+            "apart); then the agent gets 502 'model_server_error' with how long it waited. The "
+            "default outlasts a restart of an 8B model's vLLM; keep agent.max_step_time_s "
+            "above it, or the agent's step ends the call first."
         ),
     )
     model_server_url: str = doc(
@@ -145,8 +148,13 @@ class GatewayConfig:
             raise ConfigError("gateway.max_connections must be >= 0 (0: sized from the rollout)")
         if self.max_body_bytes <= 0 or self.max_images <= 0:
             raise ConfigError("gateway.max_body_bytes and gateway.max_images must be positive")
-        if self.request_timeout_s <= 0 or self.retries < 0:
-            raise ConfigError("gateway.request_timeout_s must be positive and gateway.retries >= 0")
+        if self.request_timeout_s <= 0:
+            raise ConfigError("gateway.request_timeout_s must be positive (seconds)")
+        if not self.model_outage_s > 0:
+            raise ConfigError(
+                f"gateway.model_outage_s={self.model_outage_s} must be positive: the seconds a "
+                "call is held while the model server is out, e.g. gateway.model_outage_s=600"
+            )
         if self.max_aborts < 1 or self.max_pause_wait_s <= 0 or self.stream_keepalive_s <= 0:
             raise ConfigError(
                 "gateway.max_aborts must be >= 1; gateway.max_pause_wait_s and "
@@ -260,4 +268,18 @@ def pause_warning(saver, evaluator, step_time_s: float | None, pause_wait_s: flo
         f"agent.max_step_time_s to at least that (e.g. both {pause_wait_s:g}, or both "
         f"{step_time_s:g} if that covers them), or set saver.freq_epochs/freq_steps and "
         f"evaluator.freq_epochs/freq_steps to null"
+    )
+
+
+def outage_warning(step_time_s: float | None, outage_s: float) -> str | None:
+    """A model call is held through a model-server outage for up to ``gateway.model_outage_s``:
+    a warning when the agent's step limit ends it first (the step fails as a model error
+    instead of waiting out a restart)."""
+    if step_time_s is None or step_time_s > outage_s:
+        return None
+    return (
+        f"a model call is held through a model-server outage for up to gateway.model_outage_s="
+        f"{outage_s:g}, but agent.max_step_time_s={step_time_s:g} ends the agent's step first: "
+        f"set agent.max_step_time_s above it (e.g. {outage_s + 60:g}) or gateway.model_outage_s "
+        f"below it (e.g. {max(step_time_s - 20, step_time_s / 2):g})"
     )

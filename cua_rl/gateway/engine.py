@@ -11,7 +11,11 @@ prompt, the sampled ids, their logprobs and which weight version sampled which t
 servers' requests are in ``backends`` (SGLang's ``/generate``; text in as a fallback).
 
 Every wait is bounded: the pause by ``gateway.max_pause_wait_s`` (or at once when the engine
-reports the update failed), aborts with no token and no pause by ``gateway.max_aborts``.
+reports the update failed), aborts with no token and no pause by ``gateway.max_aborts``. A model
+server that refuses, drops or answers 5xx is an outage, not an error: the call is held and re-sent
+with a growing backoff (capped at ``OUTAGE_BACKOFF_CAP_S``) until ``gateway.model_outage_s``, as
+it is held across a weight update; an answer cut on the wire was never received, so the re-send
+samples what the agent gets and what is trained, once.
 
 Versions: ``cua_rl.cpu.vllm_server`` labels each weight load with its AReaL version, so the
 server's spans are exact; a server that does not (label ``default``) gets AReaL's own rule, the
@@ -36,6 +40,7 @@ from cua_rl.logs import get_logger
 log = get_logger(__name__)
 
 PAUSE_POLL_S = 0.2
+OUTAGE_BACKOFF_CAP_S = 10.0  # longest gap between two re-sends: a restarted server is found soon
 
 
 class TokensInUnavailable(ModelServerError):
@@ -50,6 +55,14 @@ class WaitFailed(ModelServerError):
     def __init__(self, message: str, code: str, waited_s: float = 0.0):
         super().__init__(message)
         self.code, self.waited_s = code, waited_s
+
+
+class ModelOutage(ModelServerError):
+    """The model server stayed unavailable past ``gateway.model_outage_s``."""
+
+    def __init__(self, message: str, outage_s: float, retries: int):
+        super().__init__(message)
+        self.outage_s, self.retries = outage_s, retries
 
 
 class EngineView(Protocol):
@@ -118,6 +131,7 @@ class Generation:
     finish_reason: str = "stop"
     aborts: int = 0  # times a weight update cut the call and the rest was sampled again
     retries: int = 0  # times the server failed and the call was re-sent
+    outage_s: float = 0.0  # time spent re-sending to a server that refused, dropped or 5xx'd
     paused_s: float = 0.0  # time spent waiting for weight updates
     cut: int = 0  # a sampled vision token dropped from the end (see session.py)
     seconds: float = 0.0
@@ -156,33 +170,75 @@ class _Attempts:
     failures: int = 0
     idle_aborts: int = 0
     paused_s: float = 0.0
+    outage_s: float = 0.0  # outages this call lived through, ended
+    down_since: float | None = None  # the current outage's start (monotonic)
+    down_tries: int = 0  # re-sends in the current outage (its backoff grows with them)
 
     def restart(self) -> None:
         """A text request cannot carry the tokens sampled so far: the call starts over."""
         self.gen, self.out, self.lps, self.versions, self.top = None, [], [], [], []
 
 
-async def _post(client, server: str, path: str, body: dict, timeout_s: float, retries: int, st):
-    """One attempt; None when it failed in a way worth re-sending (after a back-off)."""
+# Outages in progress, per model server, for one log line when each starts and ends (not one
+# per call: hundreds of episodes share a server).
+_DOWN: dict[str, float] = {}
+
+
+def _outage_failed(server: str, reason: str, outage_s: float, st: _Attempts) -> float:
+    """A failed send during an outage: the seconds to wait before the next, or ModelOutage."""
+    now = time.monotonic()
+    if st.down_since is None:
+        st.down_since, st.down_tries = now, 0
+        if server not in _DOWN:
+            _DOWN[server] = now
+            log.warning(
+                "model server %s unavailable (%s): calls are held and re-sent for up to "
+                "gateway.model_outage_s=%g s",
+                server,
+                reason,
+                outage_s,
+            )
+    st.failures += 1
+    st.down_tries += 1
+    down = now - st.down_since
+    if down >= outage_s:
+        raise ModelOutage(
+            f"model server {server} unavailable for {down:.1f} s ({st.down_tries} re-sends), "
+            f"past gateway.model_outage_s={outage_s:g}; last error: {reason}. Raise "
+            "gateway.model_outage_s if the server restarts take longer",
+            st.outage_s + down,
+            st.failures,
+        )
+    return min(0.5 * 2 ** (st.down_tries - 1), OUTAGE_BACKOFF_CAP_S, outage_s - down)
+
+
+def _outage_over(server: str, st: _Attempts) -> None:
+    """The server answered: the call's outage (if it lived through one) and the server's end."""
+    started = _DOWN.pop(server, None)
+    if started is not None:
+        log.warning(
+            "model server %s answers again after an outage of %.1f s",
+            server,
+            time.monotonic() - started,
+        )
+    if st.down_since is not None:
+        st.outage_s += time.monotonic() - st.down_since
+        st.down_since = None
+
+
+async def _post(client, server: str, path: str, body: dict, timeout_s: float, outage_s, st):
+    """One attempt; None when the server is out (refused, dropped, 5xx): re-send after a wait."""
     try:
         resp = await client.post(f"{server_url(server)}{path}", json=body, timeout=timeout_s)
     except httpx.HTTPError as exc:
-        st.failures += 1
-        if st.failures > retries:
-            raise ModelServerError(f"model server {server}: {type(exc).__name__}: {exc}") from exc
-        log.warning("model server %s: %r; re-sending (%d/%d)", server, exc, st.failures, retries)
-        await asyncio.sleep(min(0.5 * 2 ** (st.failures - 1), 8.0))
-        return None
-    if resp.status_code >= 500:
-        st.failures += 1
-        if st.failures > retries:
-            raise ModelServerError(
-                f"model server {server} answered {resp.status_code}: {resp.text[:300]}",
-                status=resp.status_code,
-            )
-        await asyncio.sleep(min(0.5 * 2 ** (st.failures - 1), 8.0))
-        return None
-    return resp
+        reason = f"{type(exc).__name__}: {exc}"
+    else:
+        if resp.status_code < 500:
+            _outage_over(server, st)
+            return resp
+        reason = f"answered {resp.status_code}: {resp.text[:300]}"
+    await asyncio.sleep(_outage_failed(server, reason, outage_s, st))
+    return None
 
 
 def _answer_of(resp: httpx.Response, server: str, backend) -> Any:
@@ -241,15 +297,16 @@ async def generate(
     max_tokens: int,
     model: str,
     timeout_s: float,
-    retries: int,
+    outage_s: float = 600.0,
     backend: Any = None,
     messages: list[dict] | None = None,
     max_aborts: int = 16,
     max_pause_wait_s: float = 3600.0,
     text_extra: dict | None = None,
 ) -> Generation:
-    """Sample up to ``max_tokens`` after ``ids``; an abort or a dropped connection re-submits
-    the prompt plus what was sampled so far, after any weight update in progress. ``backend``
+    """Sample up to ``max_tokens`` after ``ids``; an abort re-submits the prompt plus what was
+    sampled so far, after any weight update in progress; a server that is out is re-sent the
+    same request until it answers or ``outage_s`` passes. ``backend``
     (``cua_rl.gateway.backends``, vLLM tokens-in by default) shapes the request; a text backend
     sends ``messages`` (and ``text_extra``, e.g. the tools the server must render) and samples an
     aborted call again from its start."""
@@ -270,7 +327,7 @@ async def generate(
         )
         if text_extra and not backend.tokens_in:
             body.update(text_extra)
-        resp = await _post(client, server, backend.path, body, timeout_s, retries, st)
+        resp = await _post(client, server, backend.path, body, timeout_s, outage_s, st)
         if resp is None:
             continue
         parsed = backend.parse(_answer_of(resp, server, backend))
@@ -281,5 +338,6 @@ async def generate(
     # An abort that left no room is a call that ran out of tokens.
     gen.finish_reason = "length" if finish == "abort" else finish
     gen.aborts, gen.retries, gen.paused_s = st.aborts, st.failures, st.paused_s
+    gen.outage_s = st.outage_s
     gen.seconds = time.monotonic() - t0
     return gen

@@ -23,7 +23,13 @@ from cua_rl.gateway.answer import chat_completion
 from cua_rl.gateway.backends import VLLMText, backend_named
 from cua_rl.gateway.capture import CapturedTurn, EpisodeCapture, GatewayError
 from cua_rl.gateway.config import GatewayConfig, Sampling
-from cua_rl.gateway.engine import EngineView, TokensInUnavailable, WaitFailed, generate
+from cua_rl.gateway.engine import (
+    EngineView,
+    ModelOutage,
+    TokensInUnavailable,
+    WaitFailed,
+    generate,
+)
 from cua_rl.gateway.render import (
     BadRequest,
     Conversation,
@@ -287,10 +293,19 @@ class EpisodeSession:
         except WaitFailed as exc:
             status = 502 if exc.code == "abort_loop" else 503
             raise GatewayFailure(str(exc), status=status, code=exc.code, kind="api_error") from exc
+        except ModelOutage as exc:
+            self.capture.outage_s += exc.outage_s
+            self.capture.outage_retries += exc.retries
+            raise GatewayFailure(
+                str(exc), status=502, code="model_server_error", kind="api_error"
+            ) from exc
         except ModelServerError as exc:
             raise GatewayFailure(
                 str(exc), status=502, code="model_server_error", kind="api_error"
             ) from exc
+        # Counted when sampled, received or not: the episode waited out the outage either way.
+        self.capture.outage_s += gen.outage_s
+        self.capture.outage_retries += gen.retries
         self._trim(gen, sampling.stop)
         return Sampled(
             template, key, images, prompt.segment, prompt, gen, asked, overridden, tools, parse
@@ -399,7 +414,7 @@ class EpisodeSession:
             max_tokens=room,
             model=self.spec.model_name,
             timeout_s=self.config.request_timeout_s,
-            retries=self.config.retries,
+            outage_s=self.config.model_outage_s,
             backend=self.backend,
             messages=template,
             max_aborts=self.config.max_aborts,

@@ -21,12 +21,13 @@ log = get_logger(__name__)
 class OutcomeLog:
     """Append-only outcome lines of one worker process (one writer per file: no locking)."""
 
-    def __init__(self, directory: str | os.PathLike):
+    def __init__(self, directory: str | os.PathLike, clock=time.time):
         self.directory = Path(directory)
+        self.clock = clock  # wall clock: the controller compares times of several workers
         self.path = self.directory / f"outcomes-{socket.gethostname()}-{os.getpid()}.jsonl"
 
     def record(self, *, accepted: bool, reason: str | None, phase: str) -> None:
-        line = json.dumps({"t": time.time(), "ok": accepted, "reason": reason, "phase": phase})
+        line = json.dumps({"t": self.clock(), "ok": accepted, "reason": reason, "phase": phase})
         try:
             self.directory.mkdir(parents=True, exist_ok=True)
             with open(self.path, "a", encoding="utf-8") as f:

@@ -4,8 +4,8 @@ Put in front of one model server (``gateway.model_server_url`` points the rollou
 it), it relays bytes both ways untouched until a drop is armed: then the next answer the server
 starts sending is cut after half of its first chunk, both sockets closed, as when a connection
 dies while the answer is on the wire. ``drop_next(n)`` cuts the next ``n`` answers;
-``drop_for(seconds)`` cuts every answer for a while (longer than the gateway's re-sends, so a
-call fails for good). The upstream may be set after the proxy starts (the server's port is
+``drop_for(seconds)`` cuts every answer for a while; ``outage()`` cuts every answer until
+``restore()``, so a test decides when a model-server outage ends instead of timing it. The upstream may be set after the proxy starts (the server's port is
 often known only once it runs); a connection that arrives before waits for it.
 """
 
@@ -30,6 +30,7 @@ class FaultProxy:
         self._lock = threading.Lock()
         self._drops = 0
         self._drop_until = 0.0
+        self._down = False
         self._loop = asyncio.new_event_loop()
         self._ready = threading.Event()
         self._thread = threading.Thread(target=self._run, name="fault-proxy", daemon=True)
@@ -72,9 +73,17 @@ class FaultProxy:
         with self._lock:
             self._drop_until = time.monotonic() + seconds
 
+    def outage(self) -> None:
+        with self._lock:
+            self._down = True
+
+    def restore(self) -> None:
+        with self._lock:
+            self._down = False
+
     def _take_drop(self) -> bool:
         with self._lock:
-            if time.monotonic() < self._drop_until:
+            if self._down or time.monotonic() < self._drop_until:
                 return True
             if self._drops > 0:
                 self._drops -= 1

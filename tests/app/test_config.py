@@ -135,9 +135,11 @@ def test_vllm_command_line_reaches_vllm(tmp_path):
         (["+agent.model_options.constrain=ascii"], "agent.model_options.parse=lenient"),
         (["gateway.sampling_mismatch=ignore"], "gateway.sampling_mismatch='ignore'"),
         (["gateway.public_host=http://x:1"], "gateway.public_port"),
+        (["gateway.model_outage_s=0"], "gateway.model_outage_s=600"),
         (["workflow=MyWorkflow"], "importable dotted path"),
         (["workflow=__main__.MyWorkflow"], "__main__ is not importable"),
         (["failfast.window=-1"], "failfast.window"),
+        (["failfast.persist_s=5"], "failfast.persist_s to at least 60"),
     ],
 )
 def test_each_bad_input_names_its_fix(tmp_path, overrides, fix):

@@ -147,7 +147,7 @@ def test_known_fields_the_yaml_lacks_load_without_plus(tmp_path):
 
 
 def test_the_shipped_configs_load_without_warnings_about_themselves(tmp_path):
-    from cua_rl.gateway.config import pause_warning
+    from cua_rl.gateway.config import outage_warning, pause_warning
 
     required = ["gym.base_url=http://gym:8800", "gym.gym_id=g", "agent.base_url=http://a:3000"]
     required.append("monitor.base_url=http://monitor:8000")
@@ -157,6 +157,7 @@ def test_the_shipped_configs_load_without_warnings_about_themselves(tmp_path):
         assert isinstance(cfg, CUAConfig), name
         step, wait = cfg.agent.max_step_time_s, cfg.gateway.max_pause_wait_s
         assert pause_warning(cfg.saver, cfg.evaluator, step, wait) is None, name
+        assert outage_warning(step, cfg.gateway.model_outage_s) is None, name
 
 
 def _documented_keys() -> set[str]:

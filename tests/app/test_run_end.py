@@ -42,7 +42,7 @@ CASES = {
     "completed": ((), 0),
     "busy": ((), 0),
     "sigterm": (("total_train_steps=20", "total_train_epochs=20"), 130),
-    "failfast": (("endpoint.mode=direct", "failfast.window=6"), 3),
+    "failfast": (("endpoint.mode=direct", "failfast.window=9", "failfast.persist_s=0"), 3),
 }
 
 

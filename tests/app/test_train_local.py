@@ -301,6 +301,8 @@ def test_systematic_rejection_stops_the_training_failed_with_its_reason(
                 "endpoint.mode=direct",
                 # local.yaml's agent already asks for no token data, like an unpatched agent.
                 f"failfast.window={window}",
+                # Above local.yaml's 4 episodes in flight: a count is allowed to trip at once.
+                "failfast.persist_s=0",
                 "total_train_steps=20",
                 "total_train_epochs=20",
             ],

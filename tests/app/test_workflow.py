@@ -252,7 +252,7 @@ async def test_faults_end_as_none_with_a_reason_and_no_open_execution(
     engine = _engine(vllm_server)
     if fault == "model_down":
         engine = FakeEngine([dead_url.removeprefix("http://")])
-        settings.gateway = GatewayConfig(retries=1)
+        settings.gateway = GatewayConfig(model_outage_s=1.0)
     if fault == "model_down_direct":
         settings.endpoint = EndpointSection(
             mode="direct", base_url=f"{dead_url}/v1", model_name="tiny-vl"

@@ -234,10 +234,11 @@ class DropFirst(httpx.AsyncBaseTransport):
         return await self.real.handle_async_request(request)
 
 
-async def test_a_dropped_model_connection_is_retried_and_then_answered_502(open_episode):
+async def test_a_dropped_model_connection_is_re_sent_until_gateway_model_outage_s(open_episode):
     transport = DropFirst(1)
     gw = Gateway(
-        GatewayConfig(retries=1), client_factory=lambda: httpx.AsyncClient(transport=transport)
+        GatewayConfig(model_outage_s=1.0),
+        client_factory=lambda: httpx.AsyncClient(transport=transport),
     ).start()
     try:
         episode, url, _ = open_episode(gw=gw)
@@ -251,7 +252,10 @@ async def test_a_dropped_model_connection_is_retried_and_then_answered_502(open_
     assert ok.status_code == 200
     assert capture.turns[0].retries == 1
     assert failed.status_code == 502 and _error(failed)["code"] == "model_server_error"
+    assert "past gateway.model_outage_s=1" in _error(failed)["message"]
     assert [e.code for e in capture.errors] == ["model_server_error"]
+    # Re-sent after 0.5 s, then at the deadline (1 s): three sends cut, two left unused.
+    assert transport.n == 2 and capture.outage_retries == 1 + 3
 
 
 async def test_calls_wait_while_the_rollout_is_paused(open_episode, gateway):

@@ -8,7 +8,12 @@ from areal.api.cli_args import EvaluatorConfig, GenerationHyperparameters, Saver
 
 from cua_rl.errors import ConfigError
 from cua_rl.gateway.backends import Request, SGLangTokens
-from cua_rl.gateway.config import Sampling, check_trainer_sampling, pause_warning
+from cua_rl.gateway.config import (
+    Sampling,
+    check_trainer_sampling,
+    outage_warning,
+    pause_warning,
+)
 from cua_rl.gateway.requests import sampling_differences
 
 NAMES = {"experiment_name": "e", "trial_name": "t", "fileroot": "f"}
@@ -51,3 +56,10 @@ def test_a_step_time_shorter_than_the_pause_bound_warns_when_saving_or_evaluatin
     assert warning and "agent.max_step_time_s=120" in warning
     assert pause_warning(quiet, evaluator, 120.0, 3600.0) is None
     assert pause_warning(saver, evaluator, 7200.0, 3600.0) is None
+
+
+def test_a_step_time_within_the_outage_bound_warns_with_both_fixes():
+    warning = outage_warning(120.0, 600.0)
+    assert warning and "agent.max_step_time_s=120" in warning
+    assert "gateway.model_outage_s=600" in warning and "e.g. 660" in warning
+    assert outage_warning(900.0, 600.0) is None and outage_warning(None, 600.0) is None

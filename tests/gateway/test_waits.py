@@ -3,6 +3,7 @@ construction: a pause the test holds, a server that aborts everything, an answer
 
 from __future__ import annotations
 
+import asyncio
 import threading
 
 import httpx
@@ -142,35 +143,77 @@ async def test_tools_are_refused_where_the_template_writes_none(standin_episode)
     gw.close(episode)
 
 
-async def test_model_server_url_sends_calls_through_a_proxy_that_may_cut_them(bpe_processor):
-    """gateway.model_server_url: every call goes to the proxy, not the engine's choice; one answer
-    cut mid-way is re-sent (a normal answer), cuts past gateway.retries fail the call (502)."""
+def _proxied(bpe_processor, **config):
+    """A stand-in model server behind a fault proxy, a gateway sending every call to the proxy,
+    and an engine whose own server is a closed port (only the proxy can answer)."""
     standin = ModelStandIn()
     server = ThreadedServer(standin.app, name="model-standin").start()
     proxy = FaultProxy().start()
     proxy.set_upstream(server.host, server.port)
-    gw = Gateway(GatewayConfig(model_server_url=proxy.url, retries=1)).start()
-    # The engine's own server is a closed port: only the proxy can answer.
+    gw = Gateway(GatewayConfig(model_server_url=proxy.url, **config)).start()
     engine = FakeEngine("127.0.0.1:1")
     spec = SessionSpec(engine, Sampling(max_new_tokens=8), bpe_processor, "p", TrajectoryConfig())
+    return standin, server, proxy, gw, engine, gw.open("ep", spec)
+
+
+async def _call(http: httpx.AsyncClient, url: str, text: str) -> httpx.Response:
+    # A new text each time: the test counts the server's calls per request.
+    return await http.post(f"{url}/chat/completions", json={"messages": [user(text)]})
+
+
+async def test_model_server_url_sends_calls_through_a_proxy_that_may_cut_them(bpe_processor):
+    """gateway.model_server_url: every call goes to the proxy, not the engine's choice; one answer
+    cut mid-way is re-sent (a normal answer); an outage past gateway.model_outage_s fails the
+    call (502) with how long it lasted, and the episode counts it."""
+    standin, server, proxy, gw, engine, url = _proxied(bpe_processor, model_outage_s=1.0)
     try:
         async with httpx.AsyncClient(timeout=60) as http:
-            url = gw.open("ep", spec)
-
-            async def call(text: str) -> httpx.Response:
-                # A new text each time: the test counts the server's calls per request.
-                body = {"messages": [user(text)]}
-                return await http.post(f"{url}/chat/completions", json=body)
-
-            assert (await call("a")).status_code == 200
+            assert (await _call(http, url, "a")).status_code == 200
             proxy.drop_next(1)
-            assert (await call("b")).status_code == 200
+            assert (await _call(http, url, "b")).status_code == 200
             assert proxy.dropped == 1 and standin.calls == 3
-            proxy.drop_next(2)  # the first send and its one re-send
-            r = await call("c")
+            proxy.outage()  # never restored: the call outlasts gateway.model_outage_s
+            r = await _call(http, url, "c")
             assert r.status_code == 502 and _error(r)["code"] == "model_server_error"
+            assert "past gateway.model_outage_s=1" in _error(r)["message"]
         assert engine.chosen == 0
-        assert [e.code for e in gw.close("ep").errors] == ["model_server_error"]
+        capture = gw.close("ep")
+        assert [e.code for e in capture.errors] == ["model_server_error"]
+        stats = capture.stats()
+        # Every cut answer was one re-send (b's one and c's, all of them).
+        assert stats["gateway/outage_retries"] == proxy.dropped >= 3
+        assert stats["gateway/outage_s"] >= 1.0
+    finally:
+        gw.stop()
+        proxy.stop()
+        server.stop()
+
+
+async def test_a_call_is_held_through_a_model_server_outage_and_answered_after_it(bpe_processor):
+    """Every answer is cut until the test restores the server: the agent's call waits (no 502),
+    gets the answer sampled after the outage, and that answer is the one turn trained."""
+    standin, server, proxy, gw, engine, url = _proxied(bpe_processor, model_outage_s=600.0)
+    try:
+        async with httpx.AsyncClient(timeout=120) as http:
+            proxy.outage()
+            call = asyncio.create_task(_call(http, url, "a"))
+            # The outage lasts until the gateway has re-sent twice (a bound guards a hang).
+            for _ in range(600):
+                if proxy.dropped >= 3 or call.done():
+                    break
+                await asyncio.sleep(0.05)
+            assert not call.done() and proxy.dropped >= 3
+            proxy.restore()
+            r = await call
+        assert r.status_code == 200
+        capture = gw.close("ep")
+        assert capture.errors == [] and len(capture.turns) == 1
+        turn = capture.turns[0]
+        assert r.json()["choices"][0]["message"]["content"] == turn.text
+        assert standin.calls == proxy.dropped + 1  # the cut answers, then the one received
+        assert turn.retries == proxy.dropped == capture.outage_retries
+        assert capture.stats()["gateway/outage_retries"] == proxy.dropped
+        assert 0 < turn.outage_s == capture.outage_s
     finally:
         gw.stop()
         proxy.stop()

@@ -411,7 +411,10 @@ class AgentService:
     async def _model_call(self, model: dict, request: dict) -> dict:
         url = f"{model['baseUrl'].rstrip('/')}/chat/completions"
         try:
-            resp = await self.client.post(url, json=request)
+            # No read limit of its own: the gateway holds a call through a weight update or a
+            # model-server outage (each bounded by its setting), and maxStepTimeSec bounds it.
+            timeout = httpx.Timeout(self.config.http_timeout_s, read=None)
+            resp = await self.client.post(url, json=request, timeout=timeout)
         except httpx.HTTPError as exc:
             raise EndRun("model_error", f"model {url}: {type(exc).__name__}: {exc}") from exc
         if resp.status_code != 200:
