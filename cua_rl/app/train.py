@@ -258,9 +258,11 @@ class _Run:
             settings = self.settings()
             valid = eval_ds if len(eval_ds) else None
             with make_trainer(config, self.train_ds, valid, sampler) as trainer:
-                self.hooks.attach(trainer)
-                # total_train_steps=0: the baseline pass alone evaluates actor.path.
+                # total_train_steps=0: the baseline pass alone evaluates actor.path. The hooks
+                # record training steps (attaching opens the first): none runs then.
                 eval_only = config.total_train_steps == 0
+                if not eval_only:
+                    self.hooks.attach(trainer)
                 if config.evaluator.eval_before_train or eval_only:
                     run_baseline(trainer, config, self.monitor, settings["baseline"], len(eval_ds))
                 if eval_only:
