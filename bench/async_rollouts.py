@@ -65,7 +65,7 @@ from cua_rl.monitor.server.read import MonitorReader
 
 ROOT = Path(__file__).resolve().parents[1]
 DART_ENV_UTILISATION = 5.5
-GROUP_REJECTED = re.compile(r"group rejected: (\d+) of (\d+) members returned a row")
+GROUP_REJECTED = re.compile(r"group rejected: (\d+) of (\d+) episodes returned rows")
 TRAIN_KEYS = (
     "timeperf/recompute_logp",
     "timeperf/compute_advantage",

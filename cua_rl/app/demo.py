@@ -285,7 +285,7 @@ def drain_lines(train_log: Path) -> list[str]:
     if not train_log.exists():
         return []
     text = train_log.read_text(errors="replace")
-    mark = "cua_rl.drain: "
+    mark = "cua_rl.rollout.drain: "
     return ["drain: " + line.split(mark, 1)[1] for line in text.splitlines() if mark in line]
 
 

@@ -3,7 +3,9 @@ context policy of the local agent (docs/agent.md).
 
 ``make demo``'s launcher with the local agent building its requests as MAI-UI's agent does (a
 window of 3 screenshots, history re-rendered from the parsed action) or with the current
-screenshot only; two steps of staleness, so weight updates land in the middle of episodes. The
+screenshot only; two steps of staleness, so the trainer updates while episodes of later steps
+run (whether an update lands inside an episode is the machine's timing: the gateway's handling of
+that is tested with the append-only demo and tests/gateway/test_weight_update.py). The
 append-only policy (``full``) is the demo's own (tests/app/test_train_local.py) and each family's
 (tests/app/test_families_train.py). Expected values come from the run's own records of what was
 sampled (the step stats AReaL logged, the monitor's turns) and from the trainer's transformers
@@ -73,7 +75,7 @@ def test_every_call_is_trained_once_with_exact_logprobs(trained):
 
 
 @pytest.mark.timeout(1600)
-def test_the_monitor_marks_every_turn_trained_and_episodes_straddle_updates(trained):
+def test_the_monitor_marks_every_turn_trained_in_an_asynchronous_run(trained):
     policy, run = trained
     assert run.returncode == 0, run.output[-6000:]
     turns = db_rows(
@@ -82,13 +84,19 @@ def test_the_monitor_marks_every_turn_trained_and_episodes_straddle_updates(trai
         "WHERE r.source_type = 'step' AND r.status = 'completed'",
     )
     assert turns
-    versions: dict[int, set[int]] = {}
+    versions: set[int] = set()
     for rid, mj in turns:
         m = json.loads(mj or "{}")
         assert m.get("trained") is True, (policy, rid, m)
-        versions.setdefault(rid, set()).update(m.get("versions", []))
-    # Weight updates landed in the middle of some episodes: their turns carry several versions.
-    assert any(len(v) > 1 for v in versions.values()), versions
+        versions.update(m.get("versions", []))
+    # Asynchronous: the rollouts were sampled by several policy versions, and a step trained
+    # samples of an older version than the one it updated (AReaL's staleness).
+    assert len(versions) >= 2, versions
+    stale = [
+        json.loads(m or "{}").get("ppo_actor/update/version_stats/sample_staleness_theta_max", 0)
+        for (m,) in db_rows(run.db, "SELECT metrics_json FROM step")
+    ]
+    assert max(stale) >= 1, stale
     conv = [
         json.loads(mj or "{}").get("conversion", {})
         for (mj,) in db_rows(

@@ -85,7 +85,7 @@ def test_figures_of_a_recorded_run(bench, tmp_path):
     log = tmp_path / "areal" / "logs" / "u" / "exp" / "trial" / "rollout.log"
     log.parent.mkdir(parents=True)
     log.write_text(
-        "noise\n... WARNING cua_rl.rollout.groups: group rejected: 1 of 2 members returned a row\n"
+        "noise\n... WARNING cua_rl.rollout.groups: group rejected: 1 of 2 episodes returned rows\n"
     )
 
     fig = bench.read_run(bench.RunFigures(1, tmp_path, 0, 0.0), steps=2, pool=4)
