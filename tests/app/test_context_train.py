@@ -97,11 +97,15 @@ def test_the_monitor_marks_every_turn_trained_in_an_asynchronous_run(trained):
         for (m,) in db_rows(run.db, "SELECT metrics_json FROM step")
     ]
     assert max(stale) >= 1, stale
+    # Each rollout's conversion stats (kept with its extra fields: the rollout table has no
+    # metrics column): every sampled token of every completed episode trained, a row per call.
     conv = [
-        json.loads(mj or "{}").get("conversion", {})
-        for (mj,) in db_rows(
+        json.loads(fields)["metrics_json"]["conversion"]
+        for (fields,) in db_rows(
             run.db,
-            "SELECT metrics_json FROM rollout WHERE source_type = 'step' AND status = 'completed'",
+            "SELECT e.fields_json FROM extra_field e JOIN rollout r ON e.entity_type = 'rollout' "
+            "AND e.entity_id = r.id WHERE r.source_type = 'step' AND r.status = 'completed'",
         )
     ]
     assert conv and all(c["trained_tokens"] == c["sampled_tokens"] for c in conv), conv[:3]
+    assert all(c["rows"] == c["turns"] for c in conv), conv[:3]
