@@ -215,5 +215,5 @@ async def test_only_a_missing_route_means_no_tokens_in():
             with pytest.raises(want):
                 await generate(
                     client, FakeEngine("s:1"), "s:1", [1, 2], [], Sampling(),
-                    max_tokens=4, model="x", timeout_s=5, retries=0,
+                    max_tokens=4, model="x", timeout_s=5, outage_s=1.0,
                 )  # fmt: skip
