@@ -118,13 +118,15 @@ class Gateway:
             self._server = None
 
 
-_gateways: dict[tuple, Gateway] = {}
+_gateways: dict[str, Gateway] = {}
 _gateways_lock = threading.Lock()
 
 
 def gateway_for(config: GatewayConfig) -> Gateway:
-    """This process's gateway for ``config`` (started on first use; stopped at exit)."""
-    key = (config.bind_host, config.bind_port, config.public_host, config.public_port)
+    """This process's gateway for ``config`` (started on first use; stopped at exit). Keyed by
+    the whole config: a workflow whose gateway settings differ (timeouts, outage deadline) gets
+    its own gateway rather than another's settings."""
+    key = repr(config)
     with _gateways_lock:
         gw = _gateways.get(key)
         if gw is None:
