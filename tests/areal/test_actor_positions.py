@@ -46,8 +46,11 @@ def _engine_class_path(selective: bool) -> str:
     trainer.scheduler = None
     from areal.api.alloc_mode import ModelAllocation
 
-    from cua_rl.testing.actor import actor_config
+    from cua_rl.testing.actor import actor_config, init_single_process_group
 
+    # The factory makes the engine, which joins a process group: this process's one-rank group
+    # on loopback, with the environment the in-process actor tests after this one read.
+    init_single_process_group()
     config = actor_config(ensure_model("qwen2.5-vl"))
     alloc = ModelAllocation.from_str(config.backend, name="actor")
     controller = trainer._create_train_engine(config, alloc)
