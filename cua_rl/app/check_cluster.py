@@ -78,14 +78,18 @@ def shared_paths(config: Any) -> list[tuple[str, str]]:
     return paths
 
 
+# The top folder every node has a private one of (AReaL's defaults put runs there).
+NODE_LOCAL_TOP = "tmp"
+
+
 def shared_paths_check(config: Any) -> CheckResult:
     scheduler = config.scheduler.type
     bad = []
     for key, value in shared_paths(config):
         if not Path(value).is_absolute():
             bad.append(f"{key}={value} is relative to this node's working folder")
-        elif Path(value).parts[1:2] == ("tmp",):
-            bad.append(f"{key}={value} is under /tmp, which is each node's own")
+        elif Path(value).parts[1:2] == (NODE_LOCAL_TOP,):
+            bad.append(f"{key}={value} is under /{NODE_LOCAL_TOP}, which is each node's own")
     if bad:
         return CheckResult(
             "paths", False,

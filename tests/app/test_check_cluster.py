@@ -14,6 +14,7 @@ import pytest
 
 from cua_rl.app import train
 from cua_rl.app.check_cluster import (
+    NODE_LOCAL_TOP,
     cluster_checks,
     model_folder_problem,
     ray_address_check,
@@ -92,11 +93,13 @@ def test_sbatch_absent_and_present(tmp_path):
 
 def test_relative_and_tmp_paths_refused_on_a_cluster():
     # cua.yaml's own ./runs/cua and AReaL's /tmp default are per node.
-    config = _cua("scheduler.type=ray", "cluster.name_resolve.nfs_record_root=/tmp/nr")
+    node_local = f"/{NODE_LOCAL_TOP}/nr"  # a folder each node has its own of
+    config = _cua("scheduler.type=ray", f"cluster.name_resolve.nfs_record_root={node_local}")
     result = shared_paths_check(config)
     assert not result.ok
     assert "cluster.fileroot=./runs/cua is relative" in result.detail
-    assert "cluster.name_resolve.nfs_record_root=/tmp/nr is under /tmp" in result.detail
+    want = f"cluster.name_resolve.nfs_record_root={node_local} is under /{NODE_LOCAL_TOP}"
+    assert want in result.detail
     assert shared_paths_check(_cua("scheduler.type=ray", *SHARED)).ok
 
 

@@ -10,20 +10,9 @@ import pytest
 
 from cua_rl.app.run_record import choose_run_name, claim_run_name, monitor_lookup
 from cua_rl.errors import MonitorError
-from cua_rl.monitor.server.app import create_app
-from cua_rl.monitor.server.store import MonitorStore
 from cua_rl.monitor.worker.client import MonitorClientConfig
 from cua_rl.monitor.worker.training import TrainingMonitor
-from cua_rl.serving import ThreadedServer, bind_free_port
-
-
-@pytest.fixture
-def monitor(tmp_path):
-    store = MonitorStore(str(tmp_path / "m.db"))
-    with ThreadedServer(create_app(store)) as server:
-        server.db_path = tmp_path / "m.db"
-        yield server
-    store.close()
+from cua_rl.serving import bind_free_port
 
 
 def _config(mode: str = "disabled"):

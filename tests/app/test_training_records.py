@@ -10,22 +10,11 @@ import time
 import pytest
 
 from cua_rl.areal.hooks import TrainerHooks
-from cua_rl.monitor.server.app import create_app
-from cua_rl.monitor.server.store import MonitorStore
 from cua_rl.monitor.worker.client import MonitorClientConfig
 from cua_rl.monitor.worker.training import TrainingMonitor, step_fields
-from cua_rl.serving import ThreadedServer, bind_free_port
+from cua_rl.serving import bind_free_port
 
 RUN = "life-test"
-
-
-@pytest.fixture
-def monitor(tmp_path):
-    store = MonitorStore(str(tmp_path / "m.db"))
-    with ThreadedServer(create_app(store)) as server:
-        server.db_path = tmp_path / "m.db"
-        yield server
-    store.close()
 
 
 def _tm(url: str, tmp_path) -> TrainingMonitor:
