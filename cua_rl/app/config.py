@@ -181,6 +181,13 @@ class CUAConfig(GRPOConfig):
         "checked against the scheduler at load (cua_rl/app/placement.py).",
     )
 
+    worker_startup_s: float = doc(
+        300.0,
+        "How long AReaL's scheduler waits for each worker it starts (actor, rollout, "
+        "eval-rollout) to answer. AReaL builds its local and Ray schedulers with 30 s, which a "
+        "busy node importing torch can exceed; Slurm's own default is 300 s.",
+    )
+
     def __post_init__(self):
         super().__post_init__()
         self.validate()

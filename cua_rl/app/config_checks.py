@@ -102,6 +102,7 @@ RULES: tuple[Rule, ...] = (
     positive("monitor.heartbeat_s", "e.g. monitor.heartbeat_s=30"),
     non_negative("failfast.window", "turns the check off", "e.g. failfast.window=32"),
     positive("drain.timeout_s", "e.g. drain.timeout_s=20"),
+    positive("worker_startup_s", "seconds, e.g. worker_startup_s=300"),
     positive("gateway.max_pause_wait_s", "e.g. gateway.max_pause_wait_s=600"),
     positive("actor.mb_spec.max_tokens_per_mb", "tokens of a micro-batch, e.g. 32768"),
     positive("actor.ppo_n_minibatches", "e.g. actor.ppo_n_minibatches=1"),

@@ -10,7 +10,8 @@ So an optimisation switch never decides whether a fix applies.
 
 ``ActorMixin`` overrides ``PPOTrainer._create_train_engine`` (declared in
 ``cua_rl.areal.support``) with AReaL's fsdp branch and ``actor_class``; other backends
-(megatron, archon) are AReaL's own, whose models are not transformers' and get no fix.
+(megatron, archon) are AReaL's own, whose models are not transformers' and get no fix. It also
+gives the scheduler the config's ``worker_startup_s`` (``_init_scheduler``).
 """
 
 from __future__ import annotations
@@ -48,6 +49,17 @@ class ActorMixin:
             actor = self.actor_class(config=actor_config)
         actor.create_process_group(parallel_strategy=alloc.parallel)
         return actor
+
+
+    def _init_scheduler(self):
+        scheduler = super()._init_scheduler()
+        # AReaL constructs its schedulers without a start-up timeout (30 s for local and Ray),
+        # and gives the config no field for it. AReaL's own config (cua_rl/cpu/smoke.py) has
+        # none of ours: it keeps the scheduler's default.
+        startup_s = getattr(self.config, "worker_startup_s", None)
+        if startup_s is not None:
+            scheduler.startup_timeout = startup_s
+        return scheduler
 
 
 class CuaTrainer(ActorMixin, PPOTrainer):

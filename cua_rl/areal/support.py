@@ -102,6 +102,20 @@ RELIANCES: tuple[Reliance, ...] = (
     Reliance(_FSDP, "FSDPPPOActor._compute_logprobs_entropy", _LOGITS),
     Reliance(_FSDP, "FSDPPPOActor._get_vocab_min_max_logits", _LOGITS),
     Reliance("areal", "PPOTrainer._create_train_engine", "cua_rl/areal/actor.py overrides"),
+    Reliance("areal", "PPOTrainer._init_scheduler", "cua_rl/areal/actor.py overrides"),
+    *(
+        Reliance(
+            f"areal.infra.scheduler.{module}",
+            f"{cls}.startup_timeout",
+            "cua_rl/areal/actor.py sets it to worker_startup_s",
+            set_by="__init__",
+        )
+        for module, cls in (
+            ("local", "LocalScheduler"),
+            ("ray", "RayScheduler"),
+            ("slurm", "SlurmScheduler"),
+        )
+    ),
     Reliance("areal.utils.functional", "gather_logprobs", "cua_rl/areal/logits_engine.py calls"),
     Reliance(
         "areal.utils.functional", "gather_logprobs_entropy", "cua_rl/areal/logits_engine.py calls"
