@@ -104,6 +104,7 @@ RULES: tuple[Rule, ...] = (
     positive("drain.timeout_s", "e.g. drain.timeout_s=20"),
     positive("worker_startup_s", "seconds, e.g. worker_startup_s=300"),
     positive("gateway.max_pause_wait_s", "e.g. gateway.max_pause_wait_s=600"),
+    positive("gateway.min_pause_wait_s", "e.g. gateway.min_pause_wait_s=300"),
     positive("actor.mb_spec.max_tokens_per_mb", "tokens of a micro-batch, e.g. 32768"),
     positive("actor.ppo_n_minibatches", "e.g. actor.ppo_n_minibatches=1"),
 )
