@@ -20,17 +20,15 @@ import os
 
 from cua_rl.errors import ConfigError
 
+# The monitor's URL and token are not among them: the trainer resolves them once and hands them
+# to the workers in their settings (cua_rl.app.config.MonitorSection.resolved).
 FORWARDED_PREFIX = "CUA_RL_"
-# Read by the monitor client in the rollout workers when the config leaves them empty.
-FORWARDED_NAMES = ("MONITOR_BASE_URL", "MONITOR_PROJECT_TOKEN")
 
 
 def forwarded_env(environ: dict[str, str] | None = None) -> dict[str, str]:
     """The controller's variables the workers read."""
     environ = os.environ if environ is None else environ
-    return {
-        k: v for k, v in environ.items() if k.startswith(FORWARDED_PREFIX) or k in FORWARDED_NAMES
-    }
+    return {k: v for k, v in environ.items() if k.startswith(FORWARDED_PREFIX)}
 
 
 def connect(setup_hook: str | None = None, *, loopback: bool = False) -> str:
