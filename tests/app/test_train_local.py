@@ -178,7 +178,8 @@ def _flat(value, prefix: str = "") -> dict:
 def _recorded_config_is_the_config_that_ran(db: Path) -> None:
     """config_json, field by field: AReaL's own dump of the config it loaded (config.yaml in the
     run's log folder: every default and derived value), with exactly the CPU harness's changes
-    (docs/areal-cpu.md) on top. The record's own columns come from the same config."""
+    (docs/areal-cpu.md) and the claimed run name on top. The record's own columns come from the
+    same config."""
     import yaml
 
     ((config_json, log_path, *columns),) = _rows(
@@ -203,6 +204,8 @@ def _recorded_config_is_the_config_that_ran(db: Path) -> None:
             f"{spec}.env_vars.VLLM_CPU_KVCACHE_SPACE": "1",
             f"{spec}.env_vars.VLLM_CPU_OMP_THREADS_BIND": "nobind",
         }
+    # The record's name, claimed before the record (run_record.py): a new database, the default.
+    cpu["monitor.run_name"] = f"{loaded['experiment_name']}-{loaded['trial_name']}"
     differ = {k for k in recorded.keys() | loaded.keys() if recorded.get(k) != loaded.get(k)}
     assert {k: recorded.get(k) for k in differ} == cpu
     # configs/local.yaml: no LoRA, 2 tasks x 2 samples a step, 1 minibatch, a phone, no W&B.
