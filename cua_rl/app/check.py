@@ -95,11 +95,10 @@ async def check_model(config: CUAConfig, http: httpx.AsyncClient) -> CheckResult
 
 async def check_monitor(config: CUAConfig, http: httpx.AsyncClient) -> CheckResult:
     # A URL must answer with the token; an embedded monitor must open its database.
-    base = config.monitor.base_url or os.environ.get("MONITOR_BASE_URL", "")
+    base, token = config.monitor.resolved()
     if not config.monitor.enabled:
         return CheckResult("monitor", True, "disabled")
     if base:
-        token = config.monitor.token or os.environ.get("MONITOR_PROJECT_TOKEN", "")
         headers = {"Authorization": f"Bearer {token}"} if token else {}
         try:
             resp = await http.get(f"{base.rstrip('/')}/api/trainings?limit=1", headers=headers)

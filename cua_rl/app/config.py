@@ -10,7 +10,9 @@ that AReaL can ship to workers as ``workflow_kwargs``.
 from __future__ import annotations
 
 import json
+import os
 from dataclasses import dataclass
+from typing import NamedTuple
 from urllib.parse import urlsplit
 
 from areal.api.cli_args import GRPOConfig, vLLMConfig
@@ -107,6 +109,11 @@ class CUAvLLMConfig(vLLMConfig):
                 )
 
 
+class MonitorTarget(NamedTuple):
+    url: str  # empty: none configured (the embedded monitor on db_path, or none)
+    token: str  # empty: no project token
+
+
 @dataclass
 class MonitorSection:
     enabled: bool = doc(True, "Record the run in a Training Monitor")
@@ -126,6 +133,16 @@ class MonitorSection:
         "Seconds between the training's heartbeats; keep the monitor's --heartbeat-timeout-s "
         "several beats longer (default 600), or a live trainer is reaped",
     )
+
+    def resolved(self) -> MonitorTarget:
+        """The monitor's URL and project token: the config's, else ``$MONITOR_BASE_URL`` and
+        ``$MONITOR_PROJECT_TOKEN``. The one place they are resolved: the launcher hands the
+        result to the embedded monitor, its clients and the rollout workers, which never read
+        the environment for them (the token stays out of the recorded config)."""
+        return MonitorTarget(
+            self.base_url or os.environ.get("MONITOR_BASE_URL", ""),
+            self.token or os.environ.get("MONITOR_PROJECT_TOKEN", ""),
+        )
 
     def __post_init__(self):
         if not 0 < self.heartbeat_s <= 300:
@@ -233,15 +250,12 @@ class CUAConfig(GRPOConfig):
         self._validate_model_endpoint()
         self._validate_normalisation()
         self.validate_curriculum()
-        if self.monitor.enabled and not (self.monitor.base_url or self.monitor.db_path):
-            import os
-
-            if not os.environ.get("MONITOR_BASE_URL"):
-                raise ConfigError(
-                    "monitor.enabled is true but neither monitor.base_url, $MONITOR_BASE_URL nor "
-                    "monitor.db_path is set: point it at a monitor, give an SQLite path for the "
-                    "embedded one, or set monitor.enabled=false"
-                )
+        if self.monitor.enabled and not (self.monitor.resolved().url or self.monitor.db_path):
+            raise ConfigError(
+                "monitor.enabled is true but neither monitor.base_url, $MONITOR_BASE_URL nor "
+                "monitor.db_path is set: point it at a monitor, give an SQLite path for the "
+                "embedded one, or set monitor.enabled=false"
+            )
         if not self.cpu:
             check_placement(self)
 
@@ -386,6 +400,7 @@ class CUAConfig(GRPOConfig):
         self,
         *,
         monitor_base_url: str = "",
+        monitor_token: str = "",
         phase: str = "train",
         total_steps: int = 0,
         outcome_dir: str = "",
@@ -403,7 +418,7 @@ class CUAConfig(GRPOConfig):
             reward=self.reward,
             processor_path=self.tokenizer_path or self.actor.path,
             monitor_base_url=monitor_base_url if self.monitor.enabled else "",
-            monitor_token=self.monitor.token,
+            monitor_token=monitor_token if self.monitor.enabled else "",
             monitor_spool_path=self.monitor.spool_path,
             training_ref=self.run_name if (self.monitor.enabled and monitor_base_url) else "",
             phase=phase,

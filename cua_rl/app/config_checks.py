@@ -19,6 +19,7 @@ from urllib.parse import urlsplit
 from cua_rl.errors import ConfigError
 
 ACTION_SPACES = ("mobile", "pc")
+BOX_TYPES = ("", "android", "linux", "browser")
 _UNSET = object()
 
 
@@ -91,6 +92,7 @@ RULES: tuple[Rule, ...] = (
     positive("agent.max_run_time_s", "seconds of an agent run, e.g. agent.max_run_time_s=900"),
     positive("agent.max_step_time_s", "seconds of one step, e.g. agent.max_step_time_s=120"),
     one_of("agent.action_space", ACTION_SPACES, "mobile for Android, pc for Linux desktops"),
+    one_of("gym.box_type", BOX_TYPES, "android, linux or browser; empty: from agent.action_space"),
     non_empty("agent.base_url", "the gbox-mini-agent URL, e.g. agent.base_url=http://agent:3000"),
     Rule(
         "gym.base_url",
@@ -104,6 +106,7 @@ RULES: tuple[Rule, ...] = (
     positive("drain.timeout_s", "e.g. drain.timeout_s=20"),
     positive("worker_startup_s", "seconds, e.g. worker_startup_s=300"),
     positive("gateway.max_pause_wait_s", "e.g. gateway.max_pause_wait_s=600"),
+    positive("gateway.min_pause_wait_s", "e.g. gateway.min_pause_wait_s=300"),
     positive("actor.mb_spec.max_tokens_per_mb", "tokens of a micro-batch, e.g. 32768"),
     positive("actor.ppo_n_minibatches", "e.g. actor.ppo_n_minibatches=1"),
 )

@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import os
 from pathlib import Path
 
 from cua_rl.app.config import CUAConfig
@@ -19,12 +18,13 @@ class MonitorEndpoint:
         self.server = None
         self.store = None
         self.url = ""
+        self.token = ""  # the project token (MonitorSection.resolved)
 
     def __enter__(self) -> MonitorEndpoint:
         m = self.config.monitor
         if not m.enabled:
             return self
-        self.url = m.base_url or os.environ.get("MONITOR_BASE_URL", "")
+        self.url, self.token = m.resolved()
         if not self.url and m.db_path:
             from cua_rl.monitor.server.app import create_app
             from cua_rl.monitor.server.store import MonitorStore
@@ -33,7 +33,7 @@ class MonitorEndpoint:
             Path(m.db_path).parent.mkdir(parents=True, exist_ok=True)
             self.store = MonitorStore(m.db_path)
             self.server = ThreadedServer(
-                create_app(self.store, token=m.token or None), name="monitor"
+                create_app(self.store, token=self.token or None), name="monitor"
             ).start()
             self.url = self.server.url
             log.info("embedded monitor on %s, database %s", self.url, m.db_path)
@@ -53,6 +53,6 @@ class MonitorEndpoint:
         m = self.config.monitor
         return MonitorClientConfig(
             base_url=self.url,
-            token=m.token or os.environ.get("MONITOR_PROJECT_TOKEN") or None,
+            token=self.token,  # "" is no token: the client reads no environment for it
             spool_path=m.spool_path or str(spool_dir / "monitor-spool.jsonl"),
         )

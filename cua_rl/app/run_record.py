@@ -12,6 +12,10 @@ ids). Before the first record, the launcher asks the monitor whether the name is
 * taken otherwise: the run is recorded as ``{name}-2`` (the first free ``-N``), said in the log.
 
 A monitor that cannot answer leaves the name as it is, with a warning: its records spool.
+
+``record_fields`` gives the training record's columns that are read off the config rather than
+a generic one (LoRA rank, groups per batch, box type, the W&B run's project and name as AReaL's
+``StatsLogger`` names it).
 """
 
 from __future__ import annotations
@@ -26,6 +30,7 @@ from cua_rl.logs import get_logger
 log = get_logger(__name__)
 
 RESUMING_MODES = ("on", "auto")
+BOX_OF_ACTION_SPACE = {"mobile": "android", "pc": "linux"}
 MAX_SUFFIX = 1000
 
 
@@ -76,3 +81,18 @@ def claim_run_name(config, base_url: str, token: str | None) -> str:
     print(f"monitor: {why}", flush=True)
     config.monitor.run_name = name
     return name
+
+
+def record_fields(config) -> dict:
+    """The training record's run-specific columns; None where the run has no such thing."""
+    actor, stats = config.actor, config.stats_logger
+    wandb = stats.wandb.mode != "disabled"
+    return {
+        "lora_rank": actor.lora_rank if actor.use_lora else None,
+        "groups_per_batch": config.train_dataset.batch_size,  # a group per task of the batch
+        "num_substeps": actor.ppo_n_minibatches,  # optimizer steps per batch
+        "box_type": config.gym.box_type or BOX_OF_ACTION_SPACE[config.agent.action_space],
+        # AReaL's StatsLogger: wandb.init(project=... or experiment_name, name=... or trial_name)
+        "wandb_project": (stats.wandb.project or stats.experiment_name) if wandb else None,
+        "wandb_name": (stats.wandb.name or stats.trial_name) if wandb else None,
+    }

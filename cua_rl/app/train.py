@@ -32,7 +32,7 @@ from cua_rl.app.config import CUAConfig
 from cua_rl.app.endpoint import MonitorEndpoint
 from cua_rl.app.failfast import RejectionWatch
 from cua_rl.app.harness import cuda_available, use_cpu_harness
-from cua_rl.app.run_record import claim_run_name
+from cua_rl.app.run_record import claim_run_name, record_fields
 from cua_rl.app.signals import SystematicRejection, Terminated, stop_systematic, stopping
 from cua_rl.app.signals import install as install_signals
 from cua_rl.areal.hooks import TrainerHooks
@@ -85,31 +85,37 @@ def total_steps(config: CUAConfig, n_train: int) -> int:
     return steps
 
 
-def prepare_platform(config: CUAConfig) -> None:
-    """With ``cpu: true``, apply what AReaL needs to train on CPU (docs/areal-cpu.md); under
-    ``scheduler.type: ray`` connect to the cluster first (docs/cluster.md). The config decides,
-    not this machine's CUDA: a Ray or Slurm trainer usually has none (cua_rl/app/harness.py)."""
-    on_cpu = config.cpu
-    if on_cpu:
-        from cua_rl.cpu.training import enable_cpu_training
+def configure_platform(config: CUAConfig) -> None:
+    """With ``cpu: true``, make the config and this process fit AReaL's CPU path
+    (docs/areal-cpu.md). Before the monitor records the config: the record is the config that
+    runs. The config decides, not this machine's CUDA: a Ray or Slurm trainer usually has none
+    (cua_rl/app/harness.py)."""
+    if not config.cpu:
+        return
+    from cua_rl.cpu.training import enable_cpu_training
 
-        enable_cpu_training(config)
-        if config.scheduler.type == "slurm":
-            from cua_rl.cpu.training import native_slurm
+    enable_cpu_training(config)
+    if config.scheduler.type == "slurm":
+        from cua_rl.cpu.training import native_slurm
 
-            native_slurm()
-    if config.scheduler.type == "ray":
-        from cua_rl.areal.ray_job import connect
+        native_slurm()
 
-        if on_cpu:
-            from cua_rl.cpu.training import RAY_SETUP_HOOK, pin_host_ip
 
-            connect(RAY_SETUP_HOOK, loopback=True)
-            import ray
+def connect_cluster(config: CUAConfig) -> None:
+    """Under ``scheduler.type: ray``, connect to the cluster (docs/cluster.md)."""
+    if config.scheduler.type != "ray":
+        return
+    from cua_rl.areal.ray_job import connect
 
-            pin_host_ip(ray.util.get_node_ip_address())
-        else:
-            connect()
+    if config.cpu:
+        from cua_rl.cpu.training import RAY_SETUP_HOOK, pin_host_ip
+
+        connect(RAY_SETUP_HOOK, loopback=True)
+        import ray
+
+        pin_host_ip(ray.util.get_node_ip_address())
+    else:
+        connect()
 
 
 def run_baseline(trainer: Any, config: CUAConfig, monitor: TrainingMonitor, settings, n_eval: int):
@@ -142,7 +148,7 @@ def curriculum_sampler(config: CUAConfig, train_ds, endpoint: MonitorEndpoint, l
         list(train_ds["task_id"]),
         monitor_url=endpoint.url,
         run_name=config.run_name,
-        monitor_token=config.monitor.token or os.environ.get("MONITOR_PROJECT_TOKEN") or None,
+        monitor_token=endpoint.token or None,
         batch_size=config.train_dataset.batch_size,
         group_size=config.gconfig.n_samples,
         seed=config.seed,
@@ -191,11 +197,13 @@ def run_training(config: CUAConfig) -> int:
         flush=True,
     )
 
+    configure_platform(config)
     watch = RejectionWatch(log_dir / "outcomes", config.failfast, stop_systematic).start()
     with MonitorEndpoint(config) as endpoint, stopping(watch):
         # A second run of the same names gets its own record unless it resumes (run_record.py).
-        token = config.monitor.token or os.environ.get("MONITOR_PROJECT_TOKEN") or None
-        claim_run_name(config, endpoint.url if config.monitor.enabled else "", token)
+        claim_run_name(
+            config, endpoint.url if config.monitor.enabled else "", endpoint.token or None
+        )
         monitor = TrainingMonitor(
             endpoint.client_config(log_dir),
             config.run_name,
@@ -203,7 +211,10 @@ def run_training(config: CUAConfig) -> int:
             episodes_per_step=config.train_dataset.batch_size * config.gconfig.n_samples,
         )
         monitor.start()
-        monitor.training_started(config=config, total_steps=n_steps, log_path=str(log_dir))
+        # The config as it runs: every default, derived value and CPU change applied.
+        monitor.training_started(
+            config=config, total_steps=n_steps, log_path=str(log_dir), **record_fields(config)
+        )
         monitor.tasks(
             [{**r, "split": "train"} for r in train_ds] + [{**r, "split": "eval"} for r in eval_ds]
         )
@@ -240,6 +251,7 @@ class _Run:
         return {
             phase: self.config.workflow_settings(
                 monitor_base_url=self.endpoint.url,
+                monitor_token=self.endpoint.token,
                 phase=phase,
                 total_steps=self.n_steps,
                 outcome_dir=str(self.log_dir / "outcomes"),
@@ -254,10 +266,11 @@ class _Run:
             sampler = curriculum_sampler(config, self.train_ds, self.endpoint, self.log_dir)
             if sampler is not None:
                 self.hooks.step_stats = sampler.pop_step_stats
-            prepare_platform(config)
+            connect_cluster(config)
             settings = self.settings()
             valid = eval_ds if len(eval_ds) else None
             with make_trainer(config, self.train_ds, valid, sampler) as trainer:
+                self.monitor.config_ran(trainer.config)
                 # total_train_steps=0: the baseline pass alone evaluates actor.path. The hooks
                 # record training steps (attaching opens the first): none runs then.
                 eval_only = config.total_train_steps == 0

@@ -4,9 +4,10 @@ AReaL's ``RayScheduler`` runs each worker as a Ray actor and never calls ``ray.i
 first Ray call would connect with Ray's defaults. ``connect`` connects first, to the cluster named
 by ``RAY_ADDRESS`` (Ray's own variable), with a job-wide runtime environment:
 
-- the ``CUA_RL_*`` and ``MONITOR_*`` variables the controller sets for the workers (the group filter's group
-  size, ...): under the local scheduler workers inherit the controller's environment, Ray actors
-  do not, and AReaL passes them only their ``SchedulingSpec.env_vars`` and ``PYTHONPATH``;
+- the controller's ``CUA_RL_*`` variables (``CUA_RL_LOG_LEVEL``): under the local scheduler
+  workers inherit the controller's environment, Ray actors do not, and AReaL passes them only
+  their ``SchedulingSpec.env_vars`` and ``PYTHONPATH``. Settings travel in the workflow's
+  settings instead, the monitor's URL and token included;
 - optionally a ``worker_process_setup_hook`` that every Ray worker process of this job runs
   before any actor or task (the no-GPU harness applies its worker-side patches there; under the
   local scheduler the same patches come in through ``SchedulingSpec.cmd``, which Ray ignores).
@@ -20,17 +21,15 @@ import os
 
 from cua_rl.errors import ConfigError
 
+# The monitor's URL and token are not among them: the trainer resolves them once and hands them
+# to the workers in their settings (cua_rl.app.config.MonitorSection.resolved).
 FORWARDED_PREFIX = "CUA_RL_"
-# Read by the monitor client in the rollout workers when the config leaves them empty.
-FORWARDED_NAMES = ("MONITOR_BASE_URL", "MONITOR_PROJECT_TOKEN")
 
 
 def forwarded_env(environ: dict[str, str] | None = None) -> dict[str, str]:
     """The controller's variables the workers read."""
     environ = os.environ if environ is None else environ
-    return {
-        k: v for k, v in environ.items() if k.startswith(FORWARDED_PREFIX) or k in FORWARDED_NAMES
-    }
+    return {k: v for k, v in environ.items() if k.startswith(FORWARDED_PREFIX)}
 
 
 def connect(setup_hook: str | None = None, *, loopback: bool = False) -> str:

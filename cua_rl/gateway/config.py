@@ -11,6 +11,7 @@ from dataclasses import dataclass, field
 
 from cua_rl.core.fields import doc
 from cua_rl.errors import ConfigError
+from cua_rl.gateway.pauses import PauseBound
 
 GATEWAY_BACKENDS = ("auto", "vllm", "sglang", "text")
 MISMATCH_POLICIES = ("override", "error")
@@ -76,10 +77,30 @@ class GatewayConfig:
     max_pause_wait_s: float = doc(
         3600.0,
         (
-            "Longest one call waits for a paused rollout (weight update, then the save "
-            "and evaluation the trainer runs before resuming); then the agent gets 503 "
-            "'pause_timeout' and the error records the time waited. Keep it above the longest "
-            "save + evaluation of your run."
+            "Longest a paused rollout (weight update, then the save and evaluation the trainer "
+            "runs before resuming) may hold the calls waiting for it until a pause of this run "
+            "has ended, and the ceiling of the bound derived after (pause_wait_factor); past "
+            "it every waiting call gets 503 'pause_timeout' with the reason. AReaL tells the "
+            "rollout nothing of a weight update that hangs: this is what ends such a wait. "
+            "Keep it above the first step's update + save + evaluation."
+        ),
+    )
+    pause_wait_factor: float = doc(
+        4.0,
+        (
+            "Once a pause of this run has ended, a pause may last this multiple of the longest "
+            "one measured (from the first call that found the rollout paused to the resume), "
+            "within [min_pause_wait_s, max_pause_wait_s]; then its waiting calls get 503 "
+            "'pause_timeout'. Raise it when some steps' pauses are much longer than others "
+            "(an evaluation every N steps)."
+        ),
+    )
+    min_pause_wait_s: float = doc(
+        300.0,
+        (
+            "Floor of the bound derived from the measured pauses (pause_wait_factor): a run "
+            "whose first pauses were short still gets this long. max_pause_wait_s wins over it "
+            "(a floor above it leaves the bound at max_pause_wait_s)."
         ),
     )
     max_connections: int = doc(
@@ -160,6 +181,17 @@ class GatewayConfig:
                 "gateway.max_aborts must be >= 1; gateway.max_pause_wait_s and "
                 "gateway.stream_keepalive_s positive"
             )
+        if not (self.pause_wait_factor >= 1 and self.min_pause_wait_s > 0):
+            raise ConfigError(
+                f"gateway.pause_wait_factor={self.pause_wait_factor:g} must be >= 1 and "
+                f"gateway.min_pause_wait_s={self.min_pause_wait_s:g} positive: a pause is "
+                "bounded at the factor times the longest one measured, at least the floor (e.g. "
+                "gateway.pause_wait_factor=4 gateway.min_pause_wait_s=300)"
+            )
+
+    @property
+    def pause_bound(self) -> PauseBound:
+        return PauseBound(self.max_pause_wait_s, self.pause_wait_factor, self.min_pause_wait_s)
 
 
 # AReaL's default top_k (1e8): larger than any vocabulary, so no truncation.

@@ -10,8 +10,9 @@ the ids with one pad per image plus the images, expands the pads itself and retu
 prompt, the sampled ids, their logprobs and which weight version sampled which tokens. Other
 servers' requests are in ``backends`` (SGLang's ``/generate``; text in as a fallback).
 
-Every wait is bounded: the pause by ``gateway.max_pause_wait_s`` (or at once when the engine
-reports the update failed), aborts with no token and no pause by ``gateway.max_aborts``. A model
+Every wait is bounded: a pause by a bound derived from this run's pauses (``pauses``: AReaL
+tells the rollout side nothing about a weight update that failed or hangs), aborts with no token
+and no pause by ``gateway.max_aborts``. A model
 server that refuses, drops or answers 5xx is an outage, not an error: the call is held and re-sent
 with a growing backoff (capped at ``OUTAGE_BACKOFF_CAP_S``) until ``gateway.model_outage_s``, as
 it is held across a weight update; an answer cut on the wire was never received, so the re-send
@@ -33,7 +34,8 @@ import httpx
 
 from cua_rl.errors import ModelServerError
 from cua_rl.gateway.backends import Request, VLLMTokens
-from cua_rl.gateway.config import Sampling
+from cua_rl.gateway.config import GatewayConfig, Sampling
+from cua_rl.gateway.pauses import PauseBound, Pauses, pauses_of
 from cua_rl.gateway.render import BadRequest, Image
 from cua_rl.logs import get_logger
 
@@ -49,8 +51,8 @@ class TokensInUnavailable(ModelServerError):
 
 class WaitFailed(ModelServerError):
     """A call the gateway stopped waiting for: ``code`` names why (``pause_timeout``: the pause
-    outlasted ``gateway.max_pause_wait_s``; ``weight_update_failed``; ``abort_loop``: the server
-    aborted it ``gateway.max_aborts`` times in a row with no pause and no token)."""
+    outlasted its bound, see ``pauses``; ``abort_loop``: the server aborted it
+    ``gateway.max_aborts`` times in a row with no pause and no token)."""
 
     def __init__(self, message: str, code: str, waited_s: float = 0.0):
         super().__init__(message)
@@ -66,9 +68,10 @@ class ModelOutage(ModelServerError):
 
 
 class EngineView(Protocol):
-    """What the gateway needs of AReaL's inference engine (thread-safe reads). An engine may
-    also offer ``update_failure() -> str | None``: the reason the weight update in progress
-    failed, so calls waiting for it fail with that reason instead of waiting out their bound."""
+    """What the gateway needs of AReaL's inference engine (thread-safe reads), and the record of
+    its pauses that every episode on it shares."""
+
+    pauses: Pauses
 
     def get_version(self) -> int: ...
 
@@ -77,28 +80,25 @@ class EngineView(Protocol):
     def choose_server(self) -> str: ...
 
 
-async def wait_while_paused(engine: EngineView, limit_s: float) -> float:
-    """Wait for the rollout to resume; the seconds waited. Fails past ``limit_s`` or as soon as
-    the engine reports the weight update failed."""
+async def wait_while_paused(engine: EngineView, bound: PauseBound) -> float:
+    """Wait for the rollout to resume; the seconds this call waited. Fails once the pause (since
+    the first call found it) is older than its bound, derived from the run's longest pause."""
     t0 = time.monotonic()
-    failure = getattr(engine, "update_failure", None)
+    pauses = engine.pauses
     while engine.is_paused():
-        waited = time.monotonic() - t0
-        reason = failure() if failure else None
-        if reason:
+        age = pauses.paused_for()
+        limit, why = bound.of(pauses.longest_s)
+        if age > limit:
             raise WaitFailed(
-                f"the weight update failed while this call waited {waited:.1f} s: {reason}",
-                "weight_update_failed",
-                waited,
-            )
-        if waited > limit_s:
-            raise WaitFailed(
-                f"the rollout stayed paused {waited:.1f} s, past gateway.max_pause_wait_s="
-                f"{limit_s:g} (weight update, save and evaluation); raise it if they take longer",
+                f"the rollout stayed paused {age:.1f} s, past its bound of {why}: the weight "
+                "update (or the save or evaluation after it) is stuck or failed on the "
+                "trainer's side; raise gateway.min_pause_wait_s or gateway.pause_wait_factor if "
+                "this run's pauses vary more",
                 "pause_timeout",
-                waited,
+                time.monotonic() - t0,
             )
         await asyncio.sleep(PAUSE_POLL_S)
+    pauses.running()
     return time.monotonic() - t0
 
 
@@ -107,8 +107,9 @@ class AReaLEngineView:
     (the workflow executor's ``inference_engine``). Read through its public members, declared in
     ``cua_rl.areal.support``: a missing one fails the call, never reads as "not paused"."""
 
-    def __init__(self, engine: Any):
+    def __init__(self, engine: Any, pauses: Pauses | None = None):
         self.engine = engine
+        self.pauses = pauses or pauses_of(engine)  # shared by every episode on this engine
 
     def get_version(self) -> int:
         return int(self.engine.get_version())
@@ -301,7 +302,7 @@ async def generate(
     backend: Any = None,
     messages: list[dict] | None = None,
     max_aborts: int = 16,
-    max_pause_wait_s: float = 3600.0,
+    pause_bound: PauseBound | None = None,
     text_extra: dict | None = None,
 ) -> Generation:
     """Sample up to ``max_tokens`` after ``ids``; an abort re-submits the prompt plus what was
@@ -311,12 +312,13 @@ async def generate(
     sends ``messages`` (and ``text_extra``, e.g. the tools the server must render) and samples an
     aborted call again from its start."""
     backend = backend or VLLMTokens()
+    pause_bound = pause_bound or GatewayConfig().pause_bound
     t0 = time.monotonic()
     st = _Attempts()
     finish = "abort"
     while finish == "abort" and len(st.out) < max_tokens:
         try:
-            st.paused_s += await wait_while_paused(engine, max_pause_wait_s - st.paused_s)
+            st.paused_s += await wait_while_paused(engine, pause_bound)
         except WaitFailed as exc:
             exc.waited_s += st.paused_s
             raise

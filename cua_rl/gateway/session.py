@@ -418,7 +418,7 @@ class EpisodeSession:
             backend=self.backend,
             messages=template,
             max_aborts=self.config.max_aborts,
-            max_pause_wait_s=self.config.max_pause_wait_s,
+            pause_bound=self.config.pause_bound,
             # Text in: the server renders the tools; it must not parse calls (the gateway
             # does), and vLLM parses only when started with a tool parser.
             text_extra={"tools": tools, "tool_choice": "none"} if tools else None,

@@ -65,7 +65,9 @@ class Services:
         if s.monitor_base_url:
             monitor = MonitorClientConfig(
                 base_url=s.monitor_base_url,
-                token=s.monitor_token or None,
+                # Resolved by the launcher (MonitorSection.resolved): "" is no token, and the
+                # worker's own environment is not read for one.
+                token=s.monitor_token,
                 spool_path=s.monitor_spool_path or None,
             )
         return cls(

@@ -25,6 +25,11 @@ from cua_rl.trajectory.config import TrajectoryConfig
 class GymSection:
     base_url: str = doc("", "Gym server URL without /api/v1, e.g. http://gym:8800")
     gym_id: str = doc("", "Gym id on that server (required: no default is safe)")
+    box_type: str = doc(
+        "",
+        "The kind of box the gym's tasks run on: android, linux or browser (the training "
+        "record's box_type). Empty: from agent.action_space (mobile: android, pc: linux).",
+    )
     source: TaskSourceConfig = doc(help="Where tasks come from", factory=TaskSourceConfig)
     selection: TaskSelectionConfig = doc(
         help="Train/eval split, name and tag filters, limits", factory=TaskSelectionConfig

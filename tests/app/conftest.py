@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+from pathlib import Path
+
 import pytest
 
 from cua_rl.monitor.server.app import create_app
@@ -17,3 +19,20 @@ def monitor(tmp_path):
         server.db_path = tmp_path / "m.db"
         yield server
     store.close()
+
+
+def load_local(tmp_path: Path, *overrides: str):
+    """configs/local.yaml loaded as train.py loads it, run folders under ``tmp_path``."""
+    from cua_rl.app import config_load
+    from cua_rl.app.config import CUAConfig
+
+    local = Path(__file__).resolve().parents[2] / "configs" / "local.yaml"
+    argv = [
+        "--config",
+        str(local),
+        "actor.path=policy",
+        f"cluster.fileroot={tmp_path}",
+        f"cluster.name_resolve.nfs_record_root={tmp_path / 'nr'}",
+        *overrides,
+    ]
+    return config_load.load_config(argv, CUAConfig)

@@ -1,6 +1,8 @@
 """Each production family trained for real on the local stack: ``make demo``'s launcher with the
 family's tiny model (its own template and processor), vLLM CPU serving it through the gateway,
-AReaL's FSDP actor with selective logits, two asynchronous PPO steps.
+AReaL's FSDP actor with selective logits, two asynchronous PPO steps. Qwen2.5-VL trains a second
+time with ``logits.selective=false`` (AReaL's own actor, ``CuaPPOActor``): its image-position fix
+must not depend on the selective-logits switch.
 
 One training per family serves every check: it completes with no episode rejected, no turn
 breaks the multi-turn prefix, rows carry their screenshots, and at step 1 (every trained token
@@ -26,19 +28,31 @@ TOL = 1e-3
 pytestmark = pytest.mark.slow
 
 
-def _train(run_dir: Path, kind: str) -> tuple[int, str, float]:
+# (kind, extra overrides): each family on the default actor, and Qwen2.5-VL (the family whose
+# positions the trainer fixes) on AReaL's unpatched-logits actor too.
+CASES = [(kind, ()) for kind in FAMILY_KINDS] + [("qwen2.5-vl", ("logits.selective=false",))]
+
+
+def _train(run_dir: Path, kind: str, overrides: tuple[str, ...]) -> tuple[int, str, float]:
     t0 = time.monotonic()
-    run = run_demo(run_dir, "--model", kind, timeout=1200)
+    run = run_demo(run_dir, "--model", kind, *overrides, timeout=1200)
     rc, out = run.returncode, run.output
     return rc, out, time.monotonic() - t0
 
 
-@pytest.fixture(scope="module", params=FAMILY_KINDS)
+def _case_id(case: tuple[str, tuple[str, ...]]) -> str:
+    kind, overrides = case
+    return kind + ("-full-logits" if "logits.selective=false" in overrides else "")
+
+
+@pytest.fixture(scope="module", params=CASES, ids=_case_id)
 def trained(request, tmp_path_factory):
-    run_dir = tmp_path_factory.mktemp(request.param) / "run"
-    rc, out, seconds = _train(run_dir, request.param)
-    print(f"{request.param}: trained in {seconds:.0f}s")  # pytest -s shows each family's cost
-    return request.param, run_dir / "monitor.db", rc, out
+    kind, overrides = request.param
+    name = _case_id(request.param)
+    run_dir = tmp_path_factory.mktemp(name) / "run"
+    rc, out, seconds = _train(run_dir, kind, overrides)
+    print(f"{name}: trained in {seconds:.0f}s")  # pytest -s shows each family's cost
+    return name, run_dir / "monitor.db", rc, out
 
 
 def _steps(db: Path) -> list[tuple[int, str, dict]]:
@@ -70,5 +84,6 @@ def test_family_trains_through_the_gateway_with_exact_rows(trained):
     # Every trained token of step 1: |log p_trainer - log p_vLLM| <= TOL.
     for stat in ("min", "max"):
         gap = first[f"ppo_actor/update/behave_approx_kl/{stat}"]
+        print(f"{kind}: step 1 behave_approx_kl/{stat} = {gap:.3g}")  # pytest -s reports it
         assert abs(gap) < TOL, (kind, stat, gap)
     assert first["ppo_actor/update/unclipped_behave_tokens"] > 0, (kind, first)

@@ -13,7 +13,7 @@ from areal.api.cli_args import load_expr_config
 
 from cua_rl.app.config import CUAConfig
 from cua_rl.app.harness import cuda_available, use_cpu_harness
-from cua_rl.app.train import prepare_platform
+from cua_rl.app.train import configure_platform
 from cua_rl.errors import ConfigError
 
 ROOT = Path(__file__).resolve().parents[2]
@@ -78,13 +78,13 @@ def test_cpu_true_selects_the_harness_whatever_the_machine(tmp_path, scheduler):
 
 
 def test_the_slurm_start_up_leaves_areal_as_it_is(tmp_path):
-    """prepare_platform on a slurm GPU config: no disk weight updates, no CPU worker command, no
+    """configure_platform on a slurm GPU config: no disk weight updates, no CPU worker command, no
     native (container-less) Slurm patch."""
     from areal.infra.scheduler.slurm import SlurmScheduler
 
     cfg = load(tmp_path, "slurm")
     init = SlurmScheduler.__init__
-    prepare_platform(cfg)
+    configure_platform(cfg)
     assert SlurmScheduler.__init__ is init
     assert cfg.actor.weight_update_mode == "xccl"
     for spec in (cfg.actor.scheduling_spec[0], cfg.rollout.scheduling_spec[0]):

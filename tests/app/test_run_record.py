@@ -8,11 +8,12 @@ from types import SimpleNamespace
 
 import pytest
 
-from cua_rl.app.run_record import choose_run_name, claim_run_name, monitor_lookup
+from cua_rl.app.run_record import choose_run_name, claim_run_name, monitor_lookup, record_fields
 from cua_rl.errors import MonitorError
 from cua_rl.monitor.worker.client import MonitorClientConfig
 from cua_rl.monitor.worker.training import TrainingMonitor
 from cua_rl.serving import bind_free_port
+from tests.app.conftest import load_local
 
 
 def _config(mode: str = "disabled"):
@@ -72,3 +73,35 @@ def test_an_unreachable_monitor_is_an_error_the_claim_survives():
         assert claim_run_name(_config(), url, None) == "cua-grpo-run1"
     finally:
         sock.close()
+
+
+def test_the_record_names_the_w_and_b_run_as_areal_s_stats_logger_does(tmp_path):
+    # AReaL's StatsLogger: wandb.init(project=project or experiment_name, name=name or trial).
+    off = record_fields(load_local(tmp_path))
+    assert (off["wandb_project"], off["wandb_name"]) == (None, None)
+    on = record_fields(
+        load_local(
+            tmp_path, "stats_logger.wandb.mode=offline", "experiment_name=exp", "trial_name=t7"
+        )
+    )
+    assert (on["wandb_project"], on["wandb_name"]) == ("exp", "t7")
+    named = record_fields(
+        load_local(
+            tmp_path,
+            "stats_logger.wandb.mode=online",
+            "stats_logger.wandb.project=proj",
+            "stats_logger.wandb.name=run-a",
+        )
+    )
+    assert (named["wandb_project"], named["wandb_name"]) == ("proj", "run-a")
+
+
+def test_the_record_has_the_lora_rank_groups_and_box_of_the_run(tmp_path):
+    fields = record_fields(load_local(tmp_path, "train_dataset.batch_size=4"))
+    assert fields["lora_rank"] is None  # no LoRA: no rank
+    assert fields["groups_per_batch"] == 4 and fields["box_type"] == "android"
+    lora = load_local(tmp_path, "actor.use_lora=true", "actor.lora_rank=16", "endpoint.mode=direct")
+    assert record_fields(lora)["lora_rank"] == 16
+    assert record_fields(load_local(tmp_path, "agent.action_space=pc"))["box_type"] == "linux"
+    browser = load_local(tmp_path, "agent.action_space=pc", "gym.box_type=browser")
+    assert record_fields(browser)["box_type"] == "browser"

@@ -159,6 +159,57 @@ def test_demo_trains_and_records_everything(demo_run):
     assert f"python -m cua_rl.monitor serve --db {db}" in lines[-1], lines[-3:]
     assert "(train.log" in text and (run_dir / "logs" / "train.log").stat().st_size > 10_000
     assert not _leftovers(str(run_dir)), _leftovers(str(run_dir))
+    _recorded_config_is_the_config_that_ran(db)
+
+
+def _flat(value, prefix: str = "") -> dict:
+    """A config as dotted keys (list items by index), JSON's types."""
+    if isinstance(value, dict):
+        return {
+            k: v for key, item in value.items() for k, v in _flat(item, f"{prefix}{key}.").items()
+        }
+    if isinstance(value, list | tuple):
+        return {
+            k: v for i, item in enumerate(value) for k, v in _flat(item, f"{prefix}{i}.").items()
+        }
+    return {prefix.rstrip("."): value}
+
+
+def _recorded_config_is_the_config_that_ran(db: Path) -> None:
+    """config_json, field by field: AReaL's own dump of the config it loaded (config.yaml in the
+    run's log folder: every default and derived value), with exactly the CPU harness's changes
+    (docs/areal-cpu.md) and the claimed run name on top. The record's own columns come from the
+    same config."""
+    import yaml
+
+    ((config_json, log_path, *columns),) = _rows(
+        db,
+        "SELECT config_json, log_path, lora_rank, groups_per_batch, num_substeps, box_type, "
+        "wandb_project, wandb_name, group_size, batch_size FROM training",
+    )
+    recorded = _flat(json.loads(config_json))
+    loaded = yaml.load((Path(log_path) / "config.yaml").read_text(), Loader=yaml.FullLoader)
+    loaded = _flat(json.loads(json.dumps(loaded, default=str)))
+    vllm_python = os.environ.get("CUA_VLLM_PYTHON") or str(ROOT / ".venv-vllm" / "bin" / "python")
+    cpu = {
+        "vllm.block_size": 32,
+        "vllm.worker_extension_cls": "cua_rl.cpu.vllm_worker.DiskWeightReloadExtension",
+    }
+    for role in ("actor", "rollout"):
+        spec = f"{role}.scheduling_spec.0"
+        cpu |= {
+            f"{spec}.cmd": "python -m cua_rl.cpu.rpc_worker",
+            f"{spec}.cpu": 1,
+            f"{spec}.env_vars.CUA_VLLM_PYTHON": vllm_python,
+            f"{spec}.env_vars.VLLM_CPU_KVCACHE_SPACE": "1",
+            f"{spec}.env_vars.VLLM_CPU_OMP_THREADS_BIND": "nobind",
+        }
+    # The record's name, claimed before the record (run_record.py): a new database, the default.
+    cpu["monitor.run_name"] = f"{loaded['experiment_name']}-{loaded['trial_name']}"
+    differ = {k for k in recorded.keys() | loaded.keys() if recorded.get(k) != loaded.get(k)}
+    assert {k: recorded.get(k) for k in differ} == cpu
+    # configs/local.yaml: no LoRA, 2 tasks x 2 samples a step, 1 minibatch, a phone, no W&B.
+    assert columns == [None, 2, 1, "android", None, None, 2, 2]
 
 
 @pytest.mark.timeout(900)

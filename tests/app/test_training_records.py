@@ -260,3 +260,28 @@ def test_a_running_training_refreshes_its_heartbeat(monitor, tmp_path):
     assert tm.flush(20)
     assert beat() == ended  # a finished training beats no more
     tm.close()
+
+
+def test_a_config_changed_after_its_record_is_recorded_again(monitor, tmp_path):
+    from dataclasses import dataclass, field
+
+    @dataclass
+    class Spec:
+        env_vars: dict = field(default_factory=dict)
+
+    @dataclass
+    class Config:
+        seed: int = 3
+        spec: Spec = field(default_factory=Spec)
+
+    config = Config()
+    tm = _tm(monitor.url, tmp_path)
+    tm.training_started(config=config, total_steps=1, log_path="logs")
+    assert tm.config_ran(config) == []  # unchanged: nothing sent again
+    config.spec.env_vars["NCCL_CUMEM_ENABLE"] = "0"  # as PPOTrainer amends it for SGLang
+    assert tm.config_ran(config) == ["spec.env_vars.NCCL_CUMEM_ENABLE"]
+    assert tm.flush()
+    tm.close()
+    with sqlite3.connect(monitor.db_path) as db:
+        (recorded,) = db.execute("SELECT config_json FROM training").fetchone()
+    assert json.loads(recorded) == {"seed": 3, "spec": {"env_vars": {"NCCL_CUMEM_ENABLE": "0"}}}

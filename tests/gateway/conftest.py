@@ -1,5 +1,5 @@
 """Gateway fixtures: a real vLLM CPU server (cua-rl's module), a gateway on loopback, and a
-hand-written stand-in for AReaL's engine with the three reads the gateway makes."""
+hand-written stand-in for AReaL's engine with the reads the gateway makes."""
 
 from __future__ import annotations
 
@@ -11,24 +11,23 @@ import pytest
 from PIL import Image as PILImage
 
 from cua_rl.gateway import Gateway, GatewayConfig, Sampling, SessionSpec
+from cua_rl.gateway.pauses import Pauses
 from cua_rl.serving import ThreadedServer
 from cua_rl.testing.model_standin import ModelStandIn
 from cua_rl.trajectory.config import TrajectoryConfig
 
 
 class FakeEngine:
-    """Version, pause flag, a failed update and server choice, settable from the test."""
+    """Version, pause flag and server choice, settable from the test; its pauses are measured
+    by the gateway's own record (``cua_rl.gateway.pauses``)."""
 
     def __init__(self, address: str, version: int = 0):
         self.address = address
         self.version = version
         self.paused = threading.Event()
         self.chosen = 0
-        self.failure: str | None = None  # why the weight update in progress failed
         self.waited = threading.Event()  # a call found the rollout paused
-
-    def update_failure(self) -> str | None:
-        return self.failure
+        self.pauses = Pauses()
 
     def get_version(self) -> int:
         return self.version

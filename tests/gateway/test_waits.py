@@ -50,20 +50,6 @@ async def test_a_pause_past_its_bound_fails_the_call_and_says_how_long_it_waited
     assert [e.code for e in gw.close(episode).errors] == ["pause_timeout"]
 
 
-async def test_a_failed_weight_update_fails_the_waiting_call_with_its_reason(standin_episode):
-    standin = ModelStandIn()
-    gw, episode, url, engine = standin_episode(standin)
-    engine.paused.set()
-    engine.failure = "broadcast of the new weights failed"
-    async with httpx.AsyncClient(timeout=60) as http:
-        r = await http.post(f"{url}/chat/completions", json={"messages": [user("x")]})
-    err = _error(r)
-    assert r.status_code == 503 and err["code"] == "weight_update_failed"
-    assert "broadcast of the new weights failed" in err["message"]
-    assert standin.calls == 0
-    gw.close(episode)
-
-
 async def test_a_stream_opens_before_the_model_answers(standin_episode):
     hold = threading.Event()
     standin = ModelStandIn(hold=hold)

@@ -110,6 +110,23 @@ def eval_fields(stats: Mapping[str, Any], prefix: str = "eval-rollout") -> dict[
     return fields
 
 
+def _as_json(config: Any) -> Any:
+    """The config as the monitor stores it (``config_json``); None when it is no dataclass."""
+    try:
+        return json.loads(json.dumps(asdict(config), default=str))
+    except Exception:
+        return None
+
+
+def _changed_keys(before: Any, after: Any, prefix: str = "") -> list[str]:
+    if isinstance(before, dict) and isinstance(after, dict):
+        keys = sorted(set(before) | set(after))
+        return [
+            c for k in keys for c in _changed_keys(before.get(k), after.get(k), f"{prefix}{k}.")
+        ]
+    return [] if before == after else [prefix.rstrip(".") or "(config)"]
+
+
 class TrainingMonitor:
     """Synchronous, never-raising recorder of one training run."""
 
@@ -137,6 +154,7 @@ class TrainingMonitor:
         self._open_evals: set[int] = set()
         self._baseline_open = False
         self._finished = False
+        self._config_json: Any = None  # what config_json last recorded
 
     # ------------------------------------------------------------------ plumbing
 
@@ -212,10 +230,7 @@ class TrainingMonitor:
     # ------------------------------------------------------------------ training
 
     def training_started(self, *, config: Any, total_steps: int | None, **fields: Any) -> None:
-        try:
-            config_json = json.loads(json.dumps(asdict(config), default=str))
-        except Exception:
-            config_json = None
+        config_json = self._config_json = _as_json(config)
         gconfig = getattr(config, "gconfig", None)
         actor = getattr(config, "actor", None)
         record = {
@@ -240,6 +255,18 @@ class TrainingMonitor:
         }
         self._send("training", {k: v for k, v in record.items() if v is not None})
         self._started = True
+
+    def config_ran(self, config: Any) -> list[str]:
+        """The config as the trainer starts to train: recorded again when it differs from the
+        one ``training_started`` recorded (the trainer may amend it as it builds its workers).
+        The keys that changed, dotted."""
+        now = _as_json(config)
+        changed = _changed_keys(self._config_json, now)
+        if changed:
+            self._config_json = now
+            log.info("the config changed after it was recorded (%s): recorded again", changed)
+            self._training(config_json=now)
+        return changed
 
     def _training(self, **fields: Any) -> None:
         self._send("training", {"run_name": self.run, "last_heartbeat": utc_now(), **fields})
