@@ -49,6 +49,11 @@ class ModelStandIn:
         self._arrived = threading.Condition()
         self.app = FastAPI(title="model stand-in")
         self.app.post("/inference/v1/generate")(self.generate)
+        self.app.get("/health")(self.health)
+
+    async def health(self) -> dict:
+        """vLLM's liveness route (the rollout side probes it while the server is out)."""
+        return {}
 
     def wait_calls(self, n: int, timeout: float = 300.0) -> None:
         """Block until ``n`` calls arrived (``timeout`` only guards a test against a hang)."""
