@@ -58,7 +58,10 @@ class PauseConfig:
     )
     probe_initial_s: float = doc(1.0, "Wait before the first probe of a failing service (s).")
     probe_max_s: float = doc(
-        30.0, "Longest wait between two probes (s); the wait doubles from probe_initial_s."
+        10.0,
+        "Longest wait between two probes (s); the wait doubles from probe_initial_s. Each "
+        "failed probe is one entry of failfast's streak: 10 s gives failfast.window=16 its "
+        "entries well within failfast.persist_s=180 even with few episodes in flight.",
     )
     probe_timeout_s: float = doc(
         120.0, "Bound on one probe (s); the gym's probe is an execution's create and terminate."
