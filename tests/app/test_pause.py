@@ -184,13 +184,16 @@ async def test_failed_probes_keep_failfast_running_until_it_stops_with_today_s_a
         pauses.report(outage_of(rejected, created=False), probe, phase="train")
         waiting = asyncio.create_task(pauses.admit())
         tripped = None
-        while tripped is None:
+        # At most one probe per 0.1 s: 100 probes span far more than persist_s.
+        for _ in range(100):
             await within(BOUND_S, told.failed.get())
             tripped = watch.poll()
             streak = watch.streak
             long_enough = streak.last_t - streak.first_t >= config.persist_s
             # It stops at the first poll past the configured time, not before, not later.
             assert (tripped is not None) == (long_enough and streak.count >= config.window)
+            if tripped:
+                break
         assert not waiting.done()
         await pauses.aclose()
         waiting.cancel()
