@@ -249,6 +249,20 @@ def recover(stack: Stack, fault: Fault, log) -> None:
         log(f"{k.removesuffix('_kill')} restarted")
 
 
+SAMPLE_EVERY_S = 30.0  # the role table's figures over time, after warm-up (rss.csv)
+
+
+def record_sample(path: Path, at_s: float, sample: dict) -> None:
+    """One line per role: seconds since the start, processes, RSS MiB, fds, sockets. Whether a
+    role's memory grows steadily or levels off is read from these, not from two points."""
+    new = not path.exists()
+    with open(path, "a", encoding="utf-8") as f:
+        if new:
+            f.write("t_s,role,procs,rss_mib,fds,sockets\n")
+        for role, (procs, rss, fds, socks) in sorted(sample.items()):
+            f.write(f"{at_s:.0f},{role},{procs},{rss:.1f},{fds},{socks}\n")
+
+
 def run(args, stack: Stack, log) -> dict:
     """Warm up, inject the schedule until the deadline, stop the trainer; what was sampled."""
     from cua_rl.testing.cache import ensure_model
@@ -263,6 +277,7 @@ def run(args, stack: Stack, log) -> dict:
     out: dict = {"faults": [], "warm_at": None, "warm": {}, "end": {}, "early_exit": False}
     pending: list[Fault] = []
     undo: list[Fault] = []
+    next_sample = 0.0
     while (now := time.monotonic() - stack.t0) < deadline:
         if stack.trainer.poll() is not None:
             log(f"the trainer exited {stack.trainer.returncode} before the deadline")
@@ -284,6 +299,9 @@ def run(args, stack: Stack, log) -> dict:
         for f in [f for f in undo if f.end_s <= now]:
             recover(stack, f, log)
             undo.remove(f)
+        if out["warm_at"] is not None and now >= next_sample:
+            record_sample(stack.run_dir / "rss.csv", now, stack.sample())
+            next_sample = now + SAMPLE_EVERY_S
         time.sleep(1.0)
     for f in undo:
         recover(stack, f, log)
