@@ -261,6 +261,13 @@ _PER_LOOP: weakref.WeakKeyDictionary[asyncio.AbstractEventLoop, Pauses] = (
 )
 
 
+async def close_loop_pauses() -> None:
+    """Stop the running loop's probes, if it has any (the run's drain, before the loop stops)."""
+    pauses = _PER_LOOP.get(asyncio.get_running_loop())
+    if pauses is not None:
+        await pauses.aclose()
+
+
 def loop_pauses(config: PauseConfig, records: Callable[[], PauseRecords]) -> Pauses:
     """The running loop's ``Pauses`` (made on first use): every workflow of a worker, train and
     eval alike, waits on the same services."""

@@ -243,3 +243,20 @@ async def test_an_agent_or_model_server_outage_pauses_until_it_is_restored(servi
         proxy.restore()
         assert await within(BOUND_S, waiting) > 0
         assert not pauses.open and proxy.dropped >= 2
+
+
+async def test_the_run_s_end_stops_the_loop_s_probes():
+    from cua_rl.rollout.pause import close_loop_pauses, loop_pauses
+
+    async def never_up():
+        raise GymError("create answered 503", status=503)
+
+    told = Told(RUN)
+    pauses = loop_pauses(FAST, lambda: told)
+    assert loop_pauses(FAST, lambda: told) is pauses  # one per loop
+    pauses.report(Outage(GYM, "gym_error", "503"), never_up, phase="train")
+    await within(BOUND_S, told.failed.get())
+    (prober,) = pauses._probers
+    await close_loop_pauses()
+    assert prober.done()
+    assert loop_pauses(FAST, lambda: told) is not pauses  # a later run starts with none open
