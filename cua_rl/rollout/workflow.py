@@ -30,6 +30,7 @@ from areal.api.workflow_api import RolloutWorkflow
 from cua_rl.core.reasons import AGENT_PREFIX, Reason, agent_reason
 from cua_rl.errors import ConfigError, CuaRlError, GymError, RejectedEpisode
 from cua_rl.gateway import AReaLEngineView, SessionSpec, gateway_for
+from cua_rl.heap import release_free_memory
 from cua_rl.logs import get_logger
 from cua_rl.mini_agent import RunDriver, RunSpec
 from cua_rl.monitor.worker.context import MonitorContext
@@ -305,6 +306,8 @@ class CUAAgentWorkflow(RolloutWorkflow):
         )
         async with Phase(episode, "convert_s"):
             episode.conversion = await self.build_row(episode)
+            # The episode's screenshots were processed in pool threads (cua_rl/heap.py).
+            await asyncio.to_thread(release_free_memory)
         await self.record_episode(episode, recorder)
         result = episode.conversion
         if result.row is None:
