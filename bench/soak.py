@@ -354,6 +354,7 @@ def read_back(stack: Stack, faults: list[Fault]) -> dict:
         t = reader.latest_training()
         rows = reader.training_rollout_outcomes(t["id"]) if t else []
         integrity = reader.record_integrity()
+        pauses = reader.pause_table(t["id"]) if t else []
         shots = reader.screenshot_totals()
         steps = len(reader.finished_steps(t["id"])) if t else 0
         status = t["status"] if t else "none"
@@ -383,6 +384,7 @@ def read_back(stack: Stack, faults: list[Fault]) -> dict:
         "steps": steps,
         "status": status,
         "error": error,
+        "pauses": pauses,
     }
 
 
@@ -417,17 +419,26 @@ def report(out: dict, back: dict, stack: Stack) -> list[str]:
     for ep in acc.unexplained:
         lines.append(f"  UNEXPLAINED {ep.rollout_id} {ep.reason or '(no reason)'} at {ep.end_s}s")
     counters = out["gym_counters"]
-    box_gap = counters["created"] - integ["boxes"] - back["surplus"]
+    # A gym pause ends with its probe's create (terminated at once, no episode's record).
+    probes = sum(1 for p in back["pauses"] if p["service"] == "gym" and p["end_time"])
+    box_gap = counters["created"] - integ["boxes"] - back["surplus"] - probes
     lines += [
         f"gym: {out['gym_live']} executions alive at the end {out['gym_alive'][:8]}; "
         f"created {counters['created']}, terminated {counters['terminated']}, expired "
         f"{counters['expired']}, faults {counters['faults']}",
         f"monitor: open at the end: {acc.open} rollouts, {integ['open_environments']} "
         f"environments; lost: {len(back['lost'])} rejections, {max(box_gap, 0)} gym executions "
-        f"with no environment record (created - recorded boxes - surplus = {box_gap}); "
+        f"with no environment record (created - recorded boxes - surplus - probes = {box_gap}); "
         "duplicated: " + ", ".join(f"{integ[k]} {k.removeprefix('duplicate_')}" for k in DUPS),
     ]
     lines += [f"  LOST {line}" for line in back["lost"]]
+    for service in sorted({p["service"] for p in back["pauses"]}):
+        mine = [p for p in back["pauses"] if p["service"] == service]
+        lines.append(
+            f"pauses {service}: {len(mine)}, {sum(1 for p in mine if not p['end_time'])} open, "
+            f"{sum(p['duration_s'] or 0 for p in mine):.0f}s in all, "
+            f"{sum(p['probes'] or 0 for p in mine)} failed probes"
+        )
     settled = f"{SETTLE_S:.0f}s after" if out["settled"] else "at (the run ended before it settled)"
     lines.append(f"roles (warm: {settled} the first step; rss.csv every {SAMPLE_EVERY_S:.0f}s):")
     lines.append(f"{'role':<13} {'procs':>5} {'RSS MiB warm':>12} {'end':>8} {'x':>5} "
