@@ -64,7 +64,9 @@ class PauseConfig:
         "entries well within failfast.persist_s=180 even with few episodes in flight.",
     )
     probe_timeout_s: float = doc(
-        120.0, "Bound on one probe (s); the gym's probe is an execution's create and terminate."
+        60.0,
+        "Bound on one probe of the agent service or the model server (s). The gym's probe is an "
+        "execution's create and terminate, bounded by gym.timeouts (a box may take minutes).",
     )
 
     def __post_init__(self) -> None:
@@ -208,7 +210,7 @@ class Pauses:
         while True:
             await asyncio.sleep(delay)
             try:
-                await within(cfg.probe_timeout_s, probe())
+                await probe()
                 break
             except (CuaRlError, httpx.HTTPError, OSError, TimeoutError) as exc:
                 pause.probes += 1
@@ -247,13 +249,15 @@ async def model_server_probe(http: httpx.AsyncClient, server: str) -> None:
         )
 
 
-def probe_for(service: str, *, genv, agent, http, task_id: str, model_server: str) -> Probe:
-    """The probe of ``service``: what an episode would ask of it first."""
+def probe_for(
+    service: str, config: PauseConfig, *, genv, agent, http, task_id: str, model_server: str
+) -> Probe:
+    """The probe of ``service``: what an episode would ask of it first, bounded."""
     if service == GYM:
-        return lambda: gym_probe(genv, task_id)
+        return lambda: gym_probe(genv, task_id)  # the gym client's own timeouts bound it
     if service == AGENT:
-        return agent.probe
-    return lambda: model_server_probe(http, model_server)
+        return lambda: within(config.probe_timeout_s, agent.probe())
+    return lambda: within(config.probe_timeout_s, model_server_probe(http, model_server))
 
 
 _PER_LOOP: weakref.WeakKeyDictionary[asyncio.AbstractEventLoop, Pauses] = (

@@ -126,6 +126,7 @@ class CUAAgentWorkflow(RolloutWorkflow):
             server = str(engine.choose_server())
         probe = probe_for(
             outage.service,
+            self.settings.pause,
             genv=genv,
             agent=agent,
             http=http,

@@ -137,7 +137,9 @@ async def test_a_gym_failing_every_create_pauses_new_episodes_until_it_answers(g
         rejected = await _rejected_create(genv, task_id)  # the episode in flight
         outage = outage_of(rejected, created=False)
         assert outage is not None and outage.service == GYM and "500" in outage.error
-        probe = probe_for(GYM, genv=genv, agent=None, http=None, task_id=task_id, model_server="")
+        probe = probe_for(
+            GYM, FAST, genv=genv, agent=None, http=None, task_id=task_id, model_server=""
+        )
         pause = pauses.report(outage, probe, phase="train")
         assert pauses.report(outage, probe, phase="train") is None  # one pause per service
         waiting = asyncio.create_task(pauses.admit())  # the next episode
@@ -180,7 +182,9 @@ async def test_failed_probes_keep_failfast_running_until_it_stops_with_today_s_a
         task_id = await _first_task(genv)
         rejected = await _rejected_create(genv, task_id)
         outcomes.record(accepted=False, reason=rejected.reason, phase="train")
-        probe = probe_for(GYM, genv=genv, agent=None, http=None, task_id=task_id, model_server="")
+        probe = probe_for(
+            GYM, FAST, genv=genv, agent=None, http=None, task_id=task_id, model_server=""
+        )
         pauses.report(outage_of(rejected, created=False), probe, phase="train")
         waiting = asyncio.create_task(pauses.admit())
         tripped = None
@@ -217,7 +221,7 @@ async def _service_behind_proxy(service: str, stack):
     agent = MiniAgentClient(proxy.url, client=http)
     server_addr = proxy.url.removeprefix("http://")
     probe = probe_for(
-        service, genv=None, agent=agent, http=http, task_id="", model_server=server_addr
+        service, FAST, genv=None, agent=agent, http=http, task_id="", model_server=server_addr
     )
     return probe, proxy
 
