@@ -249,6 +249,21 @@ def recover(stack: Stack, fault: Fault, log) -> None:
         log(f"{k.removesuffix('_kill')} restarted")
 
 
+SAMPLE_EVERY_S = 30.0  # the role table's figures over time, after warm-up (rss.csv)
+SETTLE_S = 120.0  # the role table's "warm" column: this long after the first step
+
+
+def record_sample(path: Path, at_s: float, sample: dict) -> None:
+    """One line per role: seconds since the start, processes, RSS MiB, fds, sockets. Whether a
+    role's memory grows steadily or levels off is read from these, not from two points."""
+    new = not path.exists()
+    with open(path, "a", encoding="utf-8") as f:
+        if new:
+            f.write("t_s,role,procs,rss_mib,fds,sockets\n")
+        for role, (procs, rss, fds, socks) in sorted(sample.items()):
+            f.write(f"{at_s:.0f},{role},{procs},{rss:.1f},{fds},{socks}\n")
+
+
 def run(args, stack: Stack, log) -> dict:
     """Warm up, inject the schedule until the deadline, stop the trainer; what was sampled."""
     from cua_rl.testing.cache import ensure_model
@@ -260,9 +275,17 @@ def run(args, stack: Stack, log) -> dict:
     stack.t0, stack.t0_utc = time.monotonic(), utc_now()
     deadline = args.minutes * 60.0
     stack.start_trainer(model_dir)
-    out: dict = {"faults": [], "warm_at": None, "warm": {}, "end": {}, "early_exit": False}
+    out: dict = {
+        "faults": [],
+        "warm_at": None,
+        "warm": {},
+        "settled": False,
+        "end": {},
+        "early_exit": False,
+    }
     pending: list[Fault] = []
     undo: list[Fault] = []
+    next_sample = 0.0
     while (now := time.monotonic() - stack.t0) < deadline:
         if stack.trainer.poll() is not None:
             log(f"the trainer exited {stack.trainer.returncode} before the deadline")
@@ -284,6 +307,14 @@ def run(args, stack: Stack, log) -> dict:
         for f in [f for f in undo if f.end_s <= now]:
             recover(stack, f, log)
             undo.remove(f)
+        if out["warm_at"] is not None and now >= next_sample:
+            sample = stack.sample()
+            record_sample(stack.run_dir / "rss.csv", now, sample)
+            next_sample = now + SAMPLE_EVERY_S
+            if not out["settled"] and now >= out["warm_at"] + SETTLE_S:
+                # The role table's baseline: the actor's optimizer state and every allocator
+                # fill during the first steps, so the first step's figures are not steady.
+                out["warm"], out["settled"] = sample, True
         time.sleep(1.0)
     for f in undo:
         recover(stack, f, log)
@@ -323,6 +354,7 @@ def read_back(stack: Stack, faults: list[Fault]) -> dict:
         t = reader.latest_training()
         rows = reader.training_rollout_outcomes(t["id"]) if t else []
         integrity = reader.record_integrity()
+        pauses = reader.pause_table(t["id"]) if t else []
         shots = reader.screenshot_totals()
         steps = len(reader.finished_steps(t["id"])) if t else 0
         status = t["status"] if t else "none"
@@ -352,6 +384,7 @@ def read_back(stack: Stack, faults: list[Fault]) -> dict:
         "steps": steps,
         "status": status,
         "error": error,
+        "pauses": pauses,
     }
 
 
@@ -386,17 +419,28 @@ def report(out: dict, back: dict, stack: Stack) -> list[str]:
     for ep in acc.unexplained:
         lines.append(f"  UNEXPLAINED {ep.rollout_id} {ep.reason or '(no reason)'} at {ep.end_s}s")
     counters = out["gym_counters"]
-    box_gap = counters["created"] - integ["boxes"] - back["surplus"]
+    # A gym pause ends with its probe's create (terminated at once, no episode's record).
+    probes = sum(1 for p in back["pauses"] if p["service"] == "gym" and p["end_time"])
+    box_gap = counters["created"] - integ["boxes"] - back["surplus"] - probes
     lines += [
         f"gym: {out['gym_live']} executions alive at the end {out['gym_alive'][:8]}; "
         f"created {counters['created']}, terminated {counters['terminated']}, expired "
         f"{counters['expired']}, faults {counters['faults']}",
         f"monitor: open at the end: {acc.open} rollouts, {integ['open_environments']} "
         f"environments; lost: {len(back['lost'])} rejections, {max(box_gap, 0)} gym executions "
-        f"with no environment record (created - recorded boxes - surplus = {box_gap}); "
+        f"with no environment record (created - recorded boxes - surplus - probes = {box_gap}); "
         "duplicated: " + ", ".join(f"{integ[k]} {k.removeprefix('duplicate_')}" for k in DUPS),
     ]
     lines += [f"  LOST {line}" for line in back["lost"]]
+    for service in sorted({p["service"] for p in back["pauses"]}):
+        mine = [p for p in back["pauses"] if p["service"] == service]
+        lines.append(
+            f"pauses {service}: {len(mine)}, {sum(1 for p in mine if not p['end_time'])} open, "
+            f"{sum(p['duration_s'] or 0 for p in mine):.0f}s in all, "
+            f"{sum(p['probes'] or 0 for p in mine)} failed probes"
+        )
+    settled = f"{SETTLE_S:.0f}s after" if out["settled"] else "at (the run ended before it settled)"
+    lines.append(f"roles (warm: {settled} the first step; rss.csv every {SAMPLE_EVERY_S:.0f}s):")
     lines.append(f"{'role':<13} {'procs':>5} {'RSS MiB warm':>12} {'end':>8} {'x':>5} "
                  f"{'fds warm':>8} {'end':>5} {'sockets warm':>12} {'end':>5}")  # fmt: skip
     for role in sorted(set(out["warm"]) | set(out["end"])):

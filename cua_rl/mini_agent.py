@@ -107,8 +107,13 @@ class MiniAgentClient:
         data = await self._request("POST", "/runs", json=body)
         run_id = data.get("runId") if isinstance(data, dict) else None
         if not run_id:
-            raise AgentError(f"POST /runs answered without runId: {data!r}", body=data)
+            raise AgentError(f"POST /runs answered without runId: {data!r}", status=200, body=data)
         return str(run_id)
+
+    async def probe(self) -> None:
+        """Raises ``AgentError`` unless the service answers: no health endpoint is known, so a
+        lookup of a run that does not exist (a 404 is an answer) stands in for one."""
+        await self._request("GET", "/runs/cua-rl-probe", none_on_404=True)
 
     async def get_run(self, run_id: str) -> dict:
         """``GET /runs/{id}`` -> ``{status, reason, ...}``."""
@@ -267,6 +272,8 @@ class RunSummary:
     transient failures in a row), ``create_failed`` (POST /runs failed; retried only while no
     connection could be opened, ``create_retries`` counts those, since any other retry could
     start a second run on the execution), ``bad_events`` (an event broke the format).
+    ``create_unavailable``: the create failed because the service is down (no connection, no
+    answer in time, or a 5xx), not because it refused this run (a 4xx).
     """
 
     run_id: str | None
@@ -281,6 +288,7 @@ class RunSummary:
     ended_at: float = 0.0
     polls: int = 0
     create_retries: int = 0
+    create_unavailable: bool = False
 
     @property
     def terminal(self) -> bool:
@@ -353,6 +361,8 @@ class RunDriver:
         except (AgentError, TimeoutError) as exc:
             summary.status, summary.reason = "failed", "create_failed"
             summary.errors.append(f"create_run: {exc}")
+            status = getattr(exc, "status", None)
+            summary.create_unavailable = status is None or status >= 500
             return
         run_id = summary.run_id
         interval = cfg.poll_initial_s

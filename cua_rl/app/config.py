@@ -41,6 +41,7 @@ from cua_rl.rollout.groups import (
     GroupNormConfig,
     GroupSettings,
 )
+from cua_rl.rollout.pause import PauseConfig
 from cua_rl.rollout.settings import (
     AgentSection,
     EndpointSection,
@@ -177,6 +178,10 @@ class CUAConfig(GRPOConfig):
     )
     drain: DrainConfig = doc(
         help="How the episodes in flight are closed when the run ends", factory=DrainConfig
+    )
+    pause: PauseConfig = doc(
+        help="New episodes wait while the gym, the agent or the model server fails",
+        factory=PauseConfig,
     )
     workflow: str = doc(
         DEFAULT_WORKFLOW,
@@ -427,6 +432,7 @@ class CUAConfig(GRPOConfig):
             gateway=self.gateway,
             outcome_dir=outcome_dir if self.failfast.window else "",
             drain=self.drain,
+            pause=self.pause,
             group=GroupSettings(
                 size=gconfig.n_samples,
                 zero_variance_tol=self.curriculum.zero_variance_tol,

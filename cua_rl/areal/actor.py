@@ -6,7 +6,8 @@ Qwen2.5-VL image positions, ``cua_rl.areal.positions``) is therefore applied by 
 module, and every fsdp train engine (actor, reference, teacher) is made from a class defined here
 or in a module that imports it: ``CuaPPOActor`` (AReaL's ``FSDPPPOActor`` unchanged) when
 ``logits.selective`` is off, ``logits_engine.SelectiveLogitsPPOActor`` (its subclass) when on.
-So an optimisation switch never decides whether a fix applies.
+So an optimisation switch never decides whether a fix applies. ``CuaPPOActor.ppo_update`` returns
+the heap's free pages after each update (``cua_rl.heap``).
 
 ``ActorMixin`` overrides ``PPOTrainer._create_train_engine`` (declared in
 ``cua_rl.areal.support``) with AReaL's fsdp branch and ``actor_class``; other backends
@@ -23,6 +24,7 @@ from areal.engine.fsdp_engine import FSDPPPOActor
 from areal.utils.environ import is_single_controller
 
 from cua_rl.areal.positions import fix_qwen2_5_vl_image_positions
+from cua_rl.heap import release_free_memory
 
 # Workers import this module by the engine's dotted path: the trainer's Qwen2.5-VL positions
 # then match vLLM's.
@@ -31,6 +33,11 @@ fix_qwen2_5_vl_image_positions()
 
 class CuaPPOActor(FSDPPPOActor):
     """AReaL's FSDP PPO actor; its module applies the trainer-side fixes on import."""
+
+    def ppo_update(self, *args, **kwargs) -> None:
+        super().ppo_update(*args, **kwargs)
+        # Each update frees tensors of this step's shapes; give the pages back (cua_rl/heap.py).
+        release_free_memory()
 
 
 class ActorMixin:

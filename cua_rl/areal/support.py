@@ -98,6 +98,7 @@ RELIANCES: tuple[Reliance, ...] = (
     Reliance(_FSDP, "FSDPPPOActor.forward_backward_batch", _LOGITS),
     Reliance(_FSDP, "FSDPPPOActor.forward_batch", _LOGITS),
     Reliance(_FSDP, "FSDPPPOActor._prepare_mb_inputs", _LOGITS),
+    Reliance(_FSDP, "FSDPPPOActor.ppo_update", "areal/actor.py overrides (trims the heap after)"),
     Reliance(_FSDP, "FSDPPPOActor._compute_logprobs", _LOGITS),
     Reliance(_FSDP, "FSDPPPOActor._compute_logprobs_entropy", _LOGITS),
     Reliance(_FSDP, "FSDPPPOActor._get_vocab_min_max_logits", _LOGITS),

@@ -25,6 +25,7 @@ RECORD_TABLES: dict[str, str] = {
     "steps": "step",
     "baselines": "baseline",
     "evals": "eval",
+    "pauses": "service_pause",
     "rollouts": "rollout",
     "environments": "environment",
     "turns": "turn",
@@ -92,6 +93,11 @@ def eval_client_id(training: int | str, step: int) -> str:
 
 def baseline_client_id(training: int | str, suffix: str | int = 0) -> str:
     return f"baseline-{training}-{suffix}"
+
+
+def pause_client_id(training: int | str, service: str, started: float, worker: str) -> str:
+    """A service pause of one worker: its training, the service, the start (epoch seconds)."""
+    return f"pause-{training}-{service}-{worker}-{started:.3f}"
 
 
 def environment_client_id(rollout_uuid: str) -> str:

@@ -30,6 +30,7 @@ from typing import Any
 
 from cua_rl.errors import ConfigError
 from cua_rl.logs import get_logger
+from cua_rl.rollout.pause import close_loop_pauses
 from cua_rl.rollout.services import loop_monitors
 
 log = get_logger(__name__)
@@ -146,7 +147,8 @@ class Drain:
     async def flush(self, timeout: float) -> bool:
         """Flush every monitor client of the running loop (the shared Services' clients, so
         the records of episodes that ended just before the drain go out too, before the loop
-        stops); False if one did not finish."""
+        stops); False if one did not finish. A service's probes stop first."""
+        await close_loop_pauses()
         done = await asyncio.gather(*(m.flush(timeout=timeout) for m in loop_monitors()))
         return all(done)
 

@@ -26,8 +26,13 @@ class OutcomeLog:
         self.clock = clock  # wall clock: the controller compares times of several workers
         self.path = self.directory / f"outcomes-{socket.gethostname()}-{os.getpid()}.jsonl"
 
-    def record(self, *, accepted: bool, reason: str | None, phase: str) -> None:
-        line = json.dumps({"t": self.clock(), "ok": accepted, "reason": reason, "phase": phase})
+    def record(
+        self, *, accepted: bool, reason: str | None, phase: str, probe: bool = False
+    ) -> None:
+        """One episode's outcome; ``probe``: a failed probe of a paused service
+        (``cua_rl.rollout.pause``), which failfast counts as a rejection for ``reason``."""
+        rec = {"t": self.clock(), "ok": accepted, "reason": reason, "phase": phase}
+        line = json.dumps({**rec, "probe": True} if probe else rec)
         try:
             self.directory.mkdir(parents=True, exist_ok=True)
             with open(self.path, "a", encoding="utf-8") as f:

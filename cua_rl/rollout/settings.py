@@ -17,6 +17,7 @@ from cua_rl.mini_agent import DriverConfig
 from cua_rl.reward import RewardConfig
 from cua_rl.rollout.drain import DrainConfig
 from cua_rl.rollout.groups import GroupSettings
+from cua_rl.rollout.pause import PauseConfig
 from cua_rl.tasks import TaskSelectionConfig, TaskSourceConfig
 from cua_rl.trajectory.config import TrajectoryConfig
 
@@ -140,3 +141,5 @@ class WorkflowSettings:
     # The group filter's settings (train phase): episodes per group, zero-variance tolerance,
     # the per-group normalisation of episode rewards.
     group: GroupSettings = field(default_factory=GroupSettings)
+    # Whether and how new episodes wait while a service fails (cua_rl.rollout.pause).
+    pause: PauseConfig = field(default_factory=PauseConfig)

@@ -9,7 +9,8 @@ gateway captured (``endpoint.mode=direct``: from the agent's own event log) with
 functions of ``cua_rl.trajectory``: one row per run of calls that extend one another, so every
 call is trained whatever the agent keeps in its context; the group filter
 (``cua_rl.rollout.groups``) then gives every row its episode's group-normalised reward. Infrastructure failures return ``None`` with a counted reason;
-a task the agent failed is a row with reward 0. When the run ends, the episodes still in flight
+a task the agent failed is a row with reward 0. While the gym, the agent service or the model
+server fails, new episodes wait at their start (``cua_rl.rollout.pause``). When the run ends, the episodes still in flight
 are cancelled and closed within ``drain.timeout_s`` (``cua_rl.rollout.drain``).
 
 Users customise it by overriding the hooks: ``build_run_spec``, ``compute_reward``, ``build_row``
@@ -29,6 +30,7 @@ from areal.api.workflow_api import RolloutWorkflow
 from cua_rl.core.reasons import AGENT_PREFIX, Reason, agent_reason
 from cua_rl.errors import ConfigError, CuaRlError, GymError, RejectedEpisode
 from cua_rl.gateway import AReaLEngineView, SessionSpec, gateway_for
+from cua_rl.heap import release_free_memory
 from cua_rl.logs import get_logger
 from cua_rl.mini_agent import RunDriver, RunSpec
 from cua_rl.monitor.worker.context import MonitorContext
@@ -45,6 +47,14 @@ from cua_rl.rollout.drain import (
 from cua_rl.rollout.episode import Episode, Phase, episode_stats, gateway_reason
 from cua_rl.rollout.groups import complete_groups  # noqa: F401  (an older dotted path)
 from cua_rl.rollout.outcomes import OutcomeLog
+from cua_rl.rollout.pause import (
+    MODEL_SERVER,
+    PauseRecords,
+    Pauses,
+    loop_pauses,
+    outage_of,
+    probe_for,
+)
 from cua_rl.rollout.placement import is_surplus, rollout_source
 from cua_rl.rollout.services import Services
 from cua_rl.rollout.settings import WorkflowSettings
@@ -88,7 +98,42 @@ class CUAAgentWorkflow(RolloutWorkflow):
 
     async def aclose(self) -> None:
         """Flush the monitor and close HTTP clients (tests and train.py call this)."""
+        await self.pauses().aclose()
         await self.services.aclose()
+
+    def pauses(self) -> Pauses:
+        """The running loop's service pauses, shared by the worker's workflows."""
+        outcome = self._outcomes.record if self._outcomes else None
+        return loop_pauses(
+            self.settings.pause,
+            lambda: PauseRecords(
+                self.settings.training_ref, outcome, lambda: self.services.monitor
+            ),
+        )
+
+    def pause_for(self, engine, episode: Episode, exc: RejectedEpisode) -> None:
+        """Hold new episodes when ``exc`` is its service's failure, not the episode's."""
+        run = episode.run.summary if episode.run else None
+        created = episode.execution_id is not None
+        outage = outage_of(
+            exc, created=created, agent_unavailable=bool(run and run.create_unavailable)
+        )
+        if outage is None:
+            return
+        genv, agent, http = self.services.clients()
+        server = self.settings.gateway.model_server_url
+        if outage.service == MODEL_SERVER and not server:
+            server = str(engine.choose_server())
+        probe = probe_for(
+            outage.service,
+            self.settings.pause,
+            genv=genv,
+            agent=agent,
+            http=http,
+            task_id=episode.task_id,
+            model_server=server,
+        )
+        self.pauses().report(outage, probe, phase=self.settings.phase)
 
     def open_model_endpoint(self, engine, episode: Episode) -> str:
         """The agent's OpenAI base URL: this episode's gateway URL, or (direct mode) the
@@ -195,10 +240,13 @@ class CUAAgentWorkflow(RolloutWorkflow):
 
     @drained_episode
     async def arun_episode(self, engine, data: dict[str, Any]) -> dict[str, Any] | None:
+        waited = await self.pauses().admit()
         scope = workflow_context.stat_scope()
         episode = Episode(
             data=dict(data), rollout_uuid=str(uuid.uuid4()), version=int(engine.get_version())
         )
+        if waited:
+            episode.timings["pause_wait_s"] = waited
         surplus = self.is_surplus(episode.version)
         if surplus:
             log.info(
@@ -224,6 +272,7 @@ class CUAAgentWorkflow(RolloutWorkflow):
         except RejectedEpisode as exc:
             self._count(scope, episode, reason=exc.reason)
             log.warning("episode %s rejected: %s", episode.rollout_uuid, exc)
+            self.pause_for(engine, episode, exc)
             await recorder.fail(exc.reason, error_message=str(exc))
             return None
         except CuaRlError as exc:
@@ -258,6 +307,8 @@ class CUAAgentWorkflow(RolloutWorkflow):
         )
         async with Phase(episode, "convert_s"):
             episode.conversion = await self.build_row(episode)
+            # The episode's screenshots were processed in pool threads (cua_rl/heap.py).
+            await asyncio.to_thread(release_free_memory)
         await self.record_episode(episode, recorder)
         result = episode.conversion
         if result.row is None:

@@ -33,6 +33,11 @@ def _status_kib(field: str) -> int:
     return int(match.group(1))
 
 
+def rss_bytes() -> int:
+    """This process's resident memory now."""
+    return _status_kib("VmRSS") << 10
+
+
 @dataclass
 class Peak:
     """RSS before the measured code, the highest RSS during it, and its wall time."""

@@ -14,15 +14,12 @@ import threading
 
 from fastapi import FastAPI, Request
 
-from cua_rl.gateway.pauses import Pauses
-
 
 class StaticEngine:
     """What the gateway reads of AReaL's engine, for benches: one server, never paused."""
 
     def __init__(self, address: str):
         self.address = address
-        self.pauses = Pauses()  # never paused: nothing to measure
 
     def get_version(self) -> int:
         return 0
@@ -52,8 +49,11 @@ class ModelStandIn:
         self._arrived = threading.Condition()
         self.app = FastAPI(title="model stand-in")
         self.app.post("/inference/v1/generate")(self.generate)
-        # vLLM's health route, which AReaL's engine polls before it uses a server.
-        self.app.get("/health")(lambda: {})
+        self.app.get("/health")(self.health)
+
+    async def health(self) -> dict:
+        """vLLM's liveness route (the rollout side probes it while the server is out)."""
+        return {}
 
     def wait_calls(self, n: int, timeout: float = 300.0) -> None:
         """Block until ``n`` calls arrived (``timeout`` only guards a test against a hang)."""

@@ -6,6 +6,7 @@ exposing exactly what the workflow and the gateway use of AReaL's engine (``get_
 from __future__ import annotations
 
 import asyncio
+import json
 import sqlite3
 
 import httpx
@@ -24,6 +25,7 @@ from cua_rl.reward import RewardConfig
 from cua_rl.rollout import groups
 from cua_rl.rollout.episode import Episode
 from cua_rl.rollout.groups import GroupSettings
+from cua_rl.rollout.pause import PauseConfig
 from cua_rl.rollout.settings import AgentSection, EndpointSection, GymSection, WorkflowSettings
 from cua_rl.rollout.workflow import CUAAgentWorkflow
 from cua_rl.serving import ThreadedServer, bind_free_port
@@ -273,6 +275,63 @@ async def test_faults_end_as_none_with_a_reason_and_no_open_execution(
     stats = _rollout_stats()
     assert stats.get(f"rollout/cua/rejected/{reason}") == 1.0, stats
     assert stats["rollout/cua/accepted"] == 0.0
+    assert await _open_executions(gym) == []
+
+
+async def test_a_gym_failing_every_create_holds_new_episodes_until_it_answers(
+    gym, agent, vllm_server, tiny_vl_model_dir, monitor, easy_task, tmp_path
+):
+    """The episode in flight is rejected gym_error; the next one waits at its start (no box, no
+    rollout record) while the gym is probed, and runs to a row once the gym answers."""
+    workflow_context.set(workflow_context.WorkflowContext(is_eval=False))
+    _rollout_stats()
+    outcomes = tmp_path / "outcomes"
+    settings = _settings(
+        gym,
+        agent,
+        vllm_server,
+        tiny_vl_model_dir,
+        monitor,
+        pause=PauseConfig(probe_initial_s=0.05, probe_max_s=0.2),
+        outcome_dir=str(outcomes),
+    )
+    wf = CUAAgentWorkflow(settings)
+    engine = _engine(vllm_server)
+    await _set_faults(gym, create={"fail_rate": 1.0})
+    try:
+        assert await wf.arun_episode(engine, dict(easy_task)) is None
+        pause = wf.pauses().open["gym"]
+        waiting = asyncio.create_task(wf.arun_episode(engine, dict(easy_task)))
+        for _ in range(3000):  # a bound for a hung prober, not its speed
+            if pause.probes >= 2:
+                break
+            await asyncio.sleep(0.02)
+        assert pause.probes >= 2 and not waiting.done()
+        await wf.services.monitor.flush()
+        db = sqlite3.connect(monitor.db_path)
+        assert db.execute("SELECT COUNT(*) FROM rollout").fetchone() == (1,)  # it has not started
+        await _set_faults(gym)
+        row = await waiting
+    finally:
+        await wf.aclose()
+        await _set_faults(gym)
+    assert row is not None and pause.ended is not None
+    stats = _rollout_stats()
+    assert stats["rollout/cua/time/pause_wait_s"] > 0, stats
+    statuses = db.execute("SELECT status, status_message FROM rollout ORDER BY id").fetchall()
+    assert [s for s, _ in statuses] == ["failed", "completed"], statuses
+    assert statuses[0][1] == "gym_error", statuses
+    (service, probes, end) = db.execute(
+        "SELECT service, probes, end_time FROM service_pause"
+    ).fetchone()
+    db.close()
+    assert service == "gym" and probes >= 2 and end is not None
+    lines = [json.loads(x) for f in outcomes.iterdir() for x in f.read_text().splitlines()]
+    assert [(x["ok"], x.get("probe", False)) for x in lines] == [
+        (False, False),
+        *[(False, True)] * probes,
+        (True, False),
+    ]
     assert await _open_executions(gym) == []
 
 

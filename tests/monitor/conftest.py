@@ -266,6 +266,17 @@ def full_batch(run_name: str | None = None) -> dict:
             }
         ],
         "evals": [{"training_client_id": run, "step": 1, "model_path": "m1", "status": "running"}],
+        "pauses": [
+            {
+                "client_id": f"pause-{run}-gym-w-1.000",
+                "training_client_id": run,
+                "service": "gym",
+                "reason": "gym_error",
+                "error_message": "gym create answered 500",
+                "start_time": 1.0,
+                "probes": 2,
+            }
+        ],
         "rollouts": [
             {
                 "client_id": rollout_uuid,

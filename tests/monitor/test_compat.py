@@ -433,13 +433,14 @@ def test_migration_3_keeps_an_existing_database(tmp_path):
     history_before = conn.execute("SELECT count(*) FROM status_history").fetchone()[0]
     conn.close()
 
-    store = MonitorStore(path)  # opening applies migration 3
+    store = MonitorStore(path)  # opening applies migration 3 (and the later ones)
     try:
         conn = store._reader()
         assert [tuple(r) for r in conn.execute("SELECT version FROM schema_migrations")] == [
             (1,),
             (2,),
             (3,),
+            (4,),
         ]
         rows = conn.execute("SELECT id, rollout_id, status FROM environment ORDER BY id").fetchall()
         assert [tuple(r) for r in rows] == [(1, 1, "creating"), (2, 1, "running")]

@@ -192,6 +192,38 @@ def test_training_page_has_a_row_and_a_point_per_step(user, run):
     assert "25%" in page  # the baseline's success rate
 
 
+def test_training_page_shows_the_service_pauses_open_and_ended(server, user):
+    name = uid("paused-")
+    pause = {"training_client_id": name, "service": "gym", "reason": "gym_error", "phase": "train"}
+    batch = {
+        "training": {"client_id": name, "run_name": name, "log_path": "l", "model_name": "m"},
+        "pauses": [
+            {**pause, "client_id": f"pause-{name}-a", "start_time": 1000.0, "end_time": 1042.5,
+             "duration_s": 42.5, "probes": 5, "error_message": "gym create answered 500: boom"},
+            {**pause, "client_id": f"pause-{name}-b", "service": "model_server",
+             "reason": "gateway_model_server_error", "start_time": 2000.0, "probes": 1,
+             "error_message": "ConnectError: refused"},
+        ],
+    }  # fmt: skip
+    resp = httpx.post(
+        f"{server.base_url}/api/ingest/batch", json=batch, headers=server.headers(), timeout=30
+    )
+    assert resp.status_code == 200, resp.text
+    training_id = resp.json()["training_id"]
+    page = user.get(f"/trainings/{training_id}").text
+    rows = re.findall(r'<tr class="pause-row( open)?">(.*?)</tr>', page, flags=re.S)
+    # Newest first: the open model-server pause, then the gym's, which ended after 42.5 s.
+    assert [(bool(o), "model_server" in r, "gym_error" in r) for o, r in rows] == [
+        (True, True, False),
+        (False, False, True),
+    ]
+    assert ">paused<" in rows[0][1] and "ConnectError: refused" in rows[0][1]
+    assert ">resumed<" in rows[1][1] and "answered 500: boom" in rows[1][1]
+    assert re.search(r">\s*5\s*<", rows[1][1])  # its failed probes
+    api = user.get(f"/api/trainings/{training_id}").json()["training"]
+    assert [p["service"] for p in api["pauses"]] == ["gym", "model_server"]
+
+
 def test_step_page_is_a_task_by_sample_grid(user, run):
     page = user.get(f"/steps/{run['step_id']}").text
     ids = [int(x) for x in re.findall(r'data-rollout="(\d+)"', page)]

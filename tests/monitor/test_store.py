@@ -55,6 +55,7 @@ def test_full_batch_round_trips_every_key(store):
     assert rollout["validation"]["success"] == 1
     assert json.loads(rollout["validation"]["details_json"]) == {"why": "matched"}
     assert rollout["environment"]["gbox_id"] == "box-1"
+    assert [(p["service"], p["probes"]) for p in training["pauses"]] == [("gym", 2)]
 
 
 def test_existing_client_format_with_server_ids(store):

@@ -73,6 +73,7 @@ _RELATIONS: dict[str, tuple[dict[str, str], tuple[str, ...]]] = {
     "steps": ({"training_id": "training"}, ("training_id", "step")),
     "baselines": ({"training_id": "training"}, ()),
     "evals": ({"training_id": "training"}, ("training_id", "step")),
+    "pauses": ({"training_id": "training"}, ()),
     "rollouts": (
         {"step_id": "step", "eval_id": "eval", "baseline_id": "baseline", "task_id": "task"},
         ("rollout_id",),

@@ -116,6 +116,7 @@ class MonitorReader:
             ("steps", "step", "step, id"),
             ("evals", "eval", "step, id"),
             ("baselines", "baseline", "id"),
+            ("pauses", "service_pause", "start_time, id"),
         ):
             training[key] = self._with_extras(
                 table,
@@ -268,6 +269,15 @@ class MonitorReader:
         return self._rows(
             "SELECT id, step, status, success_rate, avg_reward, avg_turns, start_time, end_time "
             "FROM eval WHERE training_id = ? ORDER BY step, id",
+            (training_id,),
+        )
+
+    def pause_table(self, training_id: int) -> list[Row]:
+        """The training's service pauses, newest first (cua_rl/rollout/pause.py)."""
+        return self._rows(
+            "SELECT service, reason, error_message, phase, worker, start_time, end_time, "
+            "duration_s, probes FROM service_pause WHERE training_id = ? "
+            "ORDER BY start_time DESC, id DESC",
             (training_id,),
         )
 

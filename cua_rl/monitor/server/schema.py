@@ -478,8 +478,31 @@ def _migration_3() -> str:
     )
 
 
+# Migration 4: one row per service pause of a training (cua_rl/rollout/pause.py): which service
+# failed, why, when new episodes stopped and when they started again, how many probes failed.
+_PAUSE_SQL = """
+CREATE TABLE service_pause (
+    id INTEGER PRIMARY KEY AUTOINCREMENT,
+    training_id INTEGER NOT NULL REFERENCES training(id),
+    service TEXT NOT NULL,
+    reason TEXT,
+    error_message TEXT,
+    phase TEXT,
+    worker TEXT,
+    start_time TIMESTAMP NOT NULL,
+    end_time TIMESTAMP,
+    duration_s REAL,
+    probes INTEGER DEFAULT 0,
+    created_at TIMESTAMP DEFAULT CURRENT_TIMESTAMP,
+    updated_at TIMESTAMP DEFAULT CURRENT_TIMESTAMP
+);
+CREATE INDEX idx_service_pause_training ON service_pause (training_id, start_time);
+""" + _updated_at_triggers(("service_pause",))
+
+
 MIGRATIONS: tuple[Migration, ...] = (
     Migration(1, "seed schema", _migration_1()),
     Migration(2, "screenshot store", _SCREENSHOT_SQL),
     Migration(3, "environment before its rollout", _migration_3()),
+    Migration(4, "service pauses", _PAUSE_SQL),
 )

@@ -135,6 +135,13 @@ def training_page(read: MonitorReader, training_id: int, *, now: datetime, stale
     steps = read.step_table(training_id)
     evals = read.eval_table(training_id)
     baselines = read.baseline_table(training_id)
+    pauses = read.pause_table(training_id)
+    for p in pauses:
+        # An open pause lasts until now; the page shows how long so far.
+        p["open"] = p["end_time"] is None
+        if p["open"]:
+            started = parse_time(p["start_time"])
+            p["duration_s"] = (now - started).total_seconds() if started else None
     # Episodes per step by outcome: one grouped query over the training's step rollouts.
     outcomes: dict[int, dict[str, int]] = {}
     reasons: dict[str, int] = {}
@@ -188,6 +195,7 @@ def training_page(read: MonitorReader, training_id: int, *, now: datetime, stale
         "steps": steps,
         "evals": evals,
         "baselines": baselines,
+        "pauses": pauses,
         "reasons": sorted(reasons.items(), key=lambda kv: -kv[1]),
         "charts": training_charts(steps, baseline_success),
         "live": training["status"] not in FINISHED

@@ -1,0 +1,281 @@
+"""A failing service pauses new episodes, not the training.
+
+When an episode is rejected because the gym failed its create (5xx, refused, no answer), the agent
+service failed to start its run, or the model server stayed out past ``gateway.model_outage_s``,
+every episode started next would burn a box and a task on the same failure. ``Pauses`` (one per
+rollout worker event loop) then holds each new episode at its start (``admit``, before it reads
+the policy version, opens a gateway session or creates a box) and probes the failing service with
+a growing, bounded backoff (``pause.probe_initial_s`` doubling up to ``pause.probe_max_s``); the
+first probe that succeeds lets them all go. Episodes already in flight go on and are counted by
+reason as before; a waiting episode is not rejected, so its task is not consumed and its group
+stays whole. Each probe is what an episode would do first: the gym creates an execution of the
+failed episode's task and terminates it, the agent service answers a run lookup, the model server
+answers ``/health``.
+
+A failed probe is appended to the worker's outcome file as a rejection for the episodes' reason,
+so failfast (``cua_rl.app.failfast``) still stops a service that never comes back: its persistence
+spans the probes. The monitor gets one ``pauses`` record per pause (service, reason, the last
+error, start and end, failed probes), shown on the training's page (docs/monitor.md).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import os
+import socket
+import time
+import weakref
+from collections.abc import Awaitable, Callable
+from dataclasses import dataclass
+
+import httpx
+
+from cua_rl.aio import within
+from cua_rl.core.fields import doc
+from cua_rl.core.reasons import Reason, agent_reason, gateway_reason
+from cua_rl.errors import ConfigError, CuaRlError, GymError, ModelServerError, RejectedEpisode
+from cua_rl.gateway.engine import server_url
+from cua_rl.logs import get_logger
+from cua_rl.monitor.protocol import pause_client_id
+from cua_rl.monitor.worker.batches import ref
+
+log = get_logger(__name__)
+
+GYM, AGENT, MODEL_SERVER = "gym", "agent", "model_server"
+MODEL_OUTAGE = gateway_reason("model_server_error")
+AGENT_CREATE_FAILED = agent_reason("create_failed")
+
+Probe = Callable[[], Awaitable[object]]
+
+
+@dataclass
+class PauseConfig:
+    enabled: bool = doc(
+        True,
+        "Hold new episodes while the gym, the agent service or the model server fails, and "
+        "probe it until it answers (docs/rejections.md). false: every episode is started and "
+        "rejected as the failure goes on.",
+    )
+    probe_initial_s: float = doc(1.0, "Wait before the first probe of a failing service (s).")
+    probe_max_s: float = doc(
+        10.0,
+        "Longest wait between two probes (s); the wait doubles from probe_initial_s. Each "
+        "failed probe is one entry of failfast's streak: 10 s gives failfast.window=16 its "
+        "entries well within failfast.persist_s=180 even with few episodes in flight.",
+    )
+    probe_timeout_s: float = doc(
+        60.0,
+        "Bound on one probe of the agent service or the model server (s). The gym's probe is an "
+        "execution's create and terminate, bounded by gym.timeouts (a box may take minutes).",
+    )
+
+    def __post_init__(self) -> None:
+        if not 0 < self.probe_initial_s <= self.probe_max_s:
+            raise ConfigError(
+                f"pause.probe_initial_s={self.probe_initial_s} and pause.probe_max_s="
+                f"{self.probe_max_s}: need 0 < probe_initial_s <= probe_max_s, e.g. 1 and 30"
+            )
+        if self.probe_timeout_s <= 0:
+            raise ConfigError("pause.probe_timeout_s must be positive (seconds), e.g. 120")
+
+
+@dataclass(frozen=True)
+class Outage:
+    """A rejected episode's failure that is the service's, not the episode's."""
+
+    service: str
+    reason: str
+    error: str
+
+
+def outage_of(
+    exc: RejectedEpisode, *, created: bool, agent_unavailable: bool = False
+) -> Outage | None:
+    """The service outage behind a rejection, or None when the episode itself failed.
+
+    ``created``: the gym execution was created (a later gym failure is the execution's, not the
+    service's); ``agent_unavailable``: the agent's run create failed with no answer or a 5xx."""
+    cause = exc.__cause__
+    if exc.reason == Reason.GYM_ERROR and not created and isinstance(cause, GymError):
+        if cause.status is None or cause.status >= 500:
+            return Outage(GYM, exc.reason, str(cause))
+    if exc.reason == AGENT_CREATE_FAILED and agent_unavailable:
+        return Outage(AGENT, exc.reason, exc.detail)
+    if exc.reason == MODEL_OUTAGE:
+        return Outage(MODEL_SERVER, exc.reason, exc.detail)
+    return None
+
+
+@dataclass
+class Pause:
+    service: str
+    reason: str
+    error: str
+    phase: str
+    started: float  # wall clock: the monitor and failfast compare workers' times
+    probes: int = 0  # failed ones
+    ended: float | None = None
+
+
+class PauseRecords:
+    """Where a pause is told: the log, the outcome file (failed probes, for failfast) and the
+    monitor. ``outcome`` is ``OutcomeLog.record``; ``monitor`` returns the loop's client."""
+
+    def __init__(self, training_ref: str, outcome=None, monitor=None):
+        self.training_ref = training_ref
+        self.outcome = outcome
+        self.monitor = monitor
+        self.worker = f"{socket.gethostname()}-{os.getpid()}"
+
+    def opened(self, p: Pause) -> None:
+        log.warning(
+            "%s failing (%s: %s): new episodes wait and it is probed until it answers",
+            p.service,
+            p.reason,
+            p.error[:300],
+        )
+        self._send(p)
+
+    def probe_failed(self, p: Pause) -> None:
+        if self.outcome is not None:
+            self.outcome(accepted=False, reason=p.reason, phase=p.phase, probe=True)
+        self._send(p)
+
+    def closed(self, p: Pause) -> None:
+        log.warning(
+            "%s answers again after %.1f s (%d failed probes): episodes start again",
+            p.service,
+            p.ended - p.started,
+            p.probes,
+        )
+        self._send(p)
+
+    def _send(self, p: Pause) -> None:
+        client = self.monitor() if self.monitor else None
+        if client is None or not self.training_ref:
+            return
+        record = {
+            "client_id": pause_client_id(self.training_ref, p.service, p.started, self.worker),
+            **ref("training", self.training_ref),
+            "service": p.service,
+            "reason": p.reason,
+            "error_message": p.error[:2000],
+            "phase": p.phase,
+            "worker": self.worker,
+            "start_time": p.started,
+            "probes": p.probes,
+        }
+        if p.ended is not None:
+            record.update(end_time=p.ended, duration_s=round(p.ended - p.started, 3))
+        client.enqueue("pauses", record)
+
+
+class Pauses:
+    """The open pauses of one event loop; see the module docstring."""
+
+    def __init__(self, config: PauseConfig, records: PauseRecords):
+        self.config = config
+        self.records = records
+        self.open: dict[str, Pause] = {}
+        self._clear = asyncio.Event()
+        self._clear.set()
+        self._probers: set[asyncio.Task] = set()
+
+    async def admit(self) -> float:
+        """Wait while any service is paused; the seconds waited (0 when none was)."""
+        if not self.open:
+            return 0.0
+        t0 = time.monotonic()
+        while self.open:
+            await self._clear.wait()
+        return time.monotonic() - t0
+
+    def report(self, outage: Outage, probe: Probe, *, phase: str) -> Pause | None:
+        """Pause new episodes for ``outage`` unless its service is paused already."""
+        if not self.config.enabled or outage.service in self.open:
+            return None
+        pause = Pause(outage.service, outage.reason, outage.error, phase, time.time())
+        self.open[outage.service] = pause
+        self._clear.clear()
+        self.records.opened(pause)
+        task = asyncio.get_running_loop().create_task(
+            self._probe_until_up(pause, probe), name=f"probe-{outage.service}"
+        )
+        self._probers.add(task)
+        task.add_done_callback(self._probers.discard)
+        return pause
+
+    async def _probe_until_up(self, pause: Pause, probe: Probe) -> None:
+        cfg, delay = self.config, self.config.probe_initial_s
+        while True:
+            await asyncio.sleep(delay)
+            try:
+                await probe()
+                break
+            except (CuaRlError, httpx.HTTPError, OSError, TimeoutError) as exc:
+                pause.probes += 1
+                pause.error = f"{type(exc).__name__}: {exc}"
+                self.records.probe_failed(pause)
+                delay = min(2 * delay, cfg.probe_max_s)
+        pause.ended = time.time()
+        del self.open[pause.service]
+        if not self.open:
+            self._clear.set()
+        self.records.closed(pause)
+
+    async def aclose(self) -> None:
+        """Stop probing (the run ends; waiting episodes are the drain's to cancel) and forget
+        the loop's pauses: a later workflow on this loop starts with none."""
+        for task in list(self._probers):
+            task.cancel()
+        await asyncio.gather(*self._probers, return_exceptions=True)
+        loop = asyncio.get_running_loop()
+        if _PER_LOOP.get(loop) is self:
+            del _PER_LOOP[loop]
+
+
+async def gym_probe(genv, task_id: str) -> None:
+    """The gym creates an execution of ``task_id`` again; it is terminated at once."""
+    async with genv.execution(task_id):
+        pass
+
+
+async def model_server_probe(http: httpx.AsyncClient, server: str) -> None:
+    """vLLM and SGLang both answer ``GET /health`` with 200 once they serve."""
+    resp = await http.get(f"{server_url(server)}/health")
+    if resp.status_code != 200:
+        raise ModelServerError(
+            f"model server {server} /health answered {resp.status_code}", status=resp.status_code
+        )
+
+
+def probe_for(
+    service: str, config: PauseConfig, *, genv, agent, http, task_id: str, model_server: str
+) -> Probe:
+    """The probe of ``service``: what an episode would ask of it first, bounded."""
+    if service == GYM:
+        return lambda: gym_probe(genv, task_id)  # the gym client's own timeouts bound it
+    if service == AGENT:
+        return lambda: within(config.probe_timeout_s, agent.probe())
+    return lambda: within(config.probe_timeout_s, model_server_probe(http, model_server))
+
+
+_PER_LOOP: weakref.WeakKeyDictionary[asyncio.AbstractEventLoop, Pauses] = (
+    weakref.WeakKeyDictionary()
+)
+
+
+async def close_loop_pauses() -> None:
+    """Stop the running loop's probes, if it has any (the run's drain, before the loop stops)."""
+    pauses = _PER_LOOP.get(asyncio.get_running_loop())
+    if pauses is not None:
+        await pauses.aclose()
+
+
+def loop_pauses(config: PauseConfig, records: Callable[[], PauseRecords]) -> Pauses:
+    """The running loop's ``Pauses`` (made on first use): every workflow of a worker, train and
+    eval alike, waits on the same services."""
+    loop = asyncio.get_running_loop()
+    if loop not in _PER_LOOP:
+        _PER_LOOP[loop] = Pauses(config, records())
+    return _PER_LOOP[loop]
