@@ -50,7 +50,6 @@ class ActorMixin:
         actor.create_process_group(parallel_strategy=alloc.parallel)
         return actor
 
-
     def _init_scheduler(self):
         scheduler = super()._init_scheduler()
         # AReaL constructs its schedulers without a start-up timeout (30 s for local and Ray),
