@@ -1,5 +1,6 @@
-"""Every call trains, whatever the agent keeps in its context: a real asynchronous training per
-context policy of the local agent (docs/agent.md).
+"""Every call trains, whatever the agent keeps in its context and whoever runs its loop: a real
+asynchronous training per context policy of the local agent (docs/agent.md), on the local agent
+service and in the rollout workers themselves (``agent.mode: builtin``, no agent service).
 
 ``make demo``'s launcher with the local agent building its requests as MAI-UI's agent does (a
 window of 3 screenshots, history re-rendered from the parsed action) or with the current
@@ -26,19 +27,35 @@ STEPS = 3
 TOL = 1e-3
 
 
-@pytest.fixture(scope="module", params=["mai-ui", "current"])
+# (agent mode, context policy): the service's append-only run is the demo's own.
+RUNS = [
+    ("service", "mai-ui"),
+    ("service", "current"),
+    ("builtin", "full"),
+    ("builtin", "mai-ui"),
+    ("builtin", "current"),
+]
+
+
+@pytest.fixture(scope="module", params=RUNS, ids=[f"{m}-{p}" for m, p in RUNS])
 def trained(request, tmp_path_factory):
-    run_dir = tmp_path_factory.mktemp(f"context-{request.param}") / "run"
+    mode, policy = request.param
+    run_dir = tmp_path_factory.mktemp(f"context-{mode}-{policy}") / "run"
     run = run_demo(
         run_dir,
+        f"--agent-mode={mode}",
         "rollout.max_head_offpolicyness=2",
         f"total_train_epochs={STEPS}",
         f"total_train_steps={STEPS}",
         "rollout.max_concurrent_rollouts=8",
-        f"agent.context={request.param}",
+        f"agent.context={policy}",
         timeout=1500,
     )
-    return request.param, run
+    if mode == "builtin":
+        # No agent service was started: the rollout workers ran every episode's loop.
+        assert "[demo] agent    builtin" in run.output, run.output[-3000:]
+        assert "agent.log" not in {p.name for p in (run_dir / "logs").iterdir()}
+    return policy, run
 
 
 @pytest.mark.timeout(1600)
@@ -61,11 +78,12 @@ def test_every_call_is_trained_once_with_exact_logprobs(trained):
         assert m["rollout/cua/dropped_turns"] == 0.0
         assert m["rollout/cua/trained_turns"] == pytest.approx(m["rollout/cua/turns"])
     # Each call re-renders its history, so the prefix breaks on every call after the first:
-    # one row per call.
+    # one row per call; an append-only conversation is one row.
     multi = [m for m in rows if m["rollout/cua/turns"] > 1.0]
     assert multi, rows
     for m in multi:
-        assert m["rollout/cua/rows"] == pytest.approx(m["rollout/cua/turns"]), (policy, m)
+        expected = 1.0 if policy == "full" else m["rollout/cua/turns"]
+        assert m["rollout/cua/rows"] == pytest.approx(expected), (policy, m)
     # Step 1's tokens were all sampled by version 0, the weights the trainer then held: its
     # transformers forward reproduces vLLM's logprob of every trained token, in every row.
     first = stats[0]
@@ -108,4 +126,4 @@ def test_the_monitor_marks_every_turn_trained_in_an_asynchronous_run(trained):
         )
     ]
     assert conv and all(c["trained_tokens"] == c["sampled_tokens"] for c in conv), conv[:3]
-    assert all(c["rows"] == c["turns"] for c in conv), conv[:3]
+    assert all(c["rows"] == (1 if policy == "full" else c["turns"]) for c in conv), conv[:3]
