@@ -121,9 +121,10 @@ class AgentLoop:
     @property
     def client(self) -> httpx.AsyncClient:
         if self._client is None:
+            # Each run holds at most one connection at a time; the model side bounds its own.
             self._client = httpx.AsyncClient(
                 timeout=self.config.http_timeout_s,
-                limits=httpx.Limits(max_connections=200, max_keepalive_connections=50),
+                limits=httpx.Limits(max_connections=None, max_keepalive_connections=50),
             )
         return self._client
 

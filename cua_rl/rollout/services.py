@@ -97,13 +97,14 @@ class Services:
         return self._per_loop[loop]
 
     def agent_loop(self, config: LoopConfig) -> AgentLoop:
-        """The running loop's agent loop with these settings, on the shared HTTP client: one
-        vocabulary cache and connection pool for every builtin episode of the process."""
-        http = self.clients()[2]
+        """The running loop's agent loop with these settings: one connection pool and
+        vocabulary cache for every builtin episode of the process. Its own pool, not the shared
+        client's: each episode holds a connection through every model call (a weight update
+        can hold one for minutes), which must not starve the gym and monitor calls."""
         loops = self._agent_loops.setdefault(asyncio.get_running_loop(), {})
         key = repr(config)
         if key not in loops:
-            loops[key] = AgentLoop(config, http)
+            loops[key] = AgentLoop(config)
         return loops[key]
 
     @property
@@ -131,7 +132,8 @@ class Services:
         monitor = self._monitors.pop(loop, None)
         if monitor is not None:
             await monitor.close()
-        self._agent_loops.pop(loop, None)  # their client is the shared one, closed here
+        for agent_loop in self._agent_loops.pop(loop, {}).values():
+            await agent_loop.aclose()
         clients = self._per_loop.pop(loop, None)
         if clients is not None:
             await clients[2].aclose()

@@ -14,6 +14,7 @@ import torch
 from areal.infra import workflow_context
 from areal.utils import stats_tracker
 
+from cua_rl.agent_loop import LoopConfig
 from cua_rl.gateway import GatewayConfig, Sampling
 from cua_rl.genv import GenvClient, GenvTimeouts
 from cua_rl.mini_agent import DriverConfig
@@ -397,8 +398,13 @@ async def test_workflow_instances_of_a_process_share_their_service_clients():
     assert a.services is b.services and a.services is not other.services
     http = a.services.clients()[2]
     assert b.services.clients()[2] is http
+    # The builtin mode's agent loop too: one pool and vocabulary cache per process and loop.
+    loop = a.services.agent_loop(LoopConfig())
+    assert b.services.agent_loop(LoopConfig()) is loop
+    assert a.services.agent_loop(LoopConfig(step_latency_s=1.0)) is not loop
+    loop_http = loop.client
     await a.aclose()
-    assert http.is_closed
+    assert http.is_closed and loop_http.is_closed
     fresh = b.services.clients()[2]  # closed services make fresh clients when used again
     assert fresh is not http and not fresh.is_closed
     await b.aclose()
