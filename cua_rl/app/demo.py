@@ -309,7 +309,8 @@ def print_end(rc: int, seconds: float, run_dir: Path, log_dir: Path, db_path: Pa
     print(f"[demo] finished with exit code {rc} in {seconds:.0f}s", flush=True)
     print(f"[demo] monitor database: {_shown(db_path)}", flush=True)
     print(
-        f"[demo] logs: {_shown(log_dir)} (train.log, monitor.log, gym.log, agent.log; "
+        f"[demo] logs: {_shown(log_dir)} "
+        f"({', '.join(sorted(p.name for p in log_dir.glob('*.log')))}; "
         f"AReaL's workers: {_shown(run_dir / 'areal' / 'logs')})",
         flush=True,
     )
