@@ -1,10 +1,12 @@
 """Asynchronous rollouts through the gateway: episodes per minute, box utilisation, episodes lost.
 
 Trains the embedded default once per ``rollout.max_head_offpolicyness`` value (0, 1 and 2 by
-default) with ``make demo``'s launcher (``cua_rl/app/demo.py``): the monitor on a SQLite
-file, the local gym with a box start-up time (``--box-startup``), the local agent with a latency
-after every step (``--step-latency``), vLLM CPU and AReaL's PPOTrainer, the agent's model calls
-through the rollout gateway (``endpoint.mode=gateway``). The baseline pass runs first and warms
+default) and agent mode (``--agent-modes``: ``service``, the local agent service, by default;
+``builtin``, the rollout workers running the same agent loop themselves) with ``make demo``'s
+launcher (``cua_rl/app/demo.py``): the monitor on a SQLite
+file, the local gym with a box start-up time (``--box-startup``), the agent with a latency
+after every step (``--step-latency``, the same in both modes), vLLM CPU and AReaL's PPOTrainer,
+the agent's model calls through the rollout gateway (``endpoint.mode=gateway``). The baseline pass runs first and warms
 vLLM up (the first model calls of a run are several times slower); no eval runs between steps.
 Everything is then read back from what the run recorded (``<run>/monitor.db``, the rollout
 worker's log), and one table and its ratios are printed.
@@ -38,15 +40,18 @@ How each figure is computed (times are the monitor's UTC timestamps):
   listed under the table.
 - wait / train: the trainer's seconds waiting for batches (``timeperf/rollout``) and computing
   (recompute, advantages, update, weight update), summed over the steps.
+- builtin / service: with both modes, each figure of the builtin run over the service run's at
+  the same offpolicyness (same box start-up, step latency, pool and steps).
 
 Run it alone: it trains once per value, about 2 minutes each on 2 cores (6 to 7 minutes in all)::
 
     python bench/async_rollouts.py [--steps 6] [--box-startup 2] [--step-latency 1]
-        [--offpolicyness 0 1 2] [--model qwen2-vl-bpe] [--concurrency 2] [--runs-dir DIR]
-        [--reread] [key=value ...]
+        [--offpolicyness 0 1 2] [--agent-modes service builtin] [--model qwen2-vl-bpe]
+        [--concurrency 2] [--runs-dir DIR] [--reread] [key=value ...]
 
 Extra key=value arguments go to every training (train.py overrides). The runs stay under
-``runs/bench-async-<time>/offpolicy-<k>/`` for the dashboard (``python -m cua_rl.monitor serve``).
+``runs/bench-async-<time>/offpolicy-<k>/`` (``builtin-offpolicy-<k>/`` for the builtin mode) for
+the dashboard (``python -m cua_rl.monitor serve``).
 """
 
 from __future__ import annotations
@@ -80,6 +85,7 @@ class RunFigures:
     run_dir: Path
     rc: int
     wall_s: float
+    mode: str = "service"
     status: str = "?"
     phase_s: float = 0.0
     steps: int = 0
@@ -263,8 +269,12 @@ def read_run(fig: RunFigures, *, steps: int, pool: int) -> RunFigures:
 # ---------------------------------------------------------------------------- running
 
 
-def train_once(args: argparse.Namespace, k: int, runs_dir: Path) -> RunFigures:
-    run_dir = runs_dir / f"offpolicy-{k}"
+def run_dir_of(runs_dir: Path, mode: str, k: int) -> Path:
+    return runs_dir / (f"offpolicy-{k}" if mode == "service" else f"{mode}-offpolicy-{k}")
+
+
+def train_once(args: argparse.Namespace, mode: str, k: int, runs_dir: Path) -> RunFigures:
+    run_dir = run_dir_of(runs_dir, mode, k)
     run_dir.mkdir(parents=True, exist_ok=True)
     cmd = [
         sys.executable,
@@ -278,6 +288,8 @@ def train_once(args: argparse.Namespace, k: int, runs_dir: Path) -> RunFigures:
         str(args.box_startup),
         "--step-latency",
         str(args.step_latency),
+        "--agent-mode",
+        mode,
         f"rollout.max_head_offpolicyness={k}",
         f"rollout.max_concurrent_rollouts={args.concurrency}",
         f"total_train_epochs={args.steps}",
@@ -289,11 +301,14 @@ def train_once(args: argparse.Namespace, k: int, runs_dir: Path) -> RunFigures:
         "endpoint.mode=gateway",
         *args.overrides,
     ]
-    print(f"[bench] max_head_offpolicyness={k}: training {args.steps} steps ...", flush=True)
+    print(
+        f"[bench] agent {mode}, max_head_offpolicyness={k}: training {args.steps} steps ...",
+        flush=True,
+    )
     t0 = time.monotonic()
     with open(run_dir / "bench.log", "wb") as out:
         rc = subprocess.call(cmd, cwd=ROOT, stdout=out, stderr=subprocess.STDOUT)
-    fig = RunFigures(k, run_dir, rc, time.monotonic() - t0)
+    fig = RunFigures(k, run_dir, rc, time.monotonic() - t0, mode)
     pool = args.concurrency * args.group_size
     read_run(fig, steps=args.steps, pool=pool)
     shown = run_dir.relative_to(ROOT) if run_dir.is_relative_to(ROOT) else run_dir
@@ -311,6 +326,55 @@ def _ratio(a: float, b: float) -> str:
     return f"{a / b:.2f}x" if b and b == b and a == a else "n/a"
 
 
+def _versus(f: RunFigures, base: RunFigures) -> str:
+    """One run's figures over another's, as ratios."""
+    return (
+        f"ep/min {_ratio(f.per_min(f.finished), base.per_min(base.finished))}, "
+        f"trained/min {_ratio(f.per_min(f.trained), base.per_min(base.trained))}, "
+        f"occupancy {_ratio(f.occupancy, base.occupancy)}, "
+        f"box util {_ratio(f.box_util, base.box_util)} "
+        f"({_ratio(f.box_util_net, base.box_util_net)} net of pauses), "
+        f"pool util {_ratio(f.pool_util, base.pool_util)} "
+        f"({_ratio(f.pool_util_net, base.pool_util_net)} net of pauses), "
+        f"episodes lost {f.lost} vs {base.lost}"
+    )
+
+
+def _table(figs: list[RunFigures], args: argparse.Namespace) -> list[str]:
+    head = (
+        f"{'agent':>7} {'offpol':>6} {'phase s':>7} {'finished':>8} {'ep/min':>6} {'trained':>7} "
+        f"{'tr/min':>6} {'box s':>5} {'box util':>8} {'occupancy':>9} {'pool util':>9} "
+        f"{'paused':>6} {'rejected':>8} {'dropped':>7} {'cancel':>6} {'acc min':>7} "
+        f"{'wait s':>6} {'train s':>7}"
+    )
+    out = [head, "-" * len(head)]
+    for f in figs:
+        if f.error or f.steps < args.steps:
+            why = f.error or f"{f.steps} of {args.steps} steps completed"
+            out.append(
+                f"{f.mode:>7} {f.offpolicyness:>6} failed (exit {f.rc}, training {f.status}): {why}"
+            )
+            continue
+        acc = "-" if f.accepted_min is None else f"{f.accepted_min:.2f}"
+        out.append(
+            f"{f.mode:>7} {f.offpolicyness:>6} {f.phase_s:>7.1f} {f.finished:>8} "
+            f"{f.per_min(f.finished):>6.1f} "
+            f"{f.trained:>7} {f.per_min(f.trained):>6.1f} {f.box_s:>5.1f} {f.box_util:>8.1%} "
+            f"{f.occupancy:>9.1%} {f.pool_util:>9.1%} {f.paused_s:>5.2f}s "
+            f"{sum(f.rejected.values()):>8} {f.dropped:>7} {f.cancelled:>6} {acc:>7} "
+            f"{f.wait_s:>6.1f} {f.train_s:>7.1f}"
+        )
+    for f in figs:
+        if f.rejected:
+            out.append(f"  {f.mode} offpol {f.offpolicyness} rejected by reason: {f.rejected}")
+        if f.rejected_stats:
+            out.append(
+                f"  {f.mode} offpol {f.offpolicyness} AReaL rejected stats per step: "
+                f"{f.rejected_stats}"
+            )
+    return out
+
+
 def report(figs: list[RunFigures], args: argparse.Namespace) -> list[str]:
     out = [
         "",
@@ -320,59 +384,28 @@ def report(figs: list[RunFigures], args: argparse.Namespace) -> list[str]:
         f"{args.agent_steps}, pool {args.concurrency * args.group_size} boxes "
         f"(max_concurrent_rollouts {args.concurrency}), model {args.model}",
         "",
+        *_table(figs, args),
     ]
-    head = (
-        f"{'offpol':>6} {'phase s':>7} {'finished':>8} {'ep/min':>6} {'trained':>7} "
-        f"{'tr/min':>6} {'box s':>5} {'box util':>8} {'occupancy':>9} {'pool util':>9} "
-        f"{'paused':>6} {'rejected':>8} {'dropped':>7} {'cancel':>6} {'acc min':>7} "
-        f"{'wait s':>6} {'train s':>7}"
-    )
-    out += [head, "-" * len(head)]
-    for f in figs:
-        if f.error or f.steps < args.steps:
-            why = f.error or f"{f.steps} of {args.steps} steps completed"
-            out.append(f"{f.offpolicyness:>6} failed (exit {f.rc}, training {f.status}): {why}")
-            continue
-        acc = "-" if f.accepted_min is None else f"{f.accepted_min:.2f}"
-        out.append(
-            f"{f.offpolicyness:>6} {f.phase_s:>7.1f} {f.finished:>8} {f.per_min(f.finished):>6.1f} "
-            f"{f.trained:>7} {f.per_min(f.trained):>6.1f} {f.box_s:>5.1f} {f.box_util:>8.1%} "
-            f"{f.occupancy:>9.1%} {f.pool_util:>9.1%} {f.paused_s:>5.2f}s "
-            f"{sum(f.rejected.values()):>8} {f.dropped:>7} {f.cancelled:>6} {acc:>7} "
-            f"{f.wait_s:>6.1f} {f.train_s:>7.1f}"
-        )
-    for f in figs:
-        if f.rejected:
-            out.append(f"  offpol {f.offpolicyness} rejected by reason: {f.rejected}")
-        if f.rejected_stats:
-            out.append(
-                f"  offpol {f.offpolicyness} AReaL rejected stats per step: {f.rejected_stats}"
-            )
-    good = {f.offpolicyness: f for f in figs if not f.error and f.steps >= args.steps}
-    sync = good.get(0)
+    good = {(f.mode, f.offpolicyness): f for f in figs if not f.error and f.steps >= args.steps}
     out.append("")
+    for (mode, k), f in sorted(good.items()):
+        other = good.get(("service", k))
+        if mode != "service" and other is not None:
+            out.append(f"{mode} / service at offpol {k}: {_versus(f, other)}")
+    modes = sorted({m for m, _ in good}, key=lambda m: m != "service")
+    sync = next((good[(m, 0)] for m in modes if (m, 0) in good), None)
     if sync is None:
         out.append("no synchronous run (max_head_offpolicyness=0) to compare with")
         return out
-    sync_eps = sync.per_min(sync.finished)
-    for k, f in sorted(good.items()):
-        if k == 0:
-            continue
-        out.append(
-            f"offpol {k} / offpol 0: ep/min {_ratio(f.per_min(f.finished), sync_eps)}, "
-            f"trained/min {_ratio(f.per_min(f.trained), sync.per_min(sync.trained))}, "
-            f"occupancy {_ratio(f.occupancy, sync.occupancy)}, "
-            f"box util {_ratio(f.box_util, sync.box_util)} "
-            f"({_ratio(f.box_util_net, sync.box_util_net)} net of pauses), "
-            f"pool util {_ratio(f.pool_util, sync.pool_util)} "
-            f"({_ratio(f.pool_util_net, sync.pool_util_net)} net of pauses), "
-            f"episodes lost {f.lost} vs {sync.lost}"
-        )
-    best = max(good.values(), key=lambda f: f.pool_util_net)
+    for (mode, k), f in sorted(good.items()):
+        if k != 0 and (mode, 0) in good:
+            out.append(f"{mode} offpol {k} / offpol 0: {_versus(f, good[(mode, 0)])}")
+    same = [f for (m, _), f in good.items() if m == sync.mode]
+    best = max(same, key=lambda f: f.pool_util_net)
     out += [
         "",
         f"DART reports {DART_ENV_UTILISATION}x environment utilisation from decoupling. Here the "
-        f"best is offpol {best.offpolicyness}: pool utilisation "
+        f"best ({sync.mode}) is offpol {best.offpolicyness}: pool utilisation "
         f"{_ratio(best.pool_util, sync.pool_util)} "
         f"({_ratio(best.pool_util_net, sync.pool_util_net)} counting weight-update pauses as "
         f"idle). Pool utilisation is occupancy x box utilisation; decoupling raises occupancy "
@@ -419,6 +452,14 @@ def main(argv: list[str] | None = None) -> int:
         nargs="+",
         default=[0, 1, 2],
         help="rollout.max_head_offpolicyness values, one run each (0 is the synchronous baseline)",
+    )
+    parser.add_argument(
+        "--agent-modes",
+        nargs="+",
+        choices=("service", "builtin"),
+        default=["service"],
+        help="agent.mode values, one run per offpolicyness each: service (the local agent "
+        "service) and/or builtin (the rollout workers run the agent loop)",
     )
     parser.add_argument(
         "--box-startup", type=float, default=2.0, help="seconds the local gym takes to create a box"
@@ -475,12 +516,19 @@ def main(argv: list[str] | None = None) -> int:
     if args.reread:
         figs = [
             read_run(
-                RunFigures(k, runs_dir / f"offpolicy-{k}", 0, 0.0), steps=args.steps, pool=pool
+                RunFigures(k, run_dir_of(runs_dir, mode, k), 0, 0.0, mode),
+                steps=args.steps,
+                pool=pool,
             )
+            for mode in args.agent_modes
             for k in args.offpolicyness
         ]
     else:
-        figs = [train_once(args, k, runs_dir) for k in args.offpolicyness]
+        figs = [
+            train_once(args, mode, k, runs_dir)
+            for mode in args.agent_modes
+            for k in args.offpolicyness
+        ]
     for line in report(figs, args):
         print(line)
     print()

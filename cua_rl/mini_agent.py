@@ -298,6 +298,15 @@ class RunSummary:
     def duration_s(self) -> float:
         return self.ended_at - self.started_at
 
+    def read_events(self, events: list[dict]) -> None:
+        """The answer, steps and errors of the run's event log; its ``run_end`` reason when
+        the summary has none of its own."""
+        answer, steps, errors, end_reason = summarize_events(events)
+        self.answer, self.steps = answer, steps
+        self.errors = errors + self.errors
+        if self.reason is None and end_reason is not None:
+            self.reason = end_reason
+
 
 def summarize_events(events: list[dict]) -> tuple[str | None, int, list[str], str | None]:
     """(answer, steps, error messages, run_end reason) read off an event log."""
@@ -346,12 +355,7 @@ class RunDriver:
             await self._drive(spec, summary, log, deadline)
         finally:
             summary.ended_at = time.time()
-            answer, steps, errors, end_reason = summarize_events(log.events)
-            summary.answer = answer
-            summary.steps = steps
-            summary.errors = errors + summary.errors
-            if summary.reason is None and end_reason is not None:
-                summary.reason = end_reason
+            summary.read_events(log.events)
         return RunResult(summary=summary, events=log.events)
 
     async def _drive(self, spec: RunSpec, summary: RunSummary, log: EventLog, deadline) -> None:

@@ -59,6 +59,8 @@ async def check_gym(config: CUAConfig) -> CheckResult:
 
 
 async def check_agent(config: CUAConfig, http: httpx.AsyncClient) -> CheckResult:
+    if config.agent.mode == "builtin":
+        return CheckResult("agent", True, "builtin: the rollout workers run the agent loop")
     # No health endpoint is known; any HTTP answer to a run lookup proves it serves.
     agent_url = config.agent.base_url.rstrip("/")
     try:
@@ -129,7 +131,8 @@ def gateway_check(config: CUAConfig) -> CheckResult:
         f"the agent is told {told}"
     )
     agent_host = (urlsplit(config.agent.base_url).hostname or "").lower()
-    local_agent = agent_host in _LOOPBACK
+    # A builtin agent runs in the rollout worker, beside its gateway.
+    local_agent = agent_host in _LOOPBACK or config.agent.mode == "builtin"
     reachable = local_agent or (g.bind_host not in _LOOPBACK and told not in _LOOPBACK)
     if not reachable:
         detail += (

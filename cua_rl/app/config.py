@@ -17,6 +17,7 @@ from urllib.parse import urlsplit
 
 from areal.api.cli_args import GRPOConfig, vLLMConfig
 
+from cua_rl.agent_loop.builtin import check_model_options
 from cua_rl.app.config_checks import check_fields
 from cua_rl.app.failfast import FailFastConfig
 from cua_rl.app.placement import check_placement
@@ -253,6 +254,8 @@ class CUAConfig(GRPOConfig):
         if self.endpoint.mode == "gateway":
             self._validate_gateway()
         self._validate_model_endpoint()
+        if self.agent.mode == "builtin":
+            check_model_options(self.agent.model_options, self.agent.action_space)
         self._validate_normalisation()
         self.validate_curriculum()
         if self.monitor.enabled and not (self.monitor.resolved().url or self.monitor.db_path):

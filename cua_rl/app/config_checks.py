@@ -16,7 +16,9 @@ from dataclasses import dataclass
 from typing import Any
 from urllib.parse import urlsplit
 
+from cua_rl.agent_loop.loop import IMAGE_MODES
 from cua_rl.errors import ConfigError
+from cua_rl.rollout.settings import AGENT_MODES
 
 ACTION_SPACES = ("mobile", "pc")
 BOX_TYPES = ("", "android", "linux", "browser")
@@ -39,10 +41,14 @@ class Rule:
     fix: str
     # Values the rule refuses: the table's test feeds each through the loader.
     bad: tuple = ()
+    # Whether the row applies to this config (a field only one mode reads); None: always.
+    when: Callable[[Any], bool] | None = None
 
     def check(self, config: Any) -> None:
         value = lookup(config, self.key)
         if value is _UNSET or value is None:
+            return
+        if self.when is not None and not self.when(config):
             return
         try:
             good = self.ok(value)
@@ -64,8 +70,15 @@ def one_of(key: str, choices: tuple[str, ...], fix: str) -> Rule:
     return Rule(key, lambda v: v in choices, f"one of {', '.join(choices)}", fix, bad=("other",))
 
 
-def non_empty(key: str, fix: str) -> Rule:
-    return Rule(key, lambda v: bool(str(v).strip()), "set (it is required)", fix, bad=("",))
+def non_empty(key: str, fix: str, when: Callable[[Any], bool] | None = None) -> Rule:
+    return Rule(
+        key, lambda v: bool(str(v).strip()), "set (it is required)", fix, bad=("",), when=when
+    )
+
+
+def _agent_service(config: Any) -> bool:
+    """Whether episodes run on an agent service (``agent.mode: service``, the default)."""
+    return lookup(config, "agent.mode") in (_UNSET, None, "service")
 
 
 RULES: tuple[Rule, ...] = (
@@ -93,7 +106,30 @@ RULES: tuple[Rule, ...] = (
     positive("agent.max_step_time_s", "seconds of one step, e.g. agent.max_step_time_s=120"),
     one_of("agent.action_space", ACTION_SPACES, "mobile for Android, pc for Linux desktops"),
     one_of("gym.box_type", BOX_TYPES, "android, linux or browser; empty: from agent.action_space"),
-    non_empty("agent.base_url", "the gbox-mini-agent URL, e.g. agent.base_url=http://agent:3000"),
+    one_of(
+        "agent.mode",
+        AGENT_MODES,
+        "service runs each episode's agent on the service at agent.base_url, builtin runs the "
+        "agent loop in the rollout worker (no agent service)",
+    ),
+    non_empty(
+        "agent.base_url",
+        "the gbox-mini-agent URL, e.g. agent.base_url=http://agent:3000, or agent.mode=builtin "
+        "to run the agent loop in the rollout worker",
+        when=_agent_service,
+    ),
+    one_of(
+        "agent.builtin.image_mode",
+        IMAGE_MODES,
+        "data sends screenshots as data URLs, url as the gym's screenshot URLs",
+    ),
+    non_negative(
+        "agent.builtin.step_latency_s",
+        "waits nothing after an action",
+        "e.g. agent.builtin.step_latency_s=0.5",
+    ),
+    positive("agent.builtin.http_timeout_s", "e.g. agent.builtin.http_timeout_s=60"),
+    positive("agent.builtin.max_tokens", "e.g. agent.builtin.max_tokens=32"),
     Rule(
         "gym.base_url",
         lambda v: "/api/" not in f"{urlsplit(v).path}/",

@@ -120,6 +120,13 @@ def launcher_parser(prog: str, description: str, config: str, run_dir: str):
     parser = argparse.ArgumentParser(prog=prog, description=description)
     parser.add_argument("--config", default=config)
     parser.add_argument("--run-dir", default="", help=f"default {run_dir}")
+    parser.add_argument(
+        "--agent-mode",
+        choices=("service", "builtin"),
+        default="service",
+        help="service: start the local agent service and give episodes to it; builtin: start "
+        "none, the rollout workers run the agent loop themselves (agent.mode)",
+    )
     parser.add_argument("overrides", nargs="*", help="extra key=value overrides for train.py")
     return parser
 
@@ -200,6 +207,9 @@ def start_services(args, db_path: Path, log_dir: Path, children: list[Child]) ->
         gym_url = gym.wait_for_line("ready ", 60).split("/api/v1/")[0]
     print(f"[demo] gym      {gym_url}", flush=True)
 
+    if args.agent_mode == "builtin":
+        print("[demo] agent    builtin: run by the rollout workers", flush=True)
+        return {"monitor": monitor_url, "gym": gym_url, "agent": ""}
     agent_cmd = [py, "-m", "cua_rl.sim", "agent", "--port", "0"]
     agent = Child("agent", [*agent_cmd, "--step-latency", str(args.step_latency)], log_dir)
     children.append(agent)
@@ -261,7 +271,10 @@ def train(
         args.config,
         f"actor.path={model_dir}",
         f"gym.base_url={urls['gym']}",
-        f"agent.base_url={urls['agent']}",
+        f"agent.mode={args.agent_mode}",
+        *([f"agent.base_url={urls['agent']}"] if urls["agent"] else []),
+        # The builtin loop settles after each action as the local agent service does.
+        f"agent.builtin.step_latency_s={args.step_latency}",
         f"monitor.base_url={urls['monitor']}",
         f"cluster.fileroot={run_dir / 'areal'}",
         f"cluster.name_resolve.nfs_record_root={run_dir / 'name_resolve'}",
@@ -296,7 +309,8 @@ def print_end(rc: int, seconds: float, run_dir: Path, log_dir: Path, db_path: Pa
     print(f"[demo] finished with exit code {rc} in {seconds:.0f}s", flush=True)
     print(f"[demo] monitor database: {_shown(db_path)}", flush=True)
     print(
-        f"[demo] logs: {_shown(log_dir)} (train.log, monitor.log, gym.log, agent.log; "
+        f"[demo] logs: {_shown(log_dir)} "
+        f"({', '.join(sorted(p.name for p in log_dir.glob('*.log')))}; "
         f"AReaL's workers: {_shown(run_dir / 'areal' / 'logs')})",
         flush=True,
     )

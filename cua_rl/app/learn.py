@@ -260,6 +260,7 @@ def main(argv: list[str] | None = None) -> int:
     seeds = args.seeds or [None]
     combos = list(itertools.product(offs, seeds))
     common = ["--config", args.config, "--step-latency", str(args.step_latency)]
+    common += ["--agent-mode", args.agent_mode]
     if args.gym_args:
         common += ["--gym-args", args.gym_args]
     extra = [*agent_overrides(args), *args.overrides]

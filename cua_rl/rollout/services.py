@@ -1,5 +1,8 @@
 """The service clients the workflows of one process use: gym, agent and monitor.
 
+In ``agent.mode: builtin`` there is no agent service: the agent client is ``None`` and
+``agent_loop`` gives the running loop's ``AgentLoop`` (on the same HTTP client) instead.
+
 AReaL builds a new workflow instance for every episode it submits (the workflow travels to the
 rollout worker as a dotted path and kwargs), so clients owned by an instance were a connection
 pool and a monitor client (with its task and spool) per episode, never closed: the rollout
@@ -16,6 +19,7 @@ import weakref
 
 import httpx
 
+from cua_rl.agent_loop.loop import AgentLoop, LoopConfig
 from cua_rl.genv import GenvClient, GenvTimeouts
 from cua_rl.mini_agent import MiniAgentClient
 from cua_rl.monitor.worker.client import MonitorClient, MonitorClientConfig
@@ -38,7 +42,11 @@ class Services:
         self._monitor_config = monitor
         # Keyed by the loop itself, weakly: a loop's id can be reused once it is gone.
         self._per_loop: weakref.WeakKeyDictionary[
-            asyncio.AbstractEventLoop, tuple[GenvClient, MiniAgentClient, httpx.AsyncClient]
+            asyncio.AbstractEventLoop,
+            tuple[GenvClient, MiniAgentClient | None, httpx.AsyncClient],
+        ] = weakref.WeakKeyDictionary()
+        self._agent_loops: weakref.WeakKeyDictionary[
+            asyncio.AbstractEventLoop, dict[str, AgentLoop]
         ] = weakref.WeakKeyDictionary()
         self._monitors: weakref.WeakKeyDictionary[asyncio.AbstractEventLoop, MonitorClient] = (
             weakref.WeakKeyDictionary()
@@ -74,19 +82,32 @@ class Services:
             gym_base_url=s.gym.base_url,
             gym_id=s.gym.gym_id,
             gym_timeouts=s.gym.timeouts,
-            agent_base_url=s.agent.base_url,
+            agent_base_url=s.agent.base_url if s.agent.mode == "service" else "",
             monitor=monitor,
         )
 
-    def clients(self) -> tuple[GenvClient, MiniAgentClient, httpx.AsyncClient]:
-        """(gym, agent, plain http) for the running loop."""
+    def clients(self) -> tuple[GenvClient, MiniAgentClient | None, httpx.AsyncClient]:
+        """(gym, agent, plain http) for the running loop; no agent client without an agent URL
+        (``agent.mode: builtin``)."""
         loop = asyncio.get_running_loop()
         if loop not in self._per_loop:
             base, gym_id, timeouts = self._gym
             http = httpx.AsyncClient(timeout=httpx.Timeout(60.0, connect=10.0))
             genv = GenvClient(base, gym_id, client=http, timeouts=timeouts)
-            self._per_loop[loop] = (genv, MiniAgentClient(self._agent_url, client=http), http)
+            agent = MiniAgentClient(self._agent_url, client=http) if self._agent_url else None
+            self._per_loop[loop] = (genv, agent, http)
         return self._per_loop[loop]
+
+    def agent_loop(self, config: LoopConfig) -> AgentLoop:
+        """The running loop's agent loop with these settings: one connection pool and
+        vocabulary cache for every builtin episode of the process. Its own pool, not the shared
+        client's: each episode holds a connection through every model call (a weight update
+        can hold one for minutes), which must not starve the gym and monitor calls."""
+        loops = self._agent_loops.setdefault(asyncio.get_running_loop(), {})
+        key = repr(config)
+        if key not in loops:
+            loops[key] = AgentLoop(config)
+        return loops[key]
 
     @property
     def monitor(self) -> MonitorClient | None:
@@ -113,6 +134,8 @@ class Services:
         monitor = self._monitors.pop(loop, None)
         if monitor is not None:
             await monitor.close()
+        for agent_loop in self._agent_loops.pop(loop, {}).values():
+            await agent_loop.aclose()
         clients = self._per_loop.pop(loop, None)
         if clients is not None:
             await clients[2].aclose()

@@ -9,6 +9,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
+from cua_rl.agent_loop.loop import LoopConfig
 from cua_rl.core.fields import doc
 from cua_rl.errors import ConfigError
 from cua_rl.gateway.config import GatewayConfig, Sampling
@@ -39,6 +40,7 @@ class GymSection:
 
 
 CONTEXT_POLICIES = ("", "full", "mai-ui", "current")
+AGENT_MODES = ("service", "builtin")
 
 
 def _logprobs_on() -> dict:
@@ -47,7 +49,16 @@ def _logprobs_on() -> dict:
 
 @dataclass
 class AgentSection:
-    base_url: str = doc("", "gbox-mini-agent URL, e.g. http://agent:3000 (required)")
+    mode: str = doc(
+        "service",
+        "service: each episode's agent runs on an agent service (gbox-mini-agent, or the local "
+        "one) at base_url. builtin: the rollout worker runs the local agent's loop itself "
+        "(cua_rl/agent_loop: the same prompts, context policies, parsing and actions), no agent "
+        "service; docs/agent.md",
+    )
+    base_url: str = doc(
+        "", "gbox-mini-agent URL, e.g. http://agent:3000 (required in service mode)"
+    )
     agent: str = doc("mai-ui", "Agent flavour: mai-ui or qwen3-vl")
     action_space: str = doc("mobile", "standardActionSpace: mobile (Android) or pc (Linux)")
     max_steps: int = doc(15, "maxSteps of a run (agent-side)")
@@ -74,8 +85,18 @@ class AgentSection:
         "Empty: the agent's own (gbox-mini-agent builds its context itself).",
     )
     history_n: int = doc(0, "mai-ui context: screenshots per request; 0: the agent's default (3)")
+    builtin: LoopConfig = doc(
+        help="mode=builtin: the loop's screenshot transport (image_mode), the wait after each "
+        "action (step_latency_s, as the local agent's --step-latency) and its gym timeout",
+        factory=LoopConfig,
+    )
 
     def __post_init__(self) -> None:
+        if self.mode not in AGENT_MODES:
+            raise ConfigError(
+                f"agent.mode={self.mode!r}; use service (an agent service at agent.base_url) or "
+                "builtin (the rollout worker runs the agent loop itself)"
+            )
         if self.context not in CONTEXT_POLICIES:
             raise ConfigError(
                 f"agent.context={self.context!r}; use one of full, mai-ui, current (or leave it "

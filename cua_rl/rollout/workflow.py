@@ -27,12 +27,13 @@ from typing import Any
 from areal import workflow_context
 from areal.api.workflow_api import RolloutWorkflow
 
+from cua_rl.agent_loop.builtin import run_builtin
 from cua_rl.core.reasons import AGENT_PREFIX, Reason, agent_reason
 from cua_rl.errors import ConfigError, CuaRlError, GymError, RejectedEpisode
 from cua_rl.gateway import AReaLEngineView, SessionSpec, gateway_for
 from cua_rl.heap import release_free_memory
 from cua_rl.logs import get_logger
-from cua_rl.mini_agent import RunDriver, RunSpec
+from cua_rl.mini_agent import RunDriver, RunResult, RunSpec
 from cua_rl.monitor.worker.context import MonitorContext
 from cua_rl.monitor.worker.recorder import RolloutRecorder
 from cua_rl.monitor.worker.uploader import http_fetcher
@@ -187,6 +188,17 @@ class CUAAgentWorkflow(RolloutWorkflow):
             model_options=options,
         )
 
+    async def run_agent(self, spec: RunSpec) -> RunResult:
+        """The agent run, to its end: on the agent service (``agent.mode: service``) or, with
+        ``builtin``, the same loop as the local agent's run here, in the episode's task."""
+        a = self.settings.agent
+        if a.mode == "builtin":
+            return await run_builtin(self.services.agent_loop(a.builtin), spec, a.driver.deadline_s)
+        agent = self.services.clients()[1]
+        if agent is None:
+            raise ConfigError("agent.mode=service needs agent.base_url (or agent.mode=builtin)")
+        return await RunDriver(agent, a.driver).run(spec)
+
     def compute_reward(self, episode: Episode) -> RewardOutcome:
         """Evaluation -> reward (raises RejectedEpisode when the gym gave no verdict)."""
         parsed = episode.parsed
@@ -322,7 +334,7 @@ class CUAAgentWorkflow(RolloutWorkflow):
 
     async def _act(self, episode: Episode, recorder: RolloutRecorder) -> None:
         """Execution, agent run, evaluation; the execution is terminated on every exit."""
-        genv, agent, _ = self.services.clients()
+        genv = self.services.clients()[0]
         await recorder.environment("creating")
         t_create = time.monotonic()
         try:
@@ -332,7 +344,7 @@ class CUAAgentWorkflow(RolloutWorkflow):
                 await recorder.environment("running", gbox_id=episode.box_id)
                 spec = self.build_run_spec(episode)
                 async with Phase(episode, "agent_s"):
-                    episode.run = await RunDriver(agent, self.settings.agent.driver).run(spec)
+                    episode.run = await self.run_agent(spec)
                 summary = episode.run.summary
                 if summary.status != "completed":
                     raise RejectedEpisode(

@@ -1,5 +1,6 @@
-"""Every call trains, whatever the agent keeps in its context: a real asynchronous training per
-context policy of the local agent (docs/agent.md).
+"""Every call trains, whatever the agent keeps in its context and whoever runs its loop: a real
+asynchronous training per context policy of the local agent (docs/agent.md), on the local agent
+service and in the rollout workers themselves (``agent.mode: builtin``, no agent service).
 
 ``make demo``'s launcher with the local agent building its requests as MAI-UI's agent does (a
 window of 3 screenshots, history re-rendered from the parsed action) or with the current
@@ -18,7 +19,7 @@ import json
 
 import pytest
 
-from tests.conftest import db_rows, run_demo
+from tests.conftest import DEMO_STEPS, db_rows, run_demo
 
 pytestmark = pytest.mark.slow
 
@@ -26,28 +27,47 @@ STEPS = 3
 TOL = 1e-3
 
 
-@pytest.fixture(scope="module", params=["mai-ui", "current"])
+# (agent mode, context policy, steps): the service's append-only run is the demo's own
+# (tests/app/test_train_local.py); the builtin one has the demo's steps, enough for episodes of
+# later steps to be in flight when the weights update (in three, every episode can be submitted
+# before the first update).
+RUNS = [
+    ("service", "mai-ui", STEPS),
+    ("service", "current", STEPS),
+    ("builtin", "full", DEMO_STEPS),
+    ("builtin", "mai-ui", STEPS),
+    ("builtin", "current", STEPS),
+]
+
+
+@pytest.fixture(scope="module", params=RUNS, ids=[f"{m}-{p}" for m, p, _ in RUNS])
 def trained(request, tmp_path_factory):
-    run_dir = tmp_path_factory.mktemp(f"context-{request.param}") / "run"
+    mode, policy, steps = request.param
+    run_dir = tmp_path_factory.mktemp(f"context-{mode}-{policy}") / "run"
     run = run_demo(
         run_dir,
+        f"--agent-mode={mode}",
         "rollout.max_head_offpolicyness=2",
-        f"total_train_epochs={STEPS}",
-        f"total_train_steps={STEPS}",
+        f"total_train_epochs={steps}",
+        f"total_train_steps={steps}",
         "rollout.max_concurrent_rollouts=8",
-        f"agent.context={request.param}",
+        f"agent.context={policy}",
         timeout=1500,
     )
-    return request.param, run
+    if mode == "builtin":
+        # No agent service was started: the rollout workers ran every episode's loop.
+        assert "[demo] agent    builtin" in run.output, run.output[-3000:]
+        assert "agent.log" not in {p.name for p in (run_dir / "logs").iterdir()}
+    return policy, steps, run
 
 
 @pytest.mark.timeout(1600)
 def test_every_call_is_trained_once_with_exact_logprobs(trained):
-    policy, run = trained
+    policy, n_steps, run = trained
     assert run.returncode == 0, run.output[-6000:]
     db = run.db
     steps = db_rows(db, "SELECT step, status, metrics_json FROM step ORDER BY step")
-    assert [(n, st) for n, st, _ in steps] == [(n, "completed") for n in range(1, STEPS + 1)]
+    assert [(n, st) for n, st, _ in steps] == [(n, "completed") for n in range(1, n_steps + 1)]
     stats = [json.loads(m or "{}") for _, _, m in steps]
     for n, m in enumerate(stats, 1):
         assert m.get("rollout/accepted") == 1.0, (policy, n, m)
@@ -61,11 +81,12 @@ def test_every_call_is_trained_once_with_exact_logprobs(trained):
         assert m["rollout/cua/dropped_turns"] == 0.0
         assert m["rollout/cua/trained_turns"] == pytest.approx(m["rollout/cua/turns"])
     # Each call re-renders its history, so the prefix breaks on every call after the first:
-    # one row per call.
+    # one row per call; an append-only conversation is one row.
     multi = [m for m in rows if m["rollout/cua/turns"] > 1.0]
     assert multi, rows
     for m in multi:
-        assert m["rollout/cua/rows"] == pytest.approx(m["rollout/cua/turns"]), (policy, m)
+        expected = 1.0 if policy == "full" else m["rollout/cua/turns"]
+        assert m["rollout/cua/rows"] == pytest.approx(expected), (policy, m)
     # Step 1's tokens were all sampled by version 0, the weights the trainer then held: its
     # transformers forward reproduces vLLM's logprob of every trained token, in every row.
     first = stats[0]
@@ -76,7 +97,7 @@ def test_every_call_is_trained_once_with_exact_logprobs(trained):
 
 @pytest.mark.timeout(1600)
 def test_the_monitor_marks_every_turn_trained_in_an_asynchronous_run(trained):
-    policy, run = trained
+    policy, n_steps, run = trained
     assert run.returncode == 0, run.output[-6000:]
     turns = db_rows(
         run.db,
@@ -85,13 +106,19 @@ def test_the_monitor_marks_every_turn_trained_in_an_asynchronous_run(trained):
     )
     assert turns
     versions: set[int] = set()
+    per_episode: dict[int, set[int]] = {}
     for rid, mj in turns:
         m = json.loads(mj or "{}")
         assert m.get("trained") is True, (policy, rid, m)
         versions.update(m.get("versions", []))
+        per_episode.setdefault(rid, set()).update(m.get("versions", []))
     # Asynchronous: the rollouts were sampled by several policy versions, and a step trained
     # samples of an older version than the one it updated (AReaL's staleness).
     assert len(versions) >= 2, versions
+    if n_steps >= DEMO_STEPS:
+        # Weight updates landed inside episodes: their turns carry several versions, and
+        # (above) none of them was lost.
+        assert any(len(v) > 1 for v in per_episode.values()), per_episode
     stale = [
         json.loads(m or "{}").get("ppo_actor/update/version_stats/sample_staleness_theta_max", 0)
         for (m,) in db_rows(run.db, "SELECT metrics_json FROM step")
@@ -108,4 +135,4 @@ def test_the_monitor_marks_every_turn_trained_in_an_asynchronous_run(trained):
         )
     ]
     assert conv and all(c["trained_tokens"] == c["sampled_tokens"] for c in conv), conv[:3]
-    assert all(c["rows"] == c["turns"] for c in conv), conv[:3]
+    assert all(c["rows"] == (1 if policy == "full" else c["turns"]) for c in conv), conv[:3]

@@ -1,6 +1,7 @@
 """One MiniWoB++ episode through the whole local stack: the browser gym (a real page in headless
 chromium), the local agent, vLLM CPU with the tiny Qwen2-VL behind the rollout gateway, the
-training row, and a real monitor on a SQLite file.
+training row, and a real monitor on a SQLite file; the agent loop run by the local agent service
+or by the workflow itself (``agent.mode: builtin``).
 
 The page's own reward function is observed apart from the gym's answer: MiniWoB's ``core.js``
 logs ``reward: R (raw: RAW)`` to the console when it ends an episode, and the test listens to
@@ -26,7 +27,7 @@ from cua_rl.sim.browser import BrowserConfig
 from cua_rl.sim.gym import GymServer, SimGymConfig
 from cua_rl.tasks import load_tasks_gym, task_row
 
-from .test_workflow import _engine, _open_executions, _settings, monitor  # noqa: F401
+from .test_workflow import _builtin, _engine, _open_executions, _settings, monitor  # noqa: F401
 
 pytestmark = [pytest.mark.slow, pytest.mark.timeout(900)]
 PAGE_REWARD = re.compile(r"^reward: (-?[\d.e-]+) \(raw: (-?[\d.e-]+)\)$")
@@ -62,12 +63,14 @@ def listen_to_pages(gym: GymServer) -> list[str]:
     return lines
 
 
+@pytest.mark.parametrize("mode", ["service", "builtin"])
 async def test_a_miniwob_episode_rewards_what_the_page_gave(
     gym,
     agent,
     vllm_server,
     tiny_vl_model_dir,
     monitor,  # noqa: F811
+    mode,
 ):
     from cua_rl.genv import GenvClient
 
@@ -78,7 +81,7 @@ async def test_a_miniwob_episode_rewards_what_the_page_gave(
     settings = _settings(gym, agent, vllm_server, tiny_vl_model_dir, monitor)
     settings.reward = RewardConfig(shaping=[])
     settings.agent = AgentSection(**{**settings.agent.__dict__, "max_steps": 4})
-    wf = CUAAgentWorkflow(settings)
+    wf = CUAAgentWorkflow(_builtin(settings) if mode == "builtin" else settings)
     try:
         row = await wf.arun_episode(_engine(vllm_server), task_row(task))
     finally:

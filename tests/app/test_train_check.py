@@ -45,6 +45,24 @@ def test_check_reaches_every_service(tmp_path, tiny_vl_model_dir, capsys):
     assert (tmp_path / "monitor.db").exists()
 
 
+def test_check_in_builtin_mode_needs_no_agent_service(tmp_path, tiny_vl_model_dir, capsys):
+    with GymServer() as gym:
+        rc = train.main(
+            _argv(
+                tmp_path,
+                f"gym.base_url={gym.url}",
+                "agent.mode=builtin",
+                "agent.base_url=",
+                f"actor.path={tiny_vl_model_dir}",
+                f"monitor.db_path={tmp_path / 'monitor.db'}",
+            )
+        )
+    out = capsys.readouterr().out
+    assert rc == 0, out
+    (agent,) = [line for line in out.splitlines() if line.split()[1:2] == ["agent"]]
+    assert agent.startswith("ok") and "builtin" in agent, out
+
+
 def test_check_names_each_unreachable_service(tmp_path, dead_url, capsys):
     rc = train.main(
         _argv(

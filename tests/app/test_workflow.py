@@ -15,6 +15,7 @@ import torch
 from areal.infra import workflow_context
 from areal.utils import stats_tracker
 
+from cua_rl.agent_loop import LoopConfig
 from cua_rl.gateway import GatewayConfig, Sampling
 from cua_rl.genv import GenvClient, GenvTimeouts
 from cua_rl.mini_agent import DriverConfig
@@ -230,27 +231,46 @@ async def test_episode_produces_an_exact_row_and_monitor_records(
     assert await _open_executions(gym) == []
 
 
+def _builtin(settings: WorkflowSettings) -> WorkflowSettings:
+    """The same settings in ``agent.mode: builtin``: no agent service named at all."""
+    settings.agent = AgentSection(**{**settings.agent.__dict__, "mode": "builtin", "base_url": ""})
+    return settings
+
+
+FAULTS = [
+    ("gym_create", "gym_error"),
+    ("gym_evaluate", "gym_error"),
+    ("model_down", "gateway_model_server_error"),
+    ("model_down_direct", "agent_model_error"),
+    ("gateway_unreachable", "gateway_unreachable"),
+]
+
+
 @pytest.mark.parametrize(
-    ("fault", "reason"),
+    ("mode", "fault", "reason"),
     [
-        ("gym_create", "gym_error"),
-        ("gym_evaluate", "gym_error"),
-        ("agent_down", "agent_create_failed"),
-        ("model_down", "gateway_model_server_error"),
-        ("model_down_direct", "agent_model_error"),
-        ("gateway_unreachable", "gateway_unreachable"),
+        *[("service", f, r) for f, r in [*FAULTS, ("agent_down", "agent_create_failed")]],
+        # The builtin loop ends with the service's reasons; a run body the loop refuses is
+        # the refused create of a service.
+        *[("builtin", f, r) for f, r in [*FAULTS, ("bad_run_body", "agent_create_failed")]],
     ],
 )
 async def test_faults_end_as_none_with_a_reason_and_no_open_execution(
-    gym, agent, vllm_server, tiny_vl_model_dir, easy_task, fault, reason
+    gym, agent, vllm_server, tiny_vl_model_dir, easy_task, mode, fault, reason
 ):
     workflow_context.set(workflow_context.WorkflowContext(is_eval=False))
     _rollout_stats()
     dead = bind_free_port()
     dead_url = f"http://127.0.0.1:{dead.getsockname()[1]}"
     settings = _settings(gym, agent, vllm_server, tiny_vl_model_dir)
+    if mode == "builtin":
+        _builtin(settings)
     if fault == "agent_down":
         settings.agent = AgentSection(**{**settings.agent.__dict__, "base_url": dead_url})
+    if fault == "bad_run_body":
+        # What the config check refuses at start, arriving anyway (a subclass's run spec).
+        options = {**settings.agent.model_options, "parse": "guess"}
+        settings.agent = AgentSection(**{**settings.agent.__dict__, "model_options": options})
     engine = _engine(vllm_server)
     if fault == "model_down":
         engine = FakeEngine([dead_url.removeprefix("http://")])
@@ -335,11 +355,13 @@ async def test_a_gym_failing_every_create_holds_new_episodes_until_it_answers(
     assert await _open_executions(gym) == []
 
 
+@pytest.mark.parametrize("mode", ["service", "builtin"])
 async def test_cancelled_episode_leaves_no_open_execution(
-    gym, agent, vllm_server, tiny_vl_model_dir, easy_task
+    gym, agent, vllm_server, tiny_vl_model_dir, easy_task, mode
 ):
     workflow_context.set(workflow_context.WorkflowContext(is_eval=False))
-    wf = CUAAgentWorkflow(_settings(gym, agent, vllm_server, tiny_vl_model_dir))
+    settings = _settings(gym, agent, vllm_server, tiny_vl_model_dir)
+    wf = CUAAgentWorkflow(_builtin(settings) if mode == "builtin" else settings)
     task = asyncio.create_task(wf.arun_episode(_engine(vllm_server), dict(easy_task)))
     # Cancel while the agent is running (the execution exists by then).
     for _ in range(1200):  # up to a minute: a bound for a hung episode, not its speed
@@ -435,8 +457,13 @@ async def test_workflow_instances_of_a_process_share_their_service_clients():
     assert a.services is b.services and a.services is not other.services
     http = a.services.clients()[2]
     assert b.services.clients()[2] is http
+    # The builtin mode's agent loop too: one pool and vocabulary cache per process and loop.
+    loop = a.services.agent_loop(LoopConfig())
+    assert b.services.agent_loop(LoopConfig()) is loop
+    assert a.services.agent_loop(LoopConfig(step_latency_s=1.0)) is not loop
+    loop_http = loop.client
     await a.aclose()
-    assert http.is_closed
+    assert http.is_closed and loop_http.is_closed
     fresh = b.services.clients()[2]  # closed services make fresh clients when used again
     assert fresh is not http and not fresh.is_closed
     await b.aclose()
@@ -542,3 +569,72 @@ async def test_bpe_episodes_sampled_freely_keep_every_turn_in_one_exact_row(
         for t in capture.turns
     )
     assert changed > 0
+
+
+def _monitor_episode(db_path, rollout_id: int) -> dict:
+    """What the monitor recorded of one rollout that names no execution: its actions (with
+    their sampled tokens), its observations' kinds, the validation's verdict, the outcome."""
+    db = sqlite3.connect(db_path)
+    try:
+        q = lambda sql: db.execute(sql, (rollout_id,)).fetchall()  # noqa: E731
+        return {
+            "actions": q(
+                "SELECT t.turn, a.action_type, a.tool_name, a.tool_args, a.tokens, "
+                "a.num_tokens FROM action a JOIN turn t ON a.turn_id = t.id "
+                "WHERE t.rollout_id = ? ORDER BY t.turn, a.id"
+            ),
+            "obs": q(
+                "SELECT t.turn, o.obs_type FROM obs o "
+                "JOIN turn t ON o.turn_id = t.id WHERE t.rollout_id = ? ORDER BY t.turn, o.id"
+            ),
+            "validation": q("SELECT success FROM validation WHERE rollout_id = ?"),
+            "rollout": q("SELECT status, reward, task_success FROM rollout WHERE id = ?"),
+        }
+    finally:
+        db.close()
+
+
+async def test_builtin_mode_acts_records_and_trains_as_the_agent_service(
+    gym, agent, vllm_server, tiny_vl_model_dir, monitor, easy_task
+):
+    """One task under one gym seed, greedy sampling (the same model answers): the episode the
+    workflow runs itself and the one the local agent service runs execute the same actions on
+    the box, record the same turns and actions in the monitor, and give the same row."""
+    workflow_context.set(workflow_context.WorkflowContext(is_eval=False))
+    rows, episodes = {}, {}
+    for mode in ("service", "builtin"):
+        _rollout_stats()
+        settings = _settings(gym, agent, vllm_server, tiny_vl_model_dir, monitor)
+        settings.sampling = Sampling(greedy=True, max_new_tokens=24)
+        if mode == "builtin":
+            _builtin(settings)
+        runs_before = len(agent.service.runs)
+        wf = CUAAgentWorkflow(settings)
+        try:
+            rows[mode] = await wf.arun_episode(_engine(vllm_server), dict(easy_task))
+        finally:
+            await wf.aclose()
+        assert rows[mode] is not None, (mode, _rollout_stats())
+        # The builtin episode never asked the agent service for a run.
+        assert len(agent.service.runs) == runs_before + (mode == "service")
+        db = sqlite3.connect(monitor.db_path)
+        (rid,) = db.execute("SELECT MAX(id) FROM rollout").fetchone()
+        db.close()
+        episodes[mode] = _monitor_episode(monitor.db_path, rid)
+
+    service, builtin = episodes["service"], episodes["builtin"]
+    assert service["actions"], service
+    assert [a[:4] for a in builtin["actions"]] == [a[:4] for a in service["actions"]]
+    assert builtin["actions"] == service["actions"]
+    assert builtin["obs"] == service["obs"]
+    assert builtin["validation"] == service["validation"] and service["validation"]
+    assert builtin["rollout"] == service["rollout"] == [("completed",) + service["rollout"][0][1:]]
+    a, b = rows["service"], rows["builtin"]
+    assert set(a) == set(b) == ROW_KEYS
+    for key in ("input_ids", "loss_mask", "versions", "attention_mask", "mm_token_type_ids"):
+        assert torch.equal(a[key], b[key]), key
+    assert torch.allclose(a["logprobs"], b["logprobs"], atol=1e-4)
+    assert torch.equal(a["rewards"], b["rewards"])
+    for k in ("pixel_values", "image_grid_thw"):
+        assert torch.equal(a["multi_modal_input"][0][k], b["multi_modal_input"][0][k]), k
+    assert await _open_executions(gym) == []

@@ -6,6 +6,7 @@ plain SQL at hand-picked times, so every expected figure below is worked out by 
 
 from __future__ import annotations
 
+import argparse
 import json
 import sqlite3
 from pathlib import Path
@@ -114,3 +115,31 @@ def test_a_run_without_step_times_is_an_error(bench, tmp_path):
     db.close()
     fig = bench.read_run(bench.RunFigures(0, tmp_path, 0, 0.0), steps=2, pool=4)
     assert "no step times" in fig.error
+
+
+def _figures(bench, mode: str, k: int, *, phase_s: float, finished: int, busy: float):
+    """A finished run's figures, set by hand: 4 boxes of 10 s each, a pool of 4."""
+    fig = bench.RunFigures(k, Path(mode), 0, 0.0, mode)
+    fig.steps, fig.status, fig.phase_s, fig.pool = 2, "completed", phase_s, 4
+    fig.finished, fig.trained = finished, finished
+    fig.boxes, fig.lifetime_s, fig.busy_s = 4, 40.0, busy
+    fig.pool_held_s, fig.pool_busy_s = 40.0, busy
+    return fig
+
+
+def test_the_builtin_mode_is_reported_against_the_service_at_the_same_staleness(bench):
+    args = argparse.Namespace(
+        steps=2, batch_size=2, group_size=2, box_startup=2.0, step_latency=1.0,
+        agent_steps=3, concurrency=2, model="m",
+    )  # fmt: skip
+    figs = [
+        _figures(bench, "service", 1, phase_s=60.0, finished=6, busy=20.0),
+        # Twice the episodes in the same time, boxes busy 30 of their 40 s instead of 20.
+        _figures(bench, "builtin", 1, phase_s=60.0, finished=12, busy=30.0),
+    ]
+    lines = bench.report(figs, args)
+    line = next(x for x in lines if x.startswith("builtin / service at offpol 1:"))
+    assert "ep/min 2.00x" in line and "box util 1.50x" in line, line
+    assert "episodes lost 0 vs 0" in line
+    rows = [x for x in lines if x.split()[:2] in (["service", "1"], ["builtin", "1"])]
+    assert len(rows) == 2, lines

@@ -1,7 +1,9 @@
 """A local gbox-mini-agent: the same HTTP API and event format (docs/agent.md), run against the sim gym.
 
-Each ``POST /runs`` starts an asyncio task on the server's loop; every run shares one
-``httpx.AsyncClient``, so parallel runs only meet in the gym and the model server. A step is:
+Each ``POST /runs`` starts an asyncio task on the server's loop running the shared agent loop
+(``cua_rl.agent_loop``, which the workflow also runs itself in ``agent.mode: builtin``); every
+run shares one ``httpx.AsyncClient``, so parallel runs only meet in the gym and the model server.
+A step is:
 capture a screenshot on the gym, build the request's messages with the run's context policy
 (``cua_rl.sim.context``: ``full`` append-only by default, ``mai-ui`` or ``current``; images as
 data URLs, or the gym's HTTP URLs with ``imageMode: "url"``), send them to ``model.baseUrl`` with
@@ -26,14 +28,10 @@ reply with no valid call taps the grid cell its first character names, see
 ``cua_rl.sim.actions``).
 """
 
+from cua_rl.agent_loop.loop import END_TOKENS, IMAGE_CALL_ID
+from cua_rl.agent_loop.run import BadRunRequest, Run, parse_time, validate_run_body
 from cua_rl.sim.agent.app import AgentServer, create_app, main
-from cua_rl.sim.agent.runs import BadRunRequest, Run, parse_time, validate_run_body
-from cua_rl.sim.agent.service import (
-    END_TOKENS,
-    IMAGE_CALL_ID,
-    AgentServerConfig,
-    AgentService,
-)
+from cua_rl.sim.agent.service import AgentServerConfig, AgentService
 
 __all__ = [
     "END_TOKENS",

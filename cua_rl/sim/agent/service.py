@@ -1,4 +1,5 @@
-"""The agent's run loops: screenshot, model call, one action on the gym, events; per flavour."""
+"""The local agent service's runs: each ``POST /runs`` is a task running the shared agent loop
+(``cua_rl.agent_loop``), kept for the GET routes until ``max_runs_kept`` newer ones end."""
 
 from __future__ import annotations
 
@@ -6,46 +7,21 @@ import asyncio
 import itertools
 import time
 from collections import OrderedDict
-from dataclasses import dataclass, field
-from typing import Any
+from dataclasses import dataclass
 
 import httpx
 
+from cua_rl.agent_loop.loop import AgentLoop, LoopConfig
+from cua_rl.agent_loop.run import Run, validate_run_body
 from cua_rl.core.fields import doc
-from cua_rl.sim.actions import ActionParseError, action_regex, to_event_args, to_gym_action
-from cua_rl.sim.agent.runs import EndRun, Run, iso, validate_run_body
-from cua_rl.sim.context import (
-    DEFAULT_HISTORY_N,
-    POLICIES,
-    ContextPolicy,
-    Screen,
-    StepRecord,
-    build_messages,
-)
-from cua_rl.sim.flavours import Flavour, get_flavour
-
-IMAGE_CALL_ID = "__step_message_image__"
-END_TOKENS = ("<|im_end|>", "<|endoftext|>")
-# What the local agent answers a model that asks the user (nobody is there to answer).
-USER_REPLY = "No further information is available; continue with the task as given."
+from cua_rl.errors import ConfigError
+from cua_rl.sim.context import DEFAULT_HISTORY_N, POLICIES
 
 
 @dataclass
-class AgentServerConfig:
-    """Settings of the local agent service."""
+class AgentServerConfig(LoopConfig):
+    """Settings of the local agent service: the loop's, and the server's own."""
 
-    image_mode: str = doc(
-        "data", "how screenshots reach the model: 'data' (data URL) or 'url' (gym URL)"
-    )
-    max_tokens: int = doc(32, "default max_tokens per model call")
-    step_latency_s: float = doc(
-        0.0,
-        (
-            "seconds each step waits after its action, like a real device settling "
-            "(benchmarks and demos of asynchronous training use it)"
-        ),
-    )
-    http_timeout_s: float = doc(60.0, "timeout of each gym / model HTTP call")
     max_runs_kept: int = doc(512, "finished runs kept for GET before the oldest are dropped")
     context: str = doc(
         "full",
@@ -58,53 +34,13 @@ class AgentServerConfig:
     )
 
     def __post_init__(self) -> None:
-        from cua_rl.errors import ConfigError
-
-        if self.image_mode not in ("data", "url"):
-            raise ConfigError(f"image_mode must be 'data' or 'url', got {self.image_mode!r}")
-        if self.step_latency_s < 0:
-            raise ConfigError(f"step_latency_s must be >= 0, got {self.step_latency_s}")
-        if self.max_tokens < 1:
-            raise ConfigError(f"max_tokens must be >= 1, got {self.max_tokens}")
-        if self.http_timeout_s <= 0:
-            raise ConfigError(f"http_timeout_s must be > 0, got {self.http_timeout_s}")
+        super().__post_init__()
         if self.max_runs_kept < 1:
             raise ConfigError(f"max_runs_kept must be >= 1, got {self.max_runs_kept}")
         if self.context not in POLICIES:
             raise ConfigError(f"context must be one of {', '.join(POLICIES)}, got {self.context!r}")
         if self.history_n < 1:
             raise ConfigError(f"history_n must be >= 1, got {self.history_n}")
-
-
-@dataclass
-class _RunContext:
-    """What one run's steps share: where to act, how to prompt, what happened so far."""
-
-    gym: str
-    model: dict
-    flavour: Flavour
-    policy: ContextPolicy
-    device: str
-    history: list[StepRecord] = field(default_factory=list)
-    urls: dict[str, str] = field(default_factory=dict)  # image sent -> the gym's URL
-
-
-def _record_messages(record: dict, messages: list[dict], policy, step: int, urls: dict) -> None:
-    """The step's ``messages`` as gbox-mini-agent steps hold them, with the gym's screenshot
-    URLs: with ``full`` what the step added to the conversation, otherwise the whole request
-    (it is rebuilt every step)."""
-    new = messages if policy.name != "full" or step == 1 else messages[-1:]
-    for m in new:
-        if not isinstance(m["content"], list):
-            record["messages"].append(dict(m))
-            continue
-        parts = [
-            {"type": "image_url", "image_url": {"url": urls.get(url, url)}}
-            if p.get("type") == "image_url" and (url := p["image_url"]["url"])
-            else p
-            for p in m["content"]
-        ]
-        record["messages"].append({"role": m["role"], "callId": IMAGE_CALL_ID, "content": parts})
 
 
 class AgentService:
@@ -114,28 +50,17 @@ class AgentService:
         self, config: AgentServerConfig | None = None, client: httpx.AsyncClient | None = None
     ):
         self.config = config or AgentServerConfig()
-        self._client = client
-        self._own_client = client is None
+        self.loop = AgentLoop(
+            self.config, client, context=self.config.context, history_n=self.config.history_n
+        )
         self.runs: OrderedDict[str, Run] = OrderedDict()
         self._ids = itertools.count(1)
-        self._vocab_cache: dict[tuple[str, str], tuple[list[int], dict[str, int]]] = {}
-        self._vocab_lock = asyncio.Lock()
-
-    @property
-    def client(self) -> httpx.AsyncClient:
-        if self._client is None:
-            self._client = httpx.AsyncClient(
-                timeout=self.config.http_timeout_s,
-                limits=httpx.Limits(max_connections=200, max_keepalive_connections=50),
-            )
-        return self._client
 
     async def aclose(self) -> None:
         for run in list(self.runs.values()):
             if run.task and not run.task.done():
                 run.task.cancel()
-        if self._client is not None and self._own_client:
-            await self._client.aclose()
+        await self.loop.aclose()
 
     def start(self, body: dict) -> Run:
         validate_run_body(body)
@@ -143,7 +68,7 @@ class AgentService:
         run = Run(run_id, body)
         self.runs[run_id] = run
         self._forget_old()
-        run.task = asyncio.create_task(self._run(run), name=run_id)
+        run.task = asyncio.create_task(self.loop.run(run), name=run_id)
         return run
 
     def _forget_old(self) -> None:
@@ -154,317 +79,3 @@ class AgentService:
             if oldest_id is None:
                 return
             del self.runs[oldest_id]
-
-    # ---- the loop -------------------------------------------------------------------------
-
-    async def _run(self, run: Run) -> None:
-        body = run.body
-        run.status = "running"
-        step = 0
-        try:
-            limit = body.get("maxRunTimeSec")
-            async with asyncio.timeout(limit):
-                step = await self._loop(run)
-            run.reason = "finished" if run.reason == "finished" else "max_steps"
-            run.status = "completed"
-        except TimeoutError:
-            step = max(step, len(run.steps))
-            run.status, run.reason = "failed", "timeout"
-            run.emit("error", max(step, 1), message=f"run exceeded maxRunTimeSec={limit}")
-        except EndRun as end:
-            step = max(step, len(run.steps))
-            run.status, run.reason = "failed", end.reason
-            run.emit("error", max(step, 1), message=end.message)
-        except asyncio.CancelledError:
-            run.status, run.reason = "failed", "cancelled"
-            raise
-        except Exception as exc:  # a bug must still end the run visibly
-            step = max(step, len(run.steps))
-            run.status, run.reason = "failed", "internal_error"
-            run.emit("error", max(step, 1), message=f"{type(exc).__name__}: {exc}")
-        run.emit(
-            "run_end", max(step, len(run.steps), 1), ok=run.reason == "finished", reason=run.reason
-        )
-
-    async def _loop(self, run: Run) -> int:
-        body = run.body
-        model = body["model"]
-        env = body["env"]
-        base = env["gymBaseUrl"].rstrip("/")
-        ctx = _RunContext(
-            gym=f"{base}/api/v1/{env['gymId']}/executions/{env['executionId']}",
-            model=model,
-            flavour=get_flavour(model.get("flavour", "sim")),
-            policy=ContextPolicy(
-                model.get("context", self.config.context),
-                model.get("historyN", self.config.history_n),
-            ),
-            device=body.get("standardActionSpace", "mobile"),
-        )
-        prev_step: dict | None = None
-        step_limit = body.get("maxStepTimeSec")
-        for step in range(1, body["maxSteps"] + 1):
-            run.emit("step_start", step)
-            record = {"index": step - 1, "step": step, "messages": [], "actions": []}
-            run.steps.append(record)
-            try:
-                async with asyncio.timeout(step_limit):
-                    finished = await self._step(run, step, ctx, record, prev_step)
-            except TimeoutError as exc:
-                # Only this step's own timeout arrives here: when maxRunTimeSec fires, the
-                # cancellation passes through this context and the run's timeout converts it.
-                raise EndRun(
-                    "step_timeout", f"step {step} exceeded maxStepTimeSec={step_limit}"
-                ) from exc
-            run.emit("step_end", step)
-            prev_step = record
-            if finished:
-                run.reason = "finished"
-                return step
-        return body["maxSteps"]
-
-    async def _step(self, run, step, ctx: _RunContext, record, prev_step) -> bool:
-        """One step: screenshot, model call(s), one action; whether the run is finished."""
-        shot, screen = await self._observe(step, ctx, prev_step)
-        messages = build_messages(
-            run.body["task"],
-            ctx.history,
-            screen,
-            ctx.flavour,
-            ctx.policy,
-            device=ctx.device,
-            tools=ctx.model.get("tools"),
-        )
-        ctx.urls[screen.image_url] = shot["url"]
-        _record_messages(record, messages, ctx.policy, step, ctx.urls)
-        text, action, error = await self._ask_model(run, step, ctx, messages, record, shot)
-        ctx.history.append(StepRecord(screen, text, action))
-        return await self._act(run, step, ctx.gym, record, shot, action, error, text)
-
-    async def _observe(self, step, ctx: _RunContext, prev_step) -> tuple[dict, Screen]:
-        """Take the screenshot (the previous step's "after")."""
-        shot = await self._gym_post(f"{ctx.gym}/screenshot", None)
-        if prev_step is not None:
-            for act in prev_step["actions"]:
-                act["obs"]["screenshots"][0]["screenshot_after"] = shot.get("url")
-        mode = ctx.model.get("imageMode", self.config.image_mode)
-        image_url = shot["data_url"] if mode == "data" else shot["url"]
-        return shot, Screen(step, image_url, shot["width"], shot["height"])
-
-    async def _ask_model(self, run, step, ctx: _RunContext, messages, record, shot):
-        """(reply text, parsed action or None, parse error or None). The request is built once:
-        a reply that does not parse is asked again with the identical body (policy max_asks)."""
-        request = await self._build_request(ctx.model, messages, shot)
-        lenient = ctx.model.get("parse") == "lenient"
-        for _ask in range(ctx.policy.max_asks):
-            text = await self._call(run, step, ctx.model, request)
-            try:
-                action = ctx.flavour.read_reply(
-                    text, shot["width"], shot["height"], lenient=lenient
-                )
-            except ActionParseError as exc:
-                action, error = None, exc
-            else:
-                error = None
-                break
-        record["messages"].append({"role": "assistant", "content": text})
-        record["text"] = text
-        record["thinking"] = action.thought if action is not None else ""
-        return text, action, error
-
-    async def _call(self, run, step, model, request) -> str:
-        """One model call; its tokens and logprobs go to ``run.tokens``."""
-        run.emit("model_call", step, modelSpecificInput=request)
-        t0 = time.time()
-        output = await self._model_call(model, request)
-        run.emit(
-            "model_output", step, modelOutput=output, durationMs=int((time.time() - t0) * 1000)
-        )
-        try:
-            choice = output["choices"][0]
-            text = choice["message"].get("content") or ""
-        except (KeyError, IndexError, TypeError, AttributeError) as exc:
-            raise EndRun("model_error", f"model answer has no choices[0].message: {exc}") from exc
-        run.tokens.append(
-            {
-                "step": step,
-                "prompt_token_ids": output.get("prompt_token_ids"),
-                "token_ids": choice.get("token_ids"),
-                "logprobs": [
-                    c.get("logprob") for c in ((choice.get("logprobs") or {}).get("content") or [])
-                ],
-            }
-        )
-        return text
-
-    async def _act(self, run, step, gym, record, shot, action, error, text) -> bool:
-        """Run the parsed action on the gym (a reply that did not parse is an ``invalid``
-        action); whether the run is finished."""
-        start_ms = int(time.time() * 1000)
-        finished = False
-        if action is None:
-            event_action = {
-                "name": "invalid",
-                "args": {"text": text, "error": str(error)},
-                "callId": f"call-{step}-0",
-                "rawFeedback": f"parse_error: {error}",
-                "rawResult": {"ok": False, "error": f"parse_error: {error}"},
-            }
-        else:
-            finished, result = await self._execute(gym, action)
-            event_action = {
-                "name": action.name,
-                "args": to_event_args(action),
-                "callId": f"call-{step}-0",
-                "rawFeedback": action.text,
-                "rawResult": result,
-            }
-        end_ms = int(time.time() * 1000)
-        record["actions"].append(
-            {
-                "action": event_action,
-                "obs": {
-                    "screenshots": [
-                        {"screenshot_before": shot.get("url"), "screenshot_after": None}
-                    ]
-                },
-            }
-        )
-        if self.config.step_latency_s:
-            await asyncio.sleep(self.config.step_latency_s)
-        run.emit(
-            "action_executed",
-            step,
-            action=event_action,
-            actionIndex=0,
-            startTs=iso(start_ms),
-            endTs=iso(end_ms),
-            durationMs=end_ms - start_ms,
-        )
-        return finished
-
-    async def _execute(self, gym: str, action) -> tuple[bool, dict]:
-        """(whether the run is finished, the action's result). Asking the user and MCP calls
-        never reach the gym: nobody answers here, and the local agent has no MCP server."""
-        if action.name == "ask_user":
-            return False, {"ok": True, "error": None, "reply": USER_REPLY}
-        if action.name == "mcp_call":
-            tool = action.params.get("tool")
-            return False, {"ok": False, "error": f"no MCP server provides {tool!r} here"}
-        gym_action = to_gym_action(action)
-        if gym_action is None:
-            return True, {"ok": True, "error": None}
-        return False, await self._gym_post(f"{gym}/actions", gym_action, refusals=True)
-
-    # ---- services ---------------------------------------------------------------------------
-
-    async def _gym_post(self, url: str, body: dict | None, *, refusals: bool = False) -> dict:
-        """POST to the gym; with ``refusals`` a 400 (a well-formed call the gym refuses, e.g. an
-        off-screen tap: the agent's mistake) comes back as a failed result instead of ending
-        the run."""
-        try:
-            resp = await self.client.post(url, json=body)
-        except httpx.HTTPError as exc:
-            raise EndRun("env_error", f"gym {url}: {type(exc).__name__}: {exc}") from exc
-        if refusals and resp.status_code == 400:
-            return {"ok": False, "error": resp.text[:300], "status": 400}
-        if resp.status_code != 200:
-            raise EndRun("env_error", f"gym {url} answered {resp.status_code}: {resp.text[:300]}")
-        try:
-            return resp.json()
-        except ValueError as exc:
-            raise EndRun("env_error", f"gym {url} answered non-JSON") from exc
-
-    async def _build_request(self, model: dict, messages: list[dict], shot: dict) -> dict:
-        request: dict[str, Any] = {
-            "model": model["name"],
-            # A copy: later steps append to `messages`, the event must show what was sent.
-            "messages": [dict(m) for m in messages],
-            "max_tokens": int(model.get("maxTokens", self.config.max_tokens)),
-            "temperature": float(model.get("temperature", 1.0)),
-        }
-        if model.get("seed") is not None:
-            request["seed"] = int(model["seed"])
-        if model.get("logprobs", True):
-            request["logprobs"] = True
-            request["return_token_ids"] = True
-            if model.get("topLogprobs"):
-                request["top_logprobs"] = int(model["topLogprobs"])
-        constrain = model.get("constrain")
-        if constrain:
-            # Both modes end a turn only with <|im_end|>: the chat template closes an assistant
-            # message with it, so any other stop token (e.g. <|endoftext|>) would make the next
-            # prompt differ from this prompt + output and break the multi-turn prefix.
-            ascii_ids, ends = await self._vocab(model)
-            im_end = ends[END_TOKENS[0]]
-            if constrain == "regex":
-                request["structured_outputs"] = {
-                    "regex": action_regex(model.get("actions"), shot["width"], shot["height"])
-                }
-                others = [i for t, i in ends.items() if i != im_end]
-                if others:
-                    request["logit_bias"] = {str(i): -100 for i in others}
-            else:
-                request["allowed_token_ids"] = sorted({*ascii_ids, im_end})
-        return request
-
-    async def _model_call(self, model: dict, request: dict) -> dict:
-        url = f"{model['baseUrl'].rstrip('/')}/chat/completions"
-        try:
-            # No read limit of its own: the gateway holds a call through a weight update or a
-            # model-server outage (each bounded by its setting), and maxStepTimeSec bounds it.
-            timeout = httpx.Timeout(self.config.http_timeout_s, read=None)
-            resp = await self.client.post(url, json=request, timeout=timeout)
-        except httpx.HTTPError as exc:
-            raise EndRun("model_error", f"model {url}: {type(exc).__name__}: {exc}") from exc
-        if resp.status_code != 200:
-            raise EndRun(
-                "model_error", f"model {url} answered {resp.status_code}: {resp.text[:300]}"
-            )
-        try:
-            return resp.json()
-        except ValueError as exc:
-            raise EndRun("model_error", f"model {url} answered non-JSON") from exc
-
-    async def _vocab(self, model: dict) -> tuple[list[int], dict[str, int]]:
-        """(ids of single printable ASCII characters, ids of the end tokens), via vLLM /tokenize."""
-        key = (model["baseUrl"], model["name"])
-        if key in self._vocab_cache:
-            return self._vocab_cache[key]
-        # Parallel first runs would each make ~100 /tokenize calls: one lookup per model.
-        async with self._vocab_lock:
-            if key not in self._vocab_cache:
-                self._vocab_cache[key] = await self._lookup_vocab(model)
-        return self._vocab_cache[key]
-
-    async def _lookup_vocab(self, model: dict) -> tuple[list[int], dict[str, int]]:
-        base = model["baseUrl"].rstrip("/")
-        root = base[: -len("/v1")] if base.endswith("/v1") else base
-
-        async def ids_of(text: str) -> list[int]:
-            try:
-                resp = await self.client.post(
-                    f"{root}/tokenize",
-                    json={"model": model["name"], "prompt": text, "add_special_tokens": False},
-                )
-                resp.raise_for_status()
-                return [int(t) for t in resp.json().get("tokens") or []]
-            except (httpx.HTTPError, ValueError, TypeError) as exc:
-                raise EndRun("model_error", f"tokenize {text!r} failed: {exc}") from exc
-
-        ascii_ids: set[int] = set()
-        for c in range(32, 127):
-            tokens = await ids_of(chr(c))
-            if len(tokens) == 1:
-                ascii_ids.add(tokens[0])
-        ends = {}
-        for text in END_TOKENS:
-            tokens = await ids_of(text)
-            if len(tokens) == 1:
-                ends[text] = tokens[0]
-        if not ascii_ids or END_TOKENS[0] not in ends:
-            raise EndRun(
-                "model_error",
-                f"constrain needs single-token ASCII characters and {END_TOKENS[0]} in the vocabulary",
-            )
-        return sorted(ascii_ids), ends

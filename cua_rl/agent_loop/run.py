@@ -1,4 +1,4 @@
-"""One agent run's state, and the checks of a ``POST /runs`` body and of event time bounds."""
+"""One agent run's state, and the checks of a run body (``POST /runs`` or the builtin mode's) and of event time bounds."""
 
 from __future__ import annotations
 
