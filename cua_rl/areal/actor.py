@@ -4,7 +4,8 @@ AReaL's controller sends each training worker its engine class by dotted path; t
 that module and nothing else of cua-rl. A correctness fix the worker needs (transformers'
 Qwen2.5-VL image positions, ``cua_rl.areal.positions``) is therefore applied by importing this
 module, and every fsdp train engine (actor, reference, teacher) is made from a class defined here
-or in a module that imports it: ``CuaPPOActor`` (AReaL's ``FSDPPPOActor`` unchanged) when
+or in a module that imports it: ``CuaPPOActor`` (AReaL's ``FSDPPPOActor`` with the vision
+deduplication of ``cua_rl.areal.vision_dedup``, switched by ``actor.vision.dedup``) when
 ``logits.selective`` is off, ``logits_engine.SelectiveLogitsPPOActor`` (its subclass) when on.
 So an optimisation switch never decides whether a fix applies.
 
@@ -23,14 +24,17 @@ from areal.engine.fsdp_engine import FSDPPPOActor
 from areal.utils.environ import is_single_controller
 
 from cua_rl.areal.positions import fix_qwen2_5_vl_image_positions
+from cua_rl.areal.vision_dedup import VisionDedupMixin
 
 # Workers import this module by the engine's dotted path: the trainer's Qwen2.5-VL positions
 # then match vLLM's.
 fix_qwen2_5_vl_image_positions()
 
 
-class CuaPPOActor(FSDPPPOActor):
-    """AReaL's FSDP PPO actor; its module applies the trainer-side fixes on import."""
+class CuaPPOActor(VisionDedupMixin, FSDPPPOActor):
+    """AReaL's FSDP PPO actor with each distinct screenshot of a micro-batch through the vision
+    tower once (``actor.vision``, ``cua_rl.areal.vision_dedup``); its module applies the
+    trainer-side fixes on import."""
 
 
 class ActorMixin:
@@ -49,7 +53,6 @@ class ActorMixin:
             actor = self.actor_class(config=actor_config)
         actor.create_process_group(parallel_strategy=alloc.parallel)
         return actor
-
 
     def _init_scheduler(self):
         scheduler = super()._init_scheduler()
