@@ -196,14 +196,14 @@ class VisionDedupMixin:
     def _tower_inputs(self, tower, args, kwargs):
         plan = self._image_plan
         grid = kwargs.get("grid_thw")
+        if plan is None:
+            self._encoded += 0 if grid is None else int(grid.shape[0])
+            return None
         if grid is None:
             raise CuaRlError(
                 "the vision tower was called without grid_thw= (transformers' get_image_features "
                 "changed): set actor.vision.dedup=false and report this"
             )
-        if plan is None:
-            self._encoded += int(grid.shape[0])
-            return None
         if plan.applied:
             raise CuaRlError("the vision tower ran twice in one micro-batch")
         patches = int(plan.grid.prod(-1).sum())
