@@ -20,7 +20,7 @@ from cua_rl.app.failfast import FailFastConfig
 from cua_rl.app.placement import check_placement
 from cua_rl.areal.logits import LogitsConfig
 from cua_rl.areal.support import check_areal_version
-from cua_rl.areal.vision import CuaActorConfig
+from cua_rl.areal.vision import CuaActorConfig, vision_packing_warning
 from cua_rl.core.fields import doc
 from cua_rl.curriculum.selector import CurriculumConfig
 from cua_rl.errors import ConfigError
@@ -237,6 +237,9 @@ class CUAConfig(GRPOConfig):
             self._validate_gateway()
         self._validate_model_endpoint()
         self._validate_normalisation()
+        warning = vision_packing_warning(self.actor)
+        if warning:
+            log.warning(warning)
         self.validate_curriculum()
         if self.monitor.enabled and not (self.monitor.base_url or self.monitor.db_path):
             import os

@@ -110,6 +110,17 @@ RELIANCES: tuple[Reliance, ...] = (
     ),
     Reliance(_FSDP, "FSDPEngine.enable_tree_training", _VISION + " reads", set_by="__init__"),
     Reliance("areal.utils.data", "MicroBatchList.forward_indices", _VISION + " reads"),
+    Reliance(
+        "areal.utils.data",
+        "get_allocate_fn",
+        "cua_rl/areal/packing.py replaces it while the actor packs micro-batches in row order",
+    ),
+    Reliance(
+        "areal.utils.seqpack",
+        "ffd_allocate",
+        "cua_rl/areal/packing.py's sequential_allocate takes its parameters",
+        params=("values", "capacity", "min_groups", "n_groups_divisor"),
+    ),
     Reliance("areal.utils.data", "MicroBatchList.padded_mbs", _VISION + " writes into"),
     Reliance("areal.utils.data", "MicroBatchItem.padded_mb", _VISION + " replaces"),
     Reliance(

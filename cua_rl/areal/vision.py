@@ -28,6 +28,13 @@ class VisionSection:
         "(image_keys, written by the converter). Falls back to AReaL's path, with a log line, "
         "under sequence parallelism, tree training, LoRA, video or rows without identity",
     )
+    pack_episodes: bool = doc(
+        True,
+        "With dedup: fill micro-batches with the rows in batch order (an episode's rows are "
+        "contiguous and in turn order) instead of AReaL's first-fit-decreasing by length, which "
+        "scatters an episode's rows so that a shared screenshot is encoded in several "
+        "micro-batches. Same micro-batch limits (max_tokens_per_mb, n_mbs, n_mbs_divisor)",
+    )
     freeze: bool = doc(
         False,
         "Freeze the vision tower: its parameters get no gradient and keep their weights, and it "
@@ -37,7 +44,7 @@ class VisionSection:
     )
 
     def __post_init__(self) -> None:
-        for name in ("dedup", "freeze"):
+        for name in ("dedup", "pack_episodes", "freeze"):
             value = getattr(self, name)
             if not isinstance(value, bool):
                 raise ConfigError(f"actor.vision.{name} must be true or false, not {value!r}")
@@ -57,3 +64,16 @@ def vision_section(config: object) -> VisionSection:
     if not isinstance(section, VisionSection):  # an OmegaConf dict left unconverted
         section = VisionSection(**dict(section))
     return section
+
+
+def vision_packing_warning(actor: CuaActorConfig) -> str:
+    """What scatters an episode's rows over forward passes despite ``pack_episodes``, or ""."""
+    vision = actor.vision
+    if not (vision.dedup and vision.pack_episodes) or actor.ppo_n_minibatches <= 1:
+        return ""
+    return (
+        f"actor.ppo_n_minibatches={actor.ppo_n_minibatches}: AReaL splits each step's rows into "
+        "PPO minibatches by length, scattering an episode's rows, so a screenshot its rows share "
+        "is encoded once per minibatch that holds one of them; set actor.ppo_n_minibatches=1 "
+        "to encode it once per micro-batch (docs/vision.md)"
+    )

@@ -15,8 +15,9 @@ content hash, written by the converter), so per micro-batch:
   its output (``pooler_output``, and Qwen3-VL's ``deepstack_features``) over the placeholder
   spans by indexing, so autograd sums each image's gradients over its spans.
 
-The model still gets one tower call per micro-batch that holds an image, on every rank, as
-with AReaL's path. ``freeze`` (``actor.vision.freeze``) sets the tower's parameters not to
+With ``pack_episodes`` (``cua_rl.areal.packing``) AReaL's packer fills the micro-batches in row
+order, so an episode's rows, contiguous and in turn order, share micro-batches. The model still
+gets one tower call per micro-batch that holds an image, on every rank, as with AReaL's path. ``freeze`` (``actor.vision.freeze``) sets the tower's parameters not to
 require gradients before FSDP wraps the model. The tower hook counts what it encodes; each
 batch records ``cua_vision/row_images`` (images its rows hold), ``cua_vision/distinct_images``
 (distinct per micro-batch) and ``cua_vision/encoded_images`` (what the tower ran on), summed over
@@ -26,6 +27,7 @@ path, and the reason is logged once. docs/vision.md has the design and the measu
 
 from __future__ import annotations
 
+import contextlib
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any
@@ -33,6 +35,7 @@ from typing import Any
 import torch
 from areal.utils import stats_tracker
 
+from cua_rl.areal.packing import in_row_order
 from cua_rl.areal.vision import vision_section
 from cua_rl.errors import CuaRlError
 from cua_rl.logs import get_logger
@@ -262,7 +265,8 @@ class VisionDedupMixin:
             return super()._prepare_mb_list(input_)
         # AReaL concatenates each micro-batch's pixel_values: give it none, then the distinct ones.
         stripped = [{k: v for k, v in m.items() if k != "pixel_values"} for m in media]
-        mb_list = super()._prepare_mb_list({**input_, "multi_modal_input": stripped})
+        with in_row_order() if self.vision.pack_episodes else contextlib.nullcontext():
+            mb_list = super()._prepare_mb_list({**input_, "multi_modal_input": stripped})
         merge = vision_tower(self.model).spatial_merge_size
         order = mb_list.forward_indices
         start = 0

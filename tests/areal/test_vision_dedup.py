@@ -17,8 +17,14 @@ import pytest
 import torch
 
 from cua_rl.areal import vision_dedup as vd
-from cua_rl.areal.vision import CuaActorConfig, VisionSection, vision_section
-from cua_rl.errors import ConfigError
+from cua_rl.areal.packing import sequential_allocate
+from cua_rl.areal.vision import (
+    CuaActorConfig,
+    VisionSection,
+    vision_packing_warning,
+    vision_section,
+)
+from cua_rl.errors import ConfigError, CuaRlError
 
 FAMILIES = ("qwen2-vl-byte", "qwen2.5-vl", "qwen3-vl")
 TEMPERATURE = 0.8
@@ -94,6 +100,37 @@ def test_vision_config():
         VisionSection(freeze="yes")
 
 
+@pytest.mark.parametrize(
+    ("values", "min_groups", "divisor", "expected"),
+    [
+        # Filled in order up to the capacity (6), never reordered by length.
+        ([3, 3, 3, 3], None, 1, [[0, 1], [2, 3]]),
+        ([1, 5, 1, 5, 2], None, 1, [[0, 1], [2, 3], [4]]),
+        # At least 3 groups: the fullest is halved (ties: the first).
+        ([3, 3, 3, 3], 3, 1, [[0], [1], [2, 3]]),
+        # 3 groups, divisor 2: one more.
+        ([1, 5, 1, 5, 2], None, 2, [[0], [1], [2, 3], [4]]),
+    ],
+)
+def test_sequential_allocate(values, min_groups, divisor, expected):
+    assert sequential_allocate(values, 6, min_groups, divisor) == expected
+
+
+def test_sequential_allocate_refuses_what_cannot_fit():
+    with pytest.raises(CuaRlError, match="exceeds max_tokens_per_mb=6"):
+        sequential_allocate([3, 7], 6, None)
+    with pytest.raises(CuaRlError, match="2 rows cannot fill 3 micro-batches"):
+        sequential_allocate([3, 3], 6, 3)
+
+
+def test_several_ppo_minibatches_are_warned_about():
+    config = CuaActorConfig(ppo_n_minibatches=2)
+    assert "actor.ppo_n_minibatches=1" in vision_packing_warning(config)
+    config.vision.pack_episodes = False
+    assert vision_packing_warning(config) == ""
+    assert vision_packing_warning(CuaActorConfig(ppo_n_minibatches=1)) == ""
+
+
 # -- two real actors per family ----------------------------------------------------------------
 
 
@@ -134,16 +171,20 @@ def actors(request):
     model_dir = ensure_model(request.param)
     config = actor_config(model_dir, temperature=TEMPERATURE)
     areal = make_actor(FSDPPPOActor, copy.deepcopy(config))
-    dedup = make_actor(CuaPPOActor, copy.deepcopy(config))
+    # Deduplication in AReaL's micro-batches (its packer), so each call has a counterpart.
+    unpacked = copy.deepcopy(config)
+    unpacked.vision.pack_episodes = False
+    dedup = make_actor(CuaPPOActor, unpacked)
     # The two switches alone: selective logits with deduplication, deduplication off.
     selective = make_actor(SelectiveLogitsPPOActor, copy.deepcopy(config))
     off = copy.deepcopy(config)
     off.vision.dedup = False
     plain = make_actor(CuaPPOActor, off)
+    packed = make_actor(CuaPPOActor, copy.deepcopy(config))  # the defaults: rows in order
     stats_tracker.export_all()
-    yield areal, dedup, model_dir, selective, plain
+    yield areal, dedup, model_dir, selective, plain, packed
     # The first actor created the process group: it goes last.
-    for actor in (plain, selective, dedup, areal):
+    for actor in (packed, plain, selective, dedup, areal):
         actor.destroy()
     ALL_ATTENTION_FUNCTIONS["sdpa"] = original_sdpa
 
@@ -165,7 +206,7 @@ def _rows(actors) -> list[dict]:
 
 
 def _set_mb_tokens(actors, tokens: int) -> None:
-    for actor in (actors[0], actors[1], actors[3], actors[4]):
+    for actor in (actors[0], actors[1], *actors[3:]):
         actor.config.mb_spec.max_tokens_per_mb = tokens
 
 
@@ -269,7 +310,7 @@ def test_ppo_update_gives_areals_gradients_vision_included(actors):
 def test_each_switch_alone(actors):
     """Selective logits with deduplication, and ``actor.vision.dedup=false``: AReaL's results;
     the tower encodes distinct images in the first, every row's in the second."""
-    areal, _, _, selective, plain = actors
+    areal, _, _, selective, plain, _ = actors
     _set_mb_tokens(actors, ONE_MB)
     rows = _rows(actors)
     expected = areal.compute_logp(copy.deepcopy(rows))
@@ -320,3 +361,33 @@ def test_rows_without_image_identity_take_areals_path_with_one_log_line(actors):
         "with one key per image) (AReaL's path)"
     ]
     assert dedup.export_stats()["cua_vision/encoded_images"] == 36
+
+
+@pytest.mark.slow
+def test_episode_rows_packed_in_turn_order_encode_each_screenshot_about_once(actors):
+    areal, dedup, *_, packed = actors
+    _set_mb_tokens(actors, SEVERAL_MBS)
+    rows = _rows(actors)
+    # Each screenshot's place: (episode, step), from the rows themselves.
+    place = {}
+    for e in range(2):
+        for t, row in enumerate(rows[4 * e : 4 * e + 4]):
+            media = row["multi_modal_input"][0]
+            last = torch.split(media["pixel_values"], media["image_grid_thw"].prod(-1).tolist())[-1]
+            place[hashlib.sha256(last.numpy().tobytes()).hexdigest()] = (e, t)
+    expected = areal.compute_logp(copy.deepcopy(rows))
+    with TowerCalls(dedup) as scattered:
+        dedup.compute_logp(copy.deepcopy(rows))
+    with TowerCalls(packed) as in_order:
+        got = packed.compute_logp(copy.deepcopy(rows))
+    assert _logp_diff(rows, expected, got) < 1e-6
+    assert len(in_order.calls) >= 3
+    # The micro-batches follow the episodes' turns: screenshots come in (episode, step) order,
+    # a micro-batch cut re-encoding at most the 2 the next row's window shares with it.
+    seen = [place[h] for call in in_order.calls for h in call]
+    assert seen == sorted(seen)
+    encoded = sum(len(c) for c in in_order.calls)
+    assert 8 <= encoded <= 8 + 2 * (len(in_order.calls) - 1)
+    assert encoded < sum(len(c) for c in scattered.calls)
+    packed.export_stats()
+    dedup.export_stats()
