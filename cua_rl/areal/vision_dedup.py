@@ -251,7 +251,10 @@ class VisionDedupMixin:
             log.warning("vision deduplication off for these rows: %s (AReaL's path)", reason)
 
     def _prepare_mb_list(self, input_: dict[str, Any]):
-        media = input_.get("multi_modal_input") or []
+        # AReaL reads row i's media at index i; a batch rebuilt from split rows (eval_batch on
+        # compute_advantages' output) repeats the whole list after its first len(rows) entries.
+        rows = int(input_["attention_mask"].shape[0])
+        media = list(input_.get("multi_modal_input") or [])[:rows]
         images = sum(row_images(m) for m in media)
         if images == 0:
             return super()._prepare_mb_list(input_)
@@ -281,8 +284,8 @@ class VisionDedupMixin:
             padded[GRID_KEY] = plan.grid
             padded[INDEX_KEY] = plan.token_index
             distinct += plan.distinct
-        if start != len(media):
-            raise CuaRlError(f"micro-batches hold {start} rows of {len(media)}")
+        if start != rows:
+            raise CuaRlError(f"micro-batches hold {start} rows of {rows}")
         _count("row_images", images)
         _count("distinct_images", distinct)
         return mb_list

@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import copy
 import hashlib
+import itertools
 import logging
 
 import pytest
@@ -382,10 +383,15 @@ def test_episode_rows_packed_in_turn_order_encode_each_screenshot_about_once(act
         got = packed.compute_logp(copy.deepcopy(rows))
     assert _logp_diff(rows, expected, got) < 1e-6
     assert len(in_order.calls) >= 3
-    # The micro-batches follow the episodes' turns: screenshots come in (episode, step) order,
-    # a micro-batch cut re-encoding at most the 2 the next row's window shares with it.
-    seen = [place[h] for call in in_order.calls for h in call]
-    assert seen == sorted(seen)
+    # The micro-batches follow the episodes' turns: each encodes its screenshots in (episode,
+    # step) order and starts and ends no earlier than the one before; a cut re-encodes at most
+    # the 2 screenshots the next row's window shares with the rows before it.
+    calls = [[place[h] for h in call] for call in in_order.calls]
+    assert all(c == sorted(c) for c in calls)
+    for before, after in itertools.pairwise(calls):
+        assert after[0] >= before[0] and after[-1] > before[-1]
+        assert len(set(before) & set(after)) <= 2
+    assert sorted({p for c in calls for p in c}) == sorted(place.values())
     encoded = sum(len(c) for c in in_order.calls)
     assert 8 <= encoded <= 8 + 2 * (len(in_order.calls) - 1)
     assert encoded < sum(len(c) for c in scattered.calls)
