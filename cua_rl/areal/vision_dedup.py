@@ -125,12 +125,13 @@ def batch_reason(media: Sequence[Mapping[str, Any]]) -> str:
     return ""
 
 
-def _distinct_keys(media: Sequence[Mapping[str, Any]]) -> int | None:
+def _distinct_images(media: Sequence[Mapping[str, Any]]) -> int:
+    """Distinct image keys of ``media``; its image count when an image has no key."""
     keys = set()
     for item in media:
         if row_images(item):
-            if IMAGE_KEYS not in item:
-                return None
+            if IMAGE_KEYS not in item or int(item[IMAGE_KEYS].numel()) != row_images(item):
+                return sum(row_images(m) for m in media)
             keys.update(int(k) for k in item[IMAGE_KEYS])
     return len(keys)
 
@@ -149,6 +150,18 @@ class _Active:
     index: torch.Tensor
     grid: torch.Tensor
     applied: bool = False
+
+
+def _mb_rows(mb_list) -> list[list[int]]:
+    """The batch rows of each micro-batch, in packed order (AReaL's ``forward_indices``)."""
+    order, groups, start = mb_list.forward_indices, [], 0
+    for mb in mb_list.mbs:
+        n = int(mb["cu_seqlens"].numel()) - 1
+        groups.append(order[start : start + n])
+        start += n
+    if start != len(order):
+        raise CuaRlError(f"micro-batches hold {start} rows of {len(order)}")
+    return groups
 
 
 def vision_tower(model: torch.nn.Module) -> torch.nn.Module | None:
@@ -262,30 +275,25 @@ class VisionDedupMixin:
         reason = self._dedup_reason() or batch_reason(media)
         if reason:
             self._fall_back(reason)
+            mb_list = super()._prepare_mb_list(input_)
+            distinct = sum(_distinct_images([media[r] for r in g]) for g in _mb_rows(mb_list))
             _count("row_images", images)
-            distinct = _distinct_keys(media)
-            _count("distinct_images", images if distinct is None else distinct)
-            return super()._prepare_mb_list(input_)
+            _count("distinct_images", distinct)
+            return mb_list
         # AReaL concatenates each micro-batch's pixel_values: give it none, then the distinct ones.
         stripped = [{k: v for k, v in m.items() if k != "pixel_values"} for m in media]
         with in_row_order() if self.vision.pack_episodes else contextlib.nullcontext():
             mb_list = super()._prepare_mb_list({**input_, "multi_modal_input": stripped})
         merge = vision_tower(self.model).spatial_merge_size
-        order = mb_list.forward_indices
-        start = 0
         distinct = 0
-        for mb, padded in zip(mb_list.mbs, mb_list.padded_mbs, strict=True):
-            n = int(mb["cu_seqlens"].numel()) - 1
-            plan = plan_images([media[r] for r in order[start : start + n]], merge)
-            start += n
+        for group, padded in zip(_mb_rows(mb_list), mb_list.padded_mbs, strict=True):
+            plan = plan_images([media[r] for r in group], merge)
             if plan is None:
                 continue
             padded["pixel_values"] = plan.pixel_values
             padded[GRID_KEY] = plan.grid
             padded[INDEX_KEY] = plan.token_index
             distinct += plan.distinct
-        if start != rows:
-            raise CuaRlError(f"micro-batches hold {start} rows of {rows}")
         _count("row_images", images)
         _count("distinct_images", distinct)
         return mb_list

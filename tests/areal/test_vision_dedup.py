@@ -320,7 +320,10 @@ def test_each_switch_alone(actors):
             got = actor.compute_logp(copy.deepcopy(rows))
         assert [len(c) for c in encoded.calls] == tower_images
         assert _logp_diff(rows, expected, got) < 1e-6
-        assert actor.export_stats()["cua_vision/encoded_images"] == tower_images[0]
+        stats = actor.export_stats()
+        assert stats["cua_vision/encoded_images"] == tower_images[0]
+        # Rows with keys: the distinct images are counted whether or not the switch is on.
+        assert (stats["cua_vision/row_images"], stats["cua_vision/distinct_images"]) == (18, 8)
     (want, _), (sel, _), (off, _) = _update(actors, [selective, plain])
     _assert_same_grads(want, sel)
     _assert_same_grads(want, off)
@@ -361,7 +364,8 @@ def test_rows_without_image_identity_take_areals_path_with_one_log_line(actors):
         "vision deduplication off for these rows: rows without image identity (image_keys "
         "with one key per image) (AReaL's path)"
     ]
-    assert dedup.export_stats()["cua_vision/encoded_images"] == 36
+    stats = dedup.export_stats()
+    assert stats["cua_vision/encoded_images"] == stats["cua_vision/distinct_images"] == 36
 
 
 @pytest.mark.slow
