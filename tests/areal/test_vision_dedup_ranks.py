@@ -118,6 +118,8 @@ def test_ranks_with_unequal_distinct_images_train_a_step(tmp_path):
     assert len(r0["update_calls"]) == len(r1["update_calls"]) >= 2
     assert sum(r0["update_calls"]) < 18 and sum(r1["update_calls"]) == 6
     assert r0["update_calls"] != r1["update_calls"]
-    # The statistics are summed over both ranks: 18 + 6 images in the rows.
-    assert r0["row_images"] == r1["row_images"] == 24
-    assert r0["encoded"] == sum(r0["update_calls"]) + sum(r1["update_calls"])
+    # The statistics are summed over both ranks (18 + 6 images in the rows) and both passes
+    # (compute_logp, ppo_update).
+    assert r0["row_images"] == r1["row_images"] == 2 * (18 + 6)
+    calls = [n for r in reports for key in ("logp_calls", "update_calls") for n in r[key]]
+    assert r0["encoded"] == r1["encoded"] == sum(calls)
