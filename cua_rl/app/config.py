@@ -23,6 +23,7 @@ from cua_rl.app.failfast import FailFastConfig
 from cua_rl.app.placement import check_placement
 from cua_rl.areal.logits import LogitsConfig
 from cua_rl.areal.support import check_areal_version
+from cua_rl.areal.vision import CuaActorConfig, vision_packing_warning
 from cua_rl.core.fields import doc
 from cua_rl.curriculum.selector import CurriculumConfig
 from cua_rl.errors import ConfigError
@@ -156,6 +157,10 @@ class MonitorSection:
 
 @dataclass
 class CUAConfig(GRPOConfig):
+    actor: CuaActorConfig = doc(
+        help="AReaL's PPO actor settings, and the vision tower's (actor.vision)",
+        factory=CuaActorConfig,
+    )
     gym: GymSection = doc(help="The gym server", factory=GymSection)
     agent: AgentSection = doc(help="The gbox-mini-agent service", factory=AgentSection)
     endpoint: EndpointSection = doc(help="Model endpoint the agent calls", factory=EndpointSection)
@@ -257,6 +262,9 @@ class CUAConfig(GRPOConfig):
         if self.agent.mode == "builtin":
             check_model_options(self.agent.model_options, self.agent.action_space)
         self._validate_normalisation()
+        warning = vision_packing_warning(self.actor)
+        if warning:
+            log.warning(warning)
         self.validate_curriculum()
         if self.monitor.enabled and not (self.monitor.resolved().url or self.monitor.db_path):
             raise ConfigError(

@@ -4,7 +4,8 @@ AReaL's controller sends each training worker its engine class by dotted path; t
 that module and nothing else of cua-rl. A correctness fix the worker needs (transformers'
 Qwen2.5-VL image positions, ``cua_rl.areal.positions``) is therefore applied by importing this
 module, and every fsdp train engine (actor, reference, teacher) is made from a class defined here
-or in a module that imports it: ``CuaPPOActor`` (AReaL's ``FSDPPPOActor`` unchanged) when
+or in a module that imports it: ``CuaPPOActor`` (AReaL's ``FSDPPPOActor`` with the vision
+deduplication of ``cua_rl.areal.vision_dedup``, switched by ``actor.vision.dedup``) when
 ``logits.selective`` is off, ``logits_engine.SelectiveLogitsPPOActor`` (its subclass) when on.
 So an optimisation switch never decides whether a fix applies. ``CuaPPOActor.ppo_update`` returns
 the heap's free pages after each update (``cua_rl.heap``).
@@ -25,14 +26,17 @@ from areal.utils.environ import is_single_controller
 
 from cua_rl.areal.positions import fix_qwen2_5_vl_image_positions
 from cua_rl.heap import release_free_memory
+from cua_rl.areal.vision_dedup import VisionDedupMixin
 
 # Workers import this module by the engine's dotted path: the trainer's Qwen2.5-VL positions
 # then match vLLM's.
 fix_qwen2_5_vl_image_positions()
 
 
-class CuaPPOActor(FSDPPPOActor):
-    """AReaL's FSDP PPO actor; its module applies the trainer-side fixes on import."""
+class CuaPPOActor(VisionDedupMixin, FSDPPPOActor):
+    """AReaL's FSDP PPO actor with each distinct screenshot of a micro-batch through the vision
+    tower once (``actor.vision``, ``cua_rl.areal.vision_dedup``); its module applies the
+    trainer-side fixes on import."""
 
     def ppo_update(self, *args, **kwargs) -> None:
         super().ppo_update(*args, **kwargs)

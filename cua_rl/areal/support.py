@@ -91,6 +91,7 @@ _RUNNER = "areal.infra.async_task_runner"
 _REMOTE = "areal.infra.remote_inf_engine"
 _GATEWAY = "cua_rl/gateway/engine.py calls"
 _HOOKS = "cua_rl/areal/hooks.py"
+_VISION = "cua_rl/areal/vision_dedup.py"
 
 RELIANCES: tuple[Reliance, ...] = (
     # The trainer factory (every fsdp engine is our class); selective logits: six FSDPEngine
@@ -102,6 +103,66 @@ RELIANCES: tuple[Reliance, ...] = (
     Reliance(_FSDP, "FSDPPPOActor._compute_logprobs", _LOGITS),
     Reliance(_FSDP, "FSDPPPOActor._compute_logprobs_entropy", _LOGITS),
     Reliance(_FSDP, "FSDPPPOActor._get_vocab_min_max_logits", _LOGITS),
+    # One pass of the vision tower per distinct screenshot (cua_rl/areal/vision_dedup.py).
+    Reliance(_FSDP, "FSDPPPOActor._prepare_mb_list", _VISION + " overrides"),
+    Reliance(_FSDP, "FSDPPPOActor._create_device_model", _VISION + " overrides (freeze)"),
+    Reliance(
+        _FSDP, "FSDPEngine.parallel_helper", _VISION + " reads", set_by="create_process_group"
+    ),
+    Reliance(_FSDP, "FSDPEngine.enable_tree_training", _VISION + " reads", set_by="__init__"),
+    Reliance("areal.utils.data", "MicroBatchList.forward_indices", _VISION + " reads"),
+    Reliance(
+        "areal.utils.data",
+        "get_allocate_fn",
+        "cua_rl/areal/packing.py replaces it while the actor packs micro-batches in row order",
+    ),
+    Reliance(
+        "areal.utils.seqpack",
+        "ffd_allocate",
+        "cua_rl/areal/packing.py's sequential_allocate takes its parameters",
+        params=("values", "capacity", "min_groups", "n_groups_divisor"),
+    ),
+    Reliance("areal.utils.data", "MicroBatchList.padded_mbs", _VISION + " writes into"),
+    Reliance("areal.utils.data", "MicroBatchItem.padded_mb", _VISION + " replaces"),
+    Reliance(
+        "areal.utils.stats_tracker",
+        "DistributedStatsTracker.disable_scope",
+        _VISION + " calls (its statistics' keys)",
+    ),
+    Reliance("areal.utils.stats_tracker", "denominator", _VISION + " calls (summed counts)"),
+    *(
+        Reliance(
+            f"transformers.models.{module}.modeling_{module}",
+            f"{model}.visual",
+            _VISION + " hooks the tower (grid_thw in, pooler_output / deepstack_features out)",
+            set_by="__init__",
+        )
+        for module, model in (
+            ("qwen2_vl", "Qwen2VLModel"),
+            ("qwen2_5_vl", "Qwen2_5_VLModel"),
+            ("qwen3_vl", "Qwen3VLModel"),
+            ("qwen3_vl_moe", "Qwen3VLMoeModel"),
+        )
+    ),
+    *(
+        Reliance(
+            f"transformers.models.{module}.modeling_{module}",
+            f"{tower}.forward",
+            _VISION + " replaces the grid_thw its hook receives",
+            params=("grid_thw",),
+        )
+        for module, tower in (
+            ("qwen2_vl", "Qwen2VisionTransformerPretrainedModel"),
+            ("qwen2_5_vl", "Qwen2_5_VisionTransformerPretrainedModel"),
+            ("qwen3_vl", "Qwen3VLVisionModel"),
+            ("qwen3_vl_moe", "Qwen3VLMoeVisionModel"),
+        )
+    ),
+    Reliance(
+        "transformers.models.qwen3_vl.modeling_qwen3_vl",
+        "BaseModelOutputWithDeepstackFeatures.deepstack_features",
+        _VISION + " spreads it over the placeholder spans",
+    ),
     Reliance("areal", "PPOTrainer._create_train_engine", "cua_rl/areal/actor.py overrides"),
     Reliance("areal", "PPOTrainer._init_scheduler", "cua_rl/areal/actor.py overrides"),
     *(

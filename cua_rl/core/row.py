@@ -5,7 +5,9 @@ ids as the model saw and sampled them (an episode gives one row per segment, a r
 extend one another), with per-token loss mask, behaviour logprobs and policy versions, the
 episode's reward and id, and the pixel values of the images its prompt holds (Qwen-VL's
 processor output: ``pixel_values`` ``[patches, dim]`` and ``image_grid_thw`` ``[images, 3]``,
-whose per-image ``t*h*w`` sum to ``patches``). ``ROW_FIELDS`` spells out every key; the row
+whose per-image ``t*h*w`` sum to ``patches``, and ``image_keys`` ``[images]``, each image's
+content hash, by which the trainer encodes a screenshot several rows share once per
+micro-batch). ``ROW_FIELDS`` spells out every key; the row
 builder validates each row it returns with ``validate_row``, so a row that AReaL would misread
 (a wrong dtype, a length that disagrees) fails where it is made, with the key named.
 """
@@ -45,7 +47,8 @@ ROW_FIELDS: tuple[RowField, ...] = (
         "multi_modal_input",
         "list[dict]",
         "[1]",
-        "one dict: pixel_values float32 [P, dim], image_grid_thw int64 [I, 3]",
+        "one dict: pixel_values float32 [P, dim], image_grid_thw int64 [I, 3], image_keys int64 "
+        "[I] (content hashes: equal keys, equal images)",
     ),
 )
 ROW_KEYS: tuple[str, ...] = tuple(f.key for f in ROW_FIELDS)
@@ -97,6 +100,16 @@ def _validate_images(mm: Any) -> None:
         raise RowContractError("multi_modal_input image_grid_thw must be an int64 [I, 3] tensor")
     if grid.shape[1] != 3:
         raise RowContractError(f"image_grid_thw has shape {tuple(grid.shape)}, not (I, 3)")
+    keys = mm[0].get("image_keys")
+    if keys is not None and (
+        not isinstance(keys, torch.Tensor)
+        or keys.dtype != torch.long
+        or tuple(keys.shape) != (grid.shape[0],)
+    ):
+        raise RowContractError(
+            f"multi_modal_input image_keys must be an int64 [{grid.shape[0]}] tensor (one key "
+            "per image)"
+        )
     patches = int(grid.prod(-1).sum()) if grid.numel() else 0
     if patches != pixels.shape[0]:
         raise RowContractError(

@@ -6,12 +6,14 @@ inference server: a one-process gloo group (world size 1) is all ``FSDPEngine`` 
 
 ``screenshot_row`` lays a GUI episode out as the converter does, one row for all turns: per
 turn a user prompt, optionally one screenshot (``<|vision_start|>``, image pads,
-``<|vision_end|>`` with matching ``image_grid_thw`` and random pixel patches), then the sampled
-tokens, which alone are in the loss mask. Token ids and pixels come from a seeded generator.
+``<|vision_end|>`` with matching ``image_grid_thw``, random pixel patches and their content key),
+then the sampled tokens, which alone are in the loss mask. ``window_rows`` lays an episode out as
+an agent with a window of screenshots sends its calls, one row per call (MAI-UI: 3). Token ids and pixels come from a seeded generator.
 """
 
 from __future__ import annotations
 
+import hashlib
 import math
 import os
 import socket
@@ -50,12 +52,15 @@ def init_single_process_group() -> None:
 
 
 def actor_config(model_dir: str | os.PathLike, **overrides: Any):
-    """A ``PPOActorConfig`` for a CPU actor: fp32, sdpa, one minibatch, lr 0 unless overridden.
+    """A ``CuaActorConfig`` (AReaL's ``PPOActorConfig`` with ``vision``) for a CPU actor: fp32,
+    sdpa, one minibatch, lr 0 unless overridden.
 
     The defaults mirror configs/cua.yaml's PPO settings (recomputed proximal logprobs,
     decoupled loss, group-normalised rewards in groups of 2, no KL term).
     """
-    from areal.api.cli_args import MicroBatchSpec, NormConfig, OptimizerConfig, PPOActorConfig
+    from areal.api.cli_args import MicroBatchSpec, NormConfig, OptimizerConfig
+
+    from cua_rl.areal.vision import CuaActorConfig
 
     values: dict[str, Any] = dict(
         experiment_name="cpu-actor",
@@ -75,7 +80,7 @@ def actor_config(model_dir: str | os.PathLike, **overrides: Any):
         temperature=1.0,
     )
     values.update(overrides)
-    return PPOActorConfig(**values)
+    return CuaActorConfig(**values)
 
 
 def make_actor(engine_class: type, config: Any, *, dataset_size: int = 8):
@@ -116,7 +121,7 @@ def screenshot_row(
     low = len(SPECIAL_TOKENS)
     ids: list[int] = []
     loss: list[int] = []
-    pixels, grids = [], []
+    pixels = []
     for _ in range(turns):
         prompt = torch.randint(low, vocab_size, (prompt_tokens,), generator=gen).tolist()
         ids += prompt
@@ -128,14 +133,109 @@ def screenshot_row(
             loss += [0] * (image_tokens + 2)
             grid = side * _MERGE
             pixels.append(torch.randn(grid * grid, _PATCH_DIM, generator=gen))
-            grids.append(torch.tensor([[1, grid, grid]]))
         ids += torch.randint(low, vocab_size, (sampled_tokens,), generator=gen).tolist()
         loss += [1] * sampled_tokens
-    input_ids = torch.tensor([ids], dtype=torch.long)
+    return _row(ids, loss, pixels, [pixel_key(p) for p in pixels], side * _MERGE, gen)
+
+
+def vision_geometry(model_dir: str | os.PathLike) -> tuple[int, int]:
+    """(values per patch, spatial merge size) of a local Qwen-VL model's vision tower."""
+    import json
+    from pathlib import Path
+
+    vision = json.loads((Path(model_dir) / "config.json").read_text())["vision_config"]
+    dim = vision["in_channels"] * vision["temporal_patch_size"] * vision["patch_size"] ** 2
+    return dim, vision["spatial_merge_size"]
+
+
+def window_rows(
+    turns: int,
+    *,
+    window: int | None,
+    vocab_size: int,
+    patch_dim: int = _PATCH_DIM,
+    merge: int = _MERGE,
+    image_tokens: int = 16,
+    prompt_tokens: int = 8,
+    step_tokens: int = 6,
+    sampled_tokens: int = 6,
+    seed: int = 0,
+) -> list[dict[str, Any]]:
+    """An episode's training rows as an agent with a window of screenshots sends its calls.
+
+    Step s has a screenshot (seeded pixels) and a line of history text. ``window=None``: the
+    append-only conversation, one row of every step and its sampled tokens. ``window=k``: one
+    row per call (each call breaks the prefix), call t holding the system prompt, the history
+    text of the steps before its window, then the window's steps with their screenshots (MAI-UI:
+    k = 3; ``k=1``: the current screenshot only), then its sampled tokens. A screenshot is the
+    same tensor, under the same content key, in every row that holds it.
+    """
+    side = math.isqrt(image_tokens)
+    if side * side != image_tokens or side < 1:
+        raise ValueError(f"image_tokens={image_tokens} must be a positive square, e.g. 16")
+    gen = torch.Generator().manual_seed(seed)
+    low = len(SPECIAL_TOKENS)
+
+    def ids(n: int) -> list[int]:
+        return torch.randint(low, vocab_size, (n,), generator=gen).tolist()
+
+    system = ids(prompt_tokens)
+    grid = side * merge
+    steps = []
+    for _ in range(turns):
+        pixels = torch.randn(grid * grid, patch_dim, generator=gen)
+        steps.append((ids(step_tokens), pixels, pixel_key(pixels), ids(sampled_tokens)))
+    image = [TOKEN_ID["<|vision_start|>"], *[TOKEN_ID["<|image_pad|>"]] * image_tokens]
+    image.append(TOKEN_ID["<|vision_end|>"])
+
+    def row(shown: range, history_of: range, trained: range) -> dict[str, Any]:
+        tokens, loss, pixels, keys = list(system), [0] * len(system), [], []
+
+        def add(run: list[int], flag: int) -> None:
+            tokens.extend(run)
+            loss.extend([flag] * len(run))
+
+        for s in history_of:
+            add(steps[s][0], 0)
+        for s in shown:
+            text, px, key, sampled = steps[s]
+            add(text + image, 0)
+            pixels.append(px)
+            keys.append(key)
+            if s in trained:
+                add(sampled, 1)
+        return _row(tokens, loss, pixels, keys, grid, gen)
+
+    if window is None:
+        return [row(range(turns), range(0), range(turns))]
+    return [
+        row(range(max(0, t - window + 1), t + 1), range(max(0, t - window + 1)), range(t, t + 1))
+        for t in range(turns)
+    ]
+
+
+def pixel_key(pixels: torch.Tensor) -> int:
+    """A screenshot's content key (the row's ``image_keys``) from its pixel values."""
+    from cua_rl.trajectory.row import image_key_of
+
+    return image_key_of(hashlib.sha256(pixels.numpy().tobytes()).hexdigest())
+
+
+def _row(tokens, loss, pixels, keys, grid: int, gen) -> dict[str, Any]:
+    """A row of ``tokens`` (one sequence) with the images ``pixels`` (each ``grid`` x ``grid``
+    patches) under ``keys``; behaviour logprobs and reward drawn from ``gen``."""
+    input_ids = torch.tensor([tokens], dtype=torch.long)
     loss_mask = torch.tensor([loss], dtype=torch.int32)
-    behaviour = -torch.rand(1, len(ids), generator=gen) * 3.0 * loss_mask
+    behaviour = -torch.rand(1, len(tokens), generator=gen) * 3.0 * loss_mask
+    n = len(pixels)
     media = (
-        {"pixel_values": torch.cat(pixels), "image_grid_thw": torch.cat(grids)} if pixels else {}
+        {
+            "pixel_values": torch.cat(pixels),
+            "image_grid_thw": torch.tensor([[1, grid, grid]] * n),
+            "image_keys": torch.tensor(keys, dtype=torch.long),
+        }
+        if pixels
+        else {}
     )
     return dict(
         input_ids=input_ids,

@@ -151,6 +151,12 @@ def episode_id_of(rollout_uuid: str) -> int:
     return int(hashlib.sha256(rollout_uuid.encode()).hexdigest()[:15], 16)
 
 
+def image_key_of(digest: str) -> int:
+    """A positive int64 key for an image, from its sha256 hex digest (the row's
+    ``image_keys``): the trainer encodes the images of a micro-batch that share a key once."""
+    return int(digest[:15], 16)
+
+
 def _retokenize(turn: Turn, processor, images) -> None:
     """Fallback for a turn without token data: rebuild ids from its request (logprobs are 0).
 
@@ -189,8 +195,8 @@ class ImageCache:
         self.processed = 0
         self.peak_bytes = 0
 
-    def take(self, url: str) -> tuple[Any, Any, int]:
-        """(pixel_values, image_grid_thw row, pad count) of ``url``, for one row."""
+    def take(self, url: str) -> tuple[Any, Any, int, int]:
+        """(pixel_values, image_grid_thw row, pad count, content key) of ``url``, for one row."""
         key = self._by_url.get(url)
         if key is None:
             raw = image_bytes(url, self.fetched, self.config)
@@ -206,7 +212,7 @@ class ImageCache:
         self._refs[key] -= 1
         if self._refs[key] <= 0:
             del self._held[key]
-        return entry
+        return (*entry, image_key_of(key))
 
 
 def convert_turns(
@@ -367,9 +373,9 @@ def _segment_row(seg: Segment, cache: ImageCache, version_of, reward, image_id) 
 
     last = seg.turns[-1]
     runs = pad_runs(seg.ids[: len(last.prompt_ids)], image_id)
-    pixels, grids = [], []
+    pixels, grids, keys = [], [], []
     for i, url in enumerate(last.image_urls):
-        pv, grid, pads = cache.take(url)
+        pv, grid, pads, key = cache.take(url)
         if pads != runs[i]:
             raise RejectedEpisode(
                 Reason.IMAGE_PAD_MISMATCH,
@@ -378,14 +384,16 @@ def _segment_row(seg: Segment, cache: ImageCache, version_of, reward, image_id) 
             )
         pixels.append(pv)
         grids.append(grid)
+        keys.append(key)
     if pixels:
         pixel_values, grid = torch.cat(pixels), torch.cat(grids)
     else:
         pixel_values, grid, _ = process_images(cache.processor, [])
-    return _assemble(seg, version_of, reward, image_id, pixel_values, grid)
+    image_keys = torch.tensor(keys, dtype=torch.long)
+    return _assemble(seg, version_of, reward, image_id, pixel_values, grid, image_keys)
 
 
-def _assemble(seg, version_of, reward, image_id, pixel_values, grid) -> dict[str, Any]:
+def _assemble(seg, version_of, reward, image_id, pixel_values, grid, keys) -> dict[str, Any]:
     """The row's tensors (the contract in ``cua_rl.core.row``; the caller adds the id)."""
     import torch
 
@@ -413,7 +421,9 @@ def _assemble(seg, version_of, reward, image_id, pixel_values, grid) -> dict[str
         "attention_mask": torch.ones((1, n), dtype=torch.bool),
         "rewards": torch.tensor([float(reward)], dtype=torch.float32),
         "mm_token_type_ids": (input_ids == image_id).to(torch.long),
-        "multi_modal_input": [{"pixel_values": pixel_values, "image_grid_thw": grid}],
+        "multi_modal_input": [
+            {"pixel_values": pixel_values, "image_grid_thw": grid, "image_keys": keys}
+        ],
     }
 
 

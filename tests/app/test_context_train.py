@@ -10,7 +10,9 @@ that is tested with the append-only demo and tests/gateway/test_weight_update.py
 append-only policy (``full``) is the demo's own (tests/app/test_train_local.py) and each family's
 (tests/app/test_families_train.py). Expected values come from the run's own records of what was
 sampled (the step stats AReaL logged, the monitor's turns) and from the trainer's transformers
-forward (AReaL's ``behave_approx_kl``), never from the row builder.
+forward (AReaL's ``behave_approx_kl``), never from the row builder. The actor runs with its
+defaults: each distinct screenshot of a micro-batch through the vision tower once, an episode's
+rows packed together.
 """
 
 from __future__ import annotations
@@ -87,6 +89,14 @@ def test_every_call_is_trained_once_with_exact_logprobs(trained):
     for m in multi:
         expected = 1.0 if policy == "full" else m["rollout/cua/turns"]
         assert m["rollout/cua/rows"] == pytest.approx(expected), (policy, m)
+    # The actor's vision tower encoded each distinct screenshot of a micro-batch once
+    # (docs/vision.md): a MAI-UI episode's rows share screenshots.
+    vision = [m for m in stats if m.get("cua_vision/row_images")]
+    assert vision, stats
+    for m in vision:
+        assert m["cua_vision/encoded_images"] == m["cua_vision/distinct_images"], (policy, m)
+    if policy == "mai-ui":
+        assert sum(m["cua_vision/row_images"] - m["cua_vision/encoded_images"] for m in vision)
     # Step 1's tokens were all sampled by version 0, the weights the trainer then held: its
     # transformers forward reproduces vLLM's logprob of every trained token, in every row.
     first = stats[0]

@@ -385,7 +385,9 @@ def trained(server):
         "steps": [
             _step(name, 1, **{"rollout/cua/rows": 2.0, "rollout/cua/sampled_tokens": 147.0,
                               "rollout/cua/trained_tokens": 147.0,
-                              "rollout/cua/dropped_turns": 0.0}),
+                              "rollout/cua/dropped_turns": 0.0,
+                              "cua_vision/row_images": 36.0, "cua_vision/distinct_images": 16.0,
+                              "cua_vision/encoded_images": 16.0}),
             _step(name, 2, **{"rollout/cua/rows": 1.5, "rollout/cua/sampled_tokens": 150.0,
                               "rollout/cua/trained_tokens": 120.5,
                               "rollout/cua/dropped_turns": 0.5}),
@@ -455,6 +457,12 @@ def test_training_page_shows_rows_and_tokens_trained_and_sampled_per_episode(use
         "sampled": [147.0, 150.0, None],
     }
     assert dict(charts["episode_rows"]["series"]) == {"rows": [2.0, 1.5, None]}
+    # The actor's vision tower per step: images in the rows, distinct, encoded.
+    assert dict(charts["vision"]["series"]) == {
+        "in rows": [36.0, None, None],
+        "distinct": [16.0, None, None],
+        "encoded": [16.0, None, None],
+    }
 
 
 @pytest.mark.parametrize(

@@ -47,6 +47,11 @@ STEP_METRICS: dict[str, tuple[str, ...]] = {
     "sampled_tokens": ("rollout/cua/sampled_tokens",),
     "trained_tokens": ("rollout/cua/trained_tokens",),
     "dropped_turns": ("rollout/cua/dropped_turns",),
+    # The actor's vision tower, summed over the step's forward passes (cua_rl/areal/vision_dedup.py):
+    # images the rows hold, distinct per micro-batch, encoded.
+    "row_images": ("cua_vision/row_images",),
+    "distinct_images": ("cua_vision/distinct_images",),
+    "encoded_images": ("cua_vision/encoded_images",),
 }
 # Time per phase: AReaL's own timers (seconds) when the step logged them.
 PHASE_TIMERS = {
@@ -168,6 +173,8 @@ def training_page(read: MonitorReader, training_id: int, *, now: datetime, stale
         s["staleness"] = _metric(metrics, "staleness")
         for key in ("rows", "sampled_tokens", "trained_tokens", "dropped_turns"):
             s[f"ep_{key}"] = _metric(metrics, key)
+        for key in ("row_images", "distinct_images", "encoded_images"):
+            s[key] = _metric(metrics, key)
         s["ep_dropped"] = (
             s["ep_trained_tokens"] is not None
             and s["ep_sampled_tokens"] is not None
@@ -233,6 +240,9 @@ def training_charts(steps: list[dict], baseline_success: float | None) -> list[d
          "series": [["trained", col("ep_trained_tokens")], ["sampled", col("ep_sampled_tokens")]]},
         {"id": "episode_rows", "title": "Rows per episode", "x": x,
          "series": [["rows", col("ep_rows")]]},
+        {"id": "vision", "title": "Vision tower images (step)", "x": x,
+         "series": [["in rows", col("row_images")], ["distinct", col("distinct_images")],
+                    ["encoded", col("encoded_images")]]},
         {"id": "staleness", "title": "Policy staleness", "x": x,
          "series": [["staleness", col("staleness")]]},
         {"id": "phases", "title": "Time per phase (s)", "x": x,
