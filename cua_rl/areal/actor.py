@@ -25,8 +25,8 @@ from areal.engine.fsdp_engine import FSDPPPOActor
 from areal.utils.environ import is_single_controller
 
 from cua_rl.areal.positions import fix_qwen2_5_vl_image_positions
-from cua_rl.heap import release_free_memory
 from cua_rl.areal.vision_dedup import VisionDedupMixin
+from cua_rl.heap import release_free_memory
 
 # Workers import this module by the engine's dotted path: the trainer's Qwen2.5-VL positions
 # then match vLLM's.
