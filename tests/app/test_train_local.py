@@ -157,7 +157,9 @@ def test_demo_trains_and_records_everything(demo_run):
     assert len(lines) < 80, f"{len(lines)} lines:\n{text}"
     assert f"monitor database: {db}" in text
     assert f"python -m cua_rl.monitor serve --db {db}" in lines[-1], lines[-3:]
-    assert "(train.log" in text and (run_dir / "logs" / "train.log").stat().st_size > 10_000
+    logs_line = next(ln for ln in lines if ln.startswith("[demo] logs: "))
+    assert "train.log" in logs_line and "agent.log" in logs_line, logs_line
+    assert (run_dir / "logs" / "train.log").stat().st_size > 10_000
     assert not _leftovers(str(run_dir)), _leftovers(str(run_dir))
     _recorded_config_is_the_config_that_ran(db)
 
