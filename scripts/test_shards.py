@@ -52,9 +52,10 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("pytest_args", nargs="*", help="passed to every pytest process")
     args = ap.parse_args(argv)
     args.log_dir.mkdir(parents=True, exist_ok=True)
-    py = [sys.executable, "-m", "pytest", "-ra", *args.pytest_args]
+    py = [sys.executable, "-m", "pytest", "-ra"]
     every = [path for paths in BESIDE.values() for path in paths]
-    main_cmd = [*py, "--durations=15", *(f"--ignore={p}" for p in every)]
+    # The caller's arguments come last, so that they override ours (e.g. --durations=0).
+    main_cmd = [*py, "--durations=15", *(f"--ignore={p}" for p in every), *args.pytest_args]
     start = time.monotonic()
     beside: dict[str, tuple[subprocess.Popen, Path]] = {}
     try:
@@ -63,7 +64,7 @@ def main(argv: list[str] | None = None) -> int:
             print(f"[tests] {' '.join(paths)} run beside the rest; their output: {log}", flush=True)
             with open(log, "w") as out:
                 proc = subprocess.Popen(
-                    [*py, "--durations=5", *paths],
+                    [*py, "--durations=5", *paths, *args.pytest_args],
                     cwd=ROOT,
                     stdout=out,
                     stderr=subprocess.STDOUT,
