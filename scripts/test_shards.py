@@ -55,28 +55,41 @@ def main(argv: list[str] | None = None) -> int:
     py = [sys.executable, "-m", "pytest", "-ra"]
     every = [path for paths in BESIDE.values() for path in paths]
     # The caller's arguments come last, so that they override ours (e.g. --durations=0).
-    main_cmd = [*py, "--durations=15", *(f"--ignore={p}" for p in every), *args.pytest_args]
+    # The slowest tests of each process are listed, so a CI log shows where the time went.
+    main_cmd = [*py, "--durations=30", *(f"--ignore={p}" for p in every), *args.pytest_args]
     start = time.monotonic()
     beside: dict[str, tuple[subprocess.Popen, Path]] = {}
+    main_proc: subprocess.Popen | None = None
     try:
         for group, paths in BESIDE.items():
             log = args.log_dir / f"beside-{group}.log"
             print(f"[tests] {' '.join(paths)} run beside the rest; their output: {log}", flush=True)
             with open(log, "w") as out:
                 proc = subprocess.Popen(
-                    [*py, "--durations=5", *paths, *args.pytest_args],
+                    [*py, "--durations=10", *paths, *args.pytest_args],
                     cwd=ROOT,
                     stdout=out,
                     stderr=subprocess.STDOUT,
                     start_new_session=True,
                 )
             beside[group] = (proc, log)
-        main_rc = subprocess.call(main_cmd, cwd=ROOT)
-        if any(proc.poll() is None for proc, _ in beside.values()):
-            print("[tests] waiting for the tests beside ...", flush=True)
-        codes = {group: proc.wait() for group, (proc, _) in beside.items()}
+        main_proc = subprocess.Popen(main_cmd, cwd=ROOT)
+        procs = {"main": main_proc, **{group: proc for group, (proc, _) in beside.items()}}
+        ended: dict[str, float] = {}
+        while len(ended) < len(procs):
+            for name, proc in procs.items():
+                if name not in ended and proc.poll() is not None:
+                    ended[name] = time.monotonic() - start
+                    if name == "main" and len(ended) < len(procs):
+                        print("[tests] waiting for the tests beside ...", flush=True)
+            time.sleep(1)  # the wall times below are read to this second
+        main_rc = main_proc.returncode
+        codes = {group: proc.returncode for group, (proc, _) in beside.items()}
     except BaseException:
         # Ctrl-C or a kill of make: take the other processes' whole trees down with us.
+        if main_proc is not None and main_proc.poll() is None:
+            main_proc.kill()
+            main_proc.wait()
         for proc, _ in beside.values():
             _kill_group(proc)
         raise
@@ -85,9 +98,10 @@ def main(argv: list[str] | None = None) -> int:
         sys.stdout.write(log.read_text(errors="replace"))
     took = time.monotonic() - start
     failed = main_rc != 0 or any(codes.values())
-    exits = ", ".join(f"{group} exit {rc}" for group, rc in codes.items())
+    exits = ", ".join(f"{group} exit {rc} ({ended[group]:.0f} s)" for group, rc in codes.items())
     print(
-        f"[tests] {'FAILED' if failed else 'passed'}: main exit {main_rc}, {exits}, {took:.0f} s wall"
+        f"[tests] {'FAILED' if failed else 'passed'}: main exit {main_rc} ({ended['main']:.0f} s), "
+        f"{exits}, {took:.0f} s wall"
     )
     return main_rc or next((rc for rc in codes.values() if rc), 0)
 
