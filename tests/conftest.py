@@ -76,6 +76,10 @@ DEMO_OVERRIDES = (
     "rollout.max_concurrent_rollouts=8",
 )
 DEMO_STEPS = 6
+# Every task trains, none evaluates: no eval-rollout worker, no baseline pass, no eval after each
+# step. For the trainings whose subject is the training path (each family, each context policy);
+# the demo's own run (tests/app/test_train_local.py) keeps the evaluations and checks them.
+NO_EVAL = ("gym.selection.train_ratio=1.0", "gym.selection.eval_number_range=null")
 
 
 @pytest.fixture(scope="session")

@@ -1,8 +1,8 @@
 """Each production family trained for real on the local stack: ``make demo``'s launcher with the
 family's tiny model (its own template and processor), vLLM CPU serving it through the gateway,
-AReaL's FSDP actor with selective logits, two asynchronous PPO steps. Qwen2.5-VL trains a second
-time with ``logits.selective=false`` (AReaL's own actor, ``CuaPPOActor``): its image-position fix
-must not depend on the selective-logits switch.
+AReaL's FSDP actor with selective logits, two asynchronous PPO steps (every task trains, none
+evaluates). Qwen2.5-VL trains a second time with ``logits.selective=false`` (AReaL's own actor,
+``CuaPPOActor``): its image-position fix must not depend on the selective-logits switch.
 
 One training per family serves every check: it completes with no episode rejected, no turn
 breaks the multi-turn prefix, rows carry their screenshots, and at step 1 (every trained token
@@ -21,7 +21,7 @@ from pathlib import Path
 import pytest
 
 from cua_rl.testing.cache import FAMILY_KINDS
-from tests.conftest import run_demo
+from tests.conftest import NO_EVAL, run_demo
 
 TOL = 1e-3
 
@@ -35,7 +35,7 @@ CASES = [(kind, ()) for kind in FAMILY_KINDS] + [("qwen2.5-vl", ("logits.selecti
 
 def _train(run_dir: Path, kind: str, overrides: tuple[str, ...]) -> tuple[int, str, float]:
     t0 = time.monotonic()
-    run = run_demo(run_dir, "--model", kind, *overrides, timeout=1200)
+    run = run_demo(run_dir, "--model", kind, *NO_EVAL, *overrides, timeout=1200)
     rc, out = run.returncode, run.output
     return rc, out, time.monotonic() - t0
 
@@ -70,8 +70,11 @@ def test_family_trains_through_the_gateway_with_exact_rows(trained):
     assert rc == 0, out[-6000:]
     steps = _steps(db)
     assert [(n, st) for n, st, _ in steps] == [(1, "completed"), (2, "completed")], out[-3000:]
+    # A step's rollout statistics cover the groups that finished since the step before: with no
+    # evaluation pause, step 2's batch can be whole before step 1 ends, and step 2 has none.
+    assert any("rollout/accepted" in m for _, _, m in steps), steps
     for n, _, m in steps:
-        assert m.get("rollout/accepted") == 1.0, (kind, n, m)
+        assert m.get("rollout/accepted", 1.0) == 1.0, (kind, n, m)
         assert not {k: v for k, v in m.items() if "/rejected/" in k and v}, (kind, n, m)
     # A step's row statistics cover the episodes that finished since the previous step (an
     # asynchronous step may have none); every one recorded has no break and its screenshots.
