@@ -100,6 +100,11 @@ RELIANCES: tuple[Reliance, ...] = (
     Reliance(_FSDP, "FSDPPPOActor.forward_batch", _LOGITS),
     Reliance(_FSDP, "FSDPPPOActor._prepare_mb_inputs", _LOGITS),
     Reliance(_FSDP, "FSDPPPOActor.ppo_update", "areal/actor.py overrides (trims the heap after)"),
+    Reliance(
+        _FSDP,
+        "FSDPPPOActor.compute_advantages",
+        "areal/actor.py overrides (each row's own images, not a copy of the batch's per row)",
+    ),
     Reliance(_FSDP, "FSDPPPOActor._compute_logprobs", _LOGITS),
     Reliance(_FSDP, "FSDPPPOActor._compute_logprobs_entropy", _LOGITS),
     Reliance(_FSDP, "FSDPPPOActor._get_vocab_min_max_logits", _LOGITS),
