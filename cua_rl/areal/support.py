@@ -98,7 +98,11 @@ RELIANCES: tuple[Reliance, ...] = (
     # methods overridden.
     Reliance(_FSDP, "FSDPPPOActor.forward_backward_batch", _LOGITS),
     Reliance(_FSDP, "FSDPPPOActor.forward_batch", _LOGITS),
-    Reliance(_FSDP, "FSDPPPOActor._prepare_mb_inputs", _LOGITS),
+    Reliance(
+        _FSDP,
+        "FSDPPPOActor._prepare_mb_inputs",
+        _LOGITS + "; " + _VISION + " overrides (takes its micro-batch keys out)",
+    ),
     Reliance(_FSDP, "FSDPPPOActor.ppo_update", "areal/actor.py overrides (trims the heap after)"),
     Reliance(
         _FSDP,
@@ -150,17 +154,26 @@ RELIANCES: tuple[Reliance, ...] = (
         )
     ),
     *(
-        Reliance(
-            f"transformers.models.{module}.modeling_{module}",
-            f"{tower}.forward",
-            _VISION + " replaces the grid_thw its hook receives",
-            params=("grid_thw",),
-        )
+        reliance
         for module, tower in (
             ("qwen2_vl", "Qwen2VisionTransformerPretrainedModel"),
             ("qwen2_5_vl", "Qwen2_5_VisionTransformerPretrainedModel"),
             ("qwen3_vl", "Qwen3VLVisionModel"),
             ("qwen3_vl_moe", "Qwen3VLMoeVisionModel"),
+        )
+        for reliance in (
+            Reliance(
+                f"transformers.models.{module}.modeling_{module}",
+                f"{tower}.forward",
+                _VISION + " replaces the grid_thw its hook receives",
+                params=("grid_thw",),
+            ),
+            Reliance(
+                f"transformers.models.{module}.modeling_{module}",
+                f"{tower}.spatial_merge_size",
+                _VISION + " reads (patches per merged token, to map placeholder spans)",
+                set_by="__init__",
+            ),
         )
     ),
     Reliance(
