@@ -8,15 +8,16 @@ out by ``cua_rl.testing.actor.window_rows`` as each context policy sends its cal
 - ``current``: one row per call, the current screenshot only.
 
 Each step goes through two real AReaL actors on CPU (fp32, the tiny Qwen2-VL, 36 merged tokens
-and 144 patches per screenshot by default: the CPU packed-attention harness holds a dense mask per
-micro-batch, and 64 tokens at 8,192 tokens per micro-batch ran this 24 GiB machine out of memory): AReaL's ``FSDPPPOActor`` (today's path) and ``CuaPPOActor``
+and 144 patches per screenshot by default): AReaL's ``FSDPPPOActor`` (today's path) and ``CuaPPOActor``
 (``actor.vision``'s defaults: dedup, episodes packed in turn order), and for the encoded count
 also dedup in AReaL's own micro-batches (``pack_episodes`` off, "unpacked"). Printed per policy
 and length: rows, tokens, images the rows hold, screenshots the episodes have, images the vision
 tower encoded in ``ppo_update`` (a hook counts them), micro-batches of the step (today/dedup, at
 ``--mb-tokens``), and the CPU time of ``ppo_update`` (forward + backward + optimizer step, lr 0), the best of
 ``--repeat`` runs, with the ratio of this path's time to today's. Not a timed test; timings are
-this machine's, and the tiny model's vision tower is a small share of its step.
+this machine's, and the tiny model's vision tower is a small share of its step. The advantages
+are computed once, by ``CuaPPOActor`` (AReaL's ``compute_advantages`` hands every row a copy of
+the whole step's pixels: at 30 turns of 5-screenshot rows that alone ran out of 24 GiB).
 
     .venv/bin/python bench/vision_dedup.py [--turns 10 30] [--repeat 3] [--mb-tokens 4096]
         [--image-tokens 36]
@@ -107,8 +108,10 @@ def measure(actors, counters, policy: str, turns: int, repeat: int, image_tokens
     for row, logp in zip(rows, areal.compute_logp(copy.deepcopy(rows)), strict=True):
         row["prox_logp"] = logp
     areal.export_stats()
-    batch = areal.compute_advantages(copy.deepcopy(rows))
-    areal.export_stats()
+    # CuaPPOActor's compute_advantages: AReaL's would give each row a copy of every row's
+    # pixels (rows x rows; the 30-turn 5-screenshot step ran this machine out of memory).
+    batch = actors[1].compute_advantages(copy.deepcopy(rows))
+    actors[1].export_stats()
     out = {
         "policy": policy,
         "turns": turns,
@@ -146,7 +149,8 @@ def main(argv: list[str] | None = None) -> int:
     )
     print(
         f"step: 2 episodes; {args.image_tokens} merged tokens per screenshot; "
-        f"max_tokens_per_mb {args.mb_tokens}; CPU seconds of ppo_update, best of {args.repeat}"
+        f"max_tokens_per_mb {args.mb_tokens}; CPU seconds of ppo_update, best of {args.repeat}; "
+        "advantages by CuaPPOActor for both paths"
     )
     print(header)
     for turns in args.turns:

@@ -8,7 +8,8 @@ or in a module that imports it: ``CuaPPOActor`` (AReaL's ``FSDPPPOActor`` with t
 deduplication of ``cua_rl.areal.vision_dedup``, switched by ``actor.vision.dedup``) when
 ``logits.selective`` is off, ``logits_engine.SelectiveLogitsPPOActor`` (its subclass) when on.
 So an optimisation switch never decides whether a fix applies. ``CuaPPOActor.ppo_update`` returns
-the heap's free pages after each update (``cua_rl.heap``).
+the heap's free pages after each update (``cua_rl.heap``); ``compute_advantages`` keeps each row's
+own images (AReaL's would hand every row a copy of the whole batch's).
 
 ``ActorMixin`` overrides ``PPOTrainer._create_train_engine`` (declared in
 ``cua_rl.areal.support``) with AReaL's fsdp branch and ``actor_class``; other backends
@@ -19,6 +20,7 @@ gives the scheduler the config's ``worker_startup_s`` (``_init_scheduler``).
 from __future__ import annotations
 
 import functools
+from typing import Any
 
 from areal import PPOTrainer
 from areal.engine.fsdp_engine import FSDPPPOActor
@@ -37,6 +39,22 @@ class CuaPPOActor(VisionDedupMixin, FSDPPPOActor):
     """AReaL's FSDP PPO actor with each distinct screenshot of a micro-batch through the vision
     tower once (``actor.vision``, ``cua_rl.areal.vision_dedup``); its module applies the
     trainer-side fixes on import."""
+
+    def compute_advantages(self, data: list[dict[str, Any]], *args, **kwargs) -> list[dict]:
+        # AReaL's batched_call splits the batch back into rows with split_and_unpad_tensor,
+        # which deep-copies every non-tensor value into each row: each row would come back
+        # with a copy of the whole batch's multi_modal_input, rows x rows copies of the pixels
+        # (60 per-call rows of 5 screenshots: about 11 GiB at the bench's tiny screenshots).
+        # The advantages read no image: the rows' own media go around the call.
+        if not any("multi_modal_input" in row for row in data):
+            return super().compute_advantages(data, *args, **kwargs)
+        media = [row.get("multi_modal_input") for row in data]
+        bare = [{k: v for k, v in row.items() if k != "multi_modal_input"} for row in data]
+        rows = super().compute_advantages(bare, *args, **kwargs)
+        for row, own in zip(rows, media, strict=True):
+            if own is not None:
+                row["multi_modal_input"] = own
+        return rows
 
     def ppo_update(self, *args, **kwargs) -> None:
         super().ppo_update(*args, **kwargs)

@@ -98,8 +98,17 @@ RELIANCES: tuple[Reliance, ...] = (
     # methods overridden.
     Reliance(_FSDP, "FSDPPPOActor.forward_backward_batch", _LOGITS),
     Reliance(_FSDP, "FSDPPPOActor.forward_batch", _LOGITS),
-    Reliance(_FSDP, "FSDPPPOActor._prepare_mb_inputs", _LOGITS),
+    Reliance(
+        _FSDP,
+        "FSDPPPOActor._prepare_mb_inputs",
+        _LOGITS + "; " + _VISION + " overrides (takes its micro-batch keys out)",
+    ),
     Reliance(_FSDP, "FSDPPPOActor.ppo_update", "areal/actor.py overrides (trims the heap after)"),
+    Reliance(
+        _FSDP,
+        "FSDPPPOActor.compute_advantages",
+        "areal/actor.py overrides (each row's own images, not a copy of the batch's per row)",
+    ),
     Reliance(_FSDP, "FSDPPPOActor._compute_logprobs", _LOGITS),
     Reliance(_FSDP, "FSDPPPOActor._compute_logprobs_entropy", _LOGITS),
     Reliance(_FSDP, "FSDPPPOActor._get_vocab_min_max_logits", _LOGITS),
@@ -145,17 +154,26 @@ RELIANCES: tuple[Reliance, ...] = (
         )
     ),
     *(
-        Reliance(
-            f"transformers.models.{module}.modeling_{module}",
-            f"{tower}.forward",
-            _VISION + " replaces the grid_thw its hook receives",
-            params=("grid_thw",),
-        )
+        reliance
         for module, tower in (
             ("qwen2_vl", "Qwen2VisionTransformerPretrainedModel"),
             ("qwen2_5_vl", "Qwen2_5_VisionTransformerPretrainedModel"),
             ("qwen3_vl", "Qwen3VLVisionModel"),
             ("qwen3_vl_moe", "Qwen3VLMoeVisionModel"),
+        )
+        for reliance in (
+            Reliance(
+                f"transformers.models.{module}.modeling_{module}",
+                f"{tower}.forward",
+                _VISION + " replaces the grid_thw its hook receives",
+                params=("grid_thw",),
+            ),
+            Reliance(
+                f"transformers.models.{module}.modeling_{module}",
+                f"{tower}.spatial_merge_size",
+                _VISION + " reads (patches per merged token, to map placeholder spans)",
+                set_by="__init__",
+            ),
         )
     ),
     Reliance(

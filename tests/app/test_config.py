@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import logging
 from pathlib import Path
 
 import pytest
@@ -187,3 +188,27 @@ def test_group_level_reward_norm_is_refused_with_the_fix(tmp_path):
         )
     with pytest.raises(ConfigError, match=r"actor.adv_norm at group level"):
         _load(PROD, tmp_path, *PROD_REQUIRED, "actor.adv_norm.mean_level=group")
+
+
+def test_several_ppo_minibatches_are_warned_about_at_start_with_the_fix(tmp_path):
+    # AReaL's minibatch split (by length) scatters an episode's rows, so a screenshot the rows
+    # share would be encoded once per minibatch: loading says so and names the fix.
+    from cua_rl.app import config as config_module
+    from cua_rl.testing.logs import LogLines
+
+    with LogLines(config_module.log, logging.WARNING) as log:
+        _load(PROD, tmp_path / "a", *PROD_REQUIRED)
+    assert not [line for line in log.lines if "ppo_n_minibatches" in line]
+    with LogLines(config_module.log, logging.WARNING) as log:
+        _load(PROD, tmp_path / "b", *PROD_REQUIRED, "actor.ppo_n_minibatches=2")
+    [line] = [line for line in log.lines if "ppo_n_minibatches" in line]
+    assert "actor.ppo_n_minibatches=2" in line and "set actor.ppo_n_minibatches=1" in line
+    with LogLines(config_module.log, logging.WARNING) as log:
+        _load(
+            PROD,
+            tmp_path / "c",
+            *PROD_REQUIRED,
+            "actor.ppo_n_minibatches=2",
+            "actor.vision.pack_episodes=false",
+        )
+    assert not [line for line in log.lines if "ppo_n_minibatches" in line]

@@ -12,7 +12,6 @@ from __future__ import annotations
 import copy
 import hashlib
 import itertools
-import logging
 
 import pytest
 import torch
@@ -26,6 +25,7 @@ from cua_rl.areal.vision import (
     vision_section,
 )
 from cua_rl.errors import ConfigError, CuaRlError
+from cua_rl.testing.logs import LogLines
 
 FAMILIES = ("qwen2-vl-byte", "qwen2.5-vl", "qwen3-vl")
 TEMPERATURE = 0.8
@@ -300,6 +300,29 @@ def _assert_same_grads(want: dict, have: dict) -> None:
 
 
 @pytest.mark.slow
+def test_compute_advantages_gives_each_row_its_own_images(actors):
+    """AReaL's hands every row a deep copy of the whole batch's ``multi_modal_input`` (rows x
+    rows copies of the pixels); ours gives each row its own list, and AReaL's advantages."""
+    areal, dedup, *_ = actors
+    rows = _rows(actors)
+    for row, logp in zip(rows, areal.compute_logp(copy.deepcopy(rows)), strict=True):
+        row["prox_logp"] = logp
+    theirs = areal.compute_advantages(copy.deepcopy(rows))
+    assert [len(r["multi_modal_input"]) for r in theirs] == [len(rows)] * len(rows)
+    given = copy.deepcopy(rows)
+    ours = dedup.compute_advantages(given)
+    areal.export_stats()
+    dedup.export_stats()
+    assert len(ours) == len(theirs) == len(rows)
+    for sent, got, want in zip(given, ours, theirs, strict=True):
+        assert got["multi_modal_input"] is sent["multi_modal_input"]
+        assert got.keys() == want.keys()
+        for key, value in want.items():
+            if isinstance(value, torch.Tensor):
+                assert torch.equal(got[key], value), key
+
+
+@pytest.mark.slow
 def test_ppo_update_gives_areals_gradients_vision_included(actors):
     (want, stats_areal), (have, stats_dedup) = _update(actors, [actors[1]])
     _assert_same_grads(want, have)
@@ -329,22 +352,31 @@ def test_each_switch_alone(actors):
     _assert_same_grads(want, off)
 
 
-class Lines(logging.Handler):
-    """The lines a logger of ours emits (it does not propagate to pytest's capture)."""
+@pytest.mark.slow
+def test_each_engine_fallback_names_its_reason(actors, monkeypatch):
+    """Sequence parallelism, tree training, LoRA and the switch each send the rows down AReaL's
+    path, and the reason says which (the rows' own reasons: ``test_batch_reason``)."""
+    from areal.api.alloc_mode import ParallelStrategy
+    from areal.engine.fsdp_utils.parallel import ParallelHelper
 
-    def __init__(self, logger: logging.Logger):
-        super().__init__(logging.INFO)
-        self.logger, self.lines = logger, []
-
-    def emit(self, record: logging.LogRecord) -> None:
-        self.lines.append(record.getMessage())
-
-    def __enter__(self):
-        self.logger.addHandler(self)
-        return self
-
-    def __exit__(self, *exc):
-        self.logger.removeHandler(self)
+    dedup = actors[1]
+    assert dedup._dedup_reason() == ""
+    cases = [
+        (
+            "parallel_helper",
+            dedup,
+            ParallelHelper.from_parallel_strategy(ParallelStrategy(context_parallel_size=2)),
+            "sequence parallelism (sp=2) splits the rows",
+        ),
+        ("enable_tree_training", dedup, True, "tree training packs shared prefixes"),
+        ("use_lora", dedup.config, True, "LoRA wraps the model"),
+        ("dedup", dedup.vision, False, "actor.vision.dedup is off"),
+    ]
+    for name, holder, value, reason in cases:
+        with monkeypatch.context() as patch:
+            patch.setattr(holder, name, value)
+            assert dedup._dedup_reason() == reason
+    assert dedup._dedup_reason() == ""
 
 
 @pytest.mark.slow
@@ -355,7 +387,7 @@ def test_rows_without_image_identity_take_areals_path_with_one_log_line(actors):
     for row in rows:
         del row["multi_modal_input"][0]["image_keys"]
     expected = areal.compute_logp(copy.deepcopy(rows))
-    with Lines(vd.log) as log, TowerCalls(dedup) as encoded:
+    with LogLines(vd.log) as log, TowerCalls(dedup) as encoded:
         got = dedup.compute_logp(copy.deepcopy(rows))
         dedup.compute_logp(copy.deepcopy(rows))
     assert [len(c) for c in encoded.calls] == [18, 18]
