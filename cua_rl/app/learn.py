@@ -7,10 +7,11 @@ per committed step. After a run it prints the success rate per step, writes ``su
 target. Several values of ``--offpolicyness`` or ``--seeds`` run one after another (folders
 ``<run-dir>/<label>``) and end with a table and one plot of every curve. ``--control`` trains the
 negative control (cua_rl/app/controls.py) instead, which must not learn. ``--family learn2``
-trains the two-step family (configs/learn2.yaml); ``--context`` picks the local agent's context
+trains the two-step family (configs/learn2.yaml), ``--family learn-hard`` the one whose chance
+rate is about 1 in 80 (configs/learn-hard.yaml); ``--context`` picks the local agent's context
 policy (full, mai-ui, current; docs/agent.md).
 
-    python -m cua_rl.app.learn [--family learn|learn2] [--context POLICY] [--history-n N]
+    python -m cua_rl.app.learn [--family learn|learn2|learn-hard] [--context POLICY] [--history-n N]
         [--offpolicyness 0 1 2] [--seeds 1 2 3] [--steps N]
         [--control] [--run-dir DIR] [key=value overrides for train.py]
 """
@@ -42,7 +43,11 @@ from cua_rl.app.learning import (
 ROOT = Path(__file__).resolve().parents[2]
 CONTROL_WORKFLOW = "cua_rl.app.controls.ShiftedMaskWorkflow"
 # The config of each task family (docs/learning.md); --config still wins when given.
-FAMILY_CONFIGS = {"learn": "configs/learn.yaml", "learn2": "configs/learn2.yaml"}
+FAMILY_CONFIGS = {
+    "learn": "configs/learn.yaml",
+    "learn2": "configs/learn2.yaml",
+    "learn-hard": "configs/learn-hard.yaml",
+}
 CONTEXTS = ("full", "mai-ui", "current")
 
 
@@ -181,7 +186,8 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
         "--family",
         choices=sorted(FAMILY_CONFIGS),
         default="learn",
-        help="task family: learn (one tap) or learn2 (two taps in sequence); picks its config",
+        help="task family: learn (one tap), learn2 (two taps in sequence) or learn-hard (one "
+        "tap on a 10x10 grid: chance rarely succeeds); picks its config",
     )
     parser.add_argument(
         "--context",
