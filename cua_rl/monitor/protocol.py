@@ -34,6 +34,12 @@ RECORD_TABLES: dict[str, str] = {
     "validations": "validation",
 }
 RECORD_KINDS: tuple[str, ...] = tuple(RECORD_TABLES)
+# The trajectory warehouse's kinds (cua_rl.warehouse, docs/warehouse.md): ``episode_images`` (the
+# bytes the model received, by sha256) are stored before every other kind of their batch, and
+# ``episodes`` (an accepted episode's token data) after them all, since it names its rollout.
+IMAGE_KIND = "episode_images"
+EPISODE_KIND = "episodes"
+BATCH_ORDER: tuple[str, ...] = (IMAGE_KIND, *RECORD_KINDS, EPISODE_KIND)
 
 # The status words the worker side writes, by name (each is a word of STATUSES below).
 PENDING = "pending"

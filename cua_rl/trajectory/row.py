@@ -64,6 +64,11 @@ class ConversionResult:
     stats: dict[str, Any] = field(default_factory=dict)
     trained: frozenset[int] = frozenset()
     trained_steps: frozenset[int] = frozenset()
+    # Per row: the sha256 of each image of its prompt (in order) and the turn indices it trains;
+    # the images' bytes by hash. What the trajectory warehouse stores (cua_rl.warehouse).
+    row_images: list[tuple[str, ...]] = field(default_factory=list)
+    row_turns: list[tuple[int, ...]] = field(default_factory=list)
+    image_data: dict[str, bytes] = field(default_factory=dict, repr=False)
     _batch: dict[str, Any] | None = field(default=None, repr=False)
 
     @property
@@ -191,6 +196,7 @@ class ImageCache:
         self.uses: Counter[str] = Counter(uses)
         self._by_url: dict[str, str] = {}  # url -> content hash
         self._held: dict[str, tuple[Any, Any, int]] = {}  # hash -> (pixels, grid [1,3], pads)
+        self.data: dict[str, bytes] = {}  # hash -> the bytes the model received
         self._refs: Counter[str] = Counter()  # hash -> uses still to come
         self.processed = 0
         self.peak_bytes = 0
@@ -201,6 +207,7 @@ class ImageCache:
         if key is None:
             raw = image_bytes(url, self.fetched, self.config)
             key = self._by_url[url] = hashlib.sha256(raw).hexdigest()
+            self.data[key] = raw
             self._refs[key] += self.uses[url]
             if key not in self._held:
                 pixels, grid, pads = process_images(self.processor, [decode_image(url, raw)])
@@ -213,6 +220,10 @@ class ImageCache:
         if self._refs[key] <= 0:
             del self._held[key]
         return (*entry, image_key_of(key))
+
+    def digest(self, url: str) -> str:
+        """The sha256 hex of ``url``'s bytes (after ``take``)."""
+        return self._by_url[url]
 
 
 def convert_turns(
@@ -250,9 +261,10 @@ def convert_turns(
         "retokenized_turns": 0,
     }
     trained: set[int] = set()
+    kept: dict[str, Any] = {}
     try:
         rows = _convert(
-            turns, processor, reward, version, config, fetched_images or {}, stats, trained
+            turns, processor, reward, version, config, fetched_images or {}, stats, trained, kept
         )
         for row in rows:
             row["episode_id"] = _episode_tensor(episode_id)
@@ -260,7 +272,17 @@ def convert_turns(
     except RejectedEpisode as exc:
         return ConversionResult(None, exc.reason, exc.detail, stats)
     steps = frozenset(t.step for t in turns if t.index in trained)
-    return ConversionResult(rows, None, "", stats, frozenset(trained), steps)
+    return ConversionResult(
+        rows,
+        None,
+        "",
+        stats,
+        frozenset(trained),
+        steps,
+        kept["images"],
+        kept["turns"],
+        kept["data"],
+    )
 
 
 def _episode_tensor(episode_id: int):
@@ -310,7 +332,7 @@ def _kept_segments(segments: list[Segment], breaks: int, config, stats) -> list[
     return segments
 
 
-def _convert(turns, processor, reward, version, config, fetched, stats, trained) -> list[dict]:
+def _convert(turns, processor, reward, version, config, fetched, stats, trained, kept) -> list:
     turns, version_of = _prepare(turns, processor, version, config, fetched, stats)
     stats["sampled_tokens"] = sum(len(t.output_ids) for t in turns)
     segments, breaks = split_segments(turns)
@@ -327,6 +349,10 @@ def _convert(turns, processor, reward, version, config, fetched, stats, trained)
     rows = []
     for seg in kept:
         rows.append(_segment_row(seg, cache, version_of, reward, image_id))
+        kept.setdefault("images", []).append(
+            tuple(cache.digest(u) for u in seg.turns[-1].image_urls)
+        )
+        kept.setdefault("turns", []).append(tuple(t.index for t in seg.turns))
         trained.update(t.index for t in seg.turns)
         stats["images"] += len(seg.turns[-1].image_urls)
         stats["row_tokens"] += len(seg.ids)
@@ -334,6 +360,7 @@ def _convert(turns, processor, reward, version, config, fetched, stats, trained)
     stats["rows"] = len(rows)
     stats["trained_turns"] = sum(len(seg.turns) for seg in kept)
     stats["trained_tokens"] = int(sum(int(r["loss_mask"].sum()) for r in rows))
+    kept["data"] = cache.data
     stats["processed_images"] = cache.processed
     stats["image_cache_peak_bytes"] = cache.peak_bytes
     return rows

@@ -1,4 +1,4 @@
-"""Ingest batches as the worker side builds them: one record kind per key (``RECORD_KINDS``),
+"""Ingest batches as the worker side builds them: one record kind per key (``BATCH_ORDER``),
 a list of records under each except ``training`` (one record). Pure functions: the wire
 encoding, record counting, splitting an oversized batch in dependency order, and the reference
 to a record by server id or client id.
@@ -10,7 +10,7 @@ import json
 from datetime import UTC, datetime
 from typing import Any
 
-from cua_rl.monitor.protocol import RECORD_KINDS
+from cua_rl.monitor.protocol import BATCH_ORDER
 
 
 def utc_now() -> str:
@@ -48,7 +48,7 @@ def split(batch: dict[str, Any]) -> tuple[dict[str, Any], dict[str, Any]]:
     # Dependency order is kept: the first half holds the earlier kinds, so references resolve.
     items = [
         (k, r)
-        for k in RECORD_KINDS
+        for k in BATCH_ORDER
         if k in batch
         for r in ([batch[k]] if k == "training" else batch[k])
     ]

@@ -17,6 +17,7 @@ caller; failures are logged and counted.
 from __future__ import annotations
 
 import asyncio
+import base64
 import collections
 import json
 import threading
@@ -27,9 +28,12 @@ from typing import Any
 import httpx
 
 from cua_rl.aio import within
+from cua_rl.errors import MonitorError
 from cua_rl.logs import get_logger
 from cua_rl.monitor.protocol import (
-    RECORD_KINDS,
+    BATCH_ORDER,
+    EPISODE_KIND,
+    IMAGE_KIND,
     baseline_client_id,
     eval_client_id,
     step_client_id,
@@ -38,10 +42,13 @@ from cua_rl.monitor.worker import spool
 from cua_rl.monitor.worker.batches import count, dumps, ref, split
 from cua_rl.monitor.worker.settings import MonitorClientConfig, MonitorCounters
 from cua_rl.monitor.worker.uploader import PreparedScreenshot, ScreenshotUploader
+from cua_rl.warehouse.episode import StoredEpisode, episode_from_json, to_record
 
 log = get_logger(__name__)
 
-BATCH_KEYS = RECORD_KINDS
+BATCH_KEYS = BATCH_ORDER
+# Image hashes one client remembers having queued (each is sent once per client).
+_REMEMBER_IMAGES = 20_000
 _MERGEABLE = frozenset({"tasks", "turns", "actions", "observations", "validations"})
 _RETRYABLE = {408, 425, 429, 500, 502, 503, 504}
 # The monitor is there but will not take this batch now (bad token, wrong URL): keep it.
@@ -77,6 +84,7 @@ class MonitorClient:
             (self._spool, self._spool_fd), self._spool_pending = left, True
         self._next_replay = 0.0
         self._waiting_since: float | None = None  # head batch refused for a missing reference
+        self._images_sent: collections.OrderedDict[str, None] = collections.OrderedDict()
         self.screenshots = ScreenshotUploader(
             config.base_url,
             config.token,
@@ -131,6 +139,88 @@ class MonitorClient:
     def put_screenshot(self, shot: PreparedScreenshot) -> bool:
         """Queue an image for ``PUT /api/screenshots/<hash>``; never blocks or raises."""
         return self.screenshots.put(shot)
+
+    def store_episode(self, episode: StoredEpisode) -> bool:
+        """Queue an accepted episode for the trajectory warehouse: its images this client has
+        not queued before (``episode_images``), then its ``episodes`` record. Both go the way of
+        every record (batched, retried, spooled while the monitor is down, a refusal counted);
+        never blocks or raises. False when a record was dropped."""
+        try:
+            ok = True
+            for digest in episode.image_hashes:
+                if digest in self._images_sent:
+                    continue
+                data = base64.b64encode(episode.images[digest]).decode("ascii")
+                ok &= self.enqueue(IMAGE_KIND, {"sha256": digest, "data": data})
+                self._images_sent[digest] = None
+                while len(self._images_sent) > _REMEMBER_IMAGES:
+                    self._images_sent.popitem(last=False)
+            return self.enqueue(EPISODE_KIND, to_record(episode)) and ok
+        except Exception as exc:  # never into the caller
+            self.counters.dropped += 1
+            self.counters.last_error = f"store_episode: {type(exc).__name__}: {exc}"
+            log.warning("monitor: episode not stored: %s", exc)
+            return False
+
+    # ------------------------------------------------------------------ warehouse reads
+    # Unlike the records above, reads answer now: a failure raises MonitorError.
+
+    async def successes(
+        self, task_id: str, trainings: list[str], min_version: int, limit: int
+    ) -> list[StoredEpisode]:
+        """Recorded successful episodes of ``task_id`` (newest first, at most ``limit``) from
+        the trainings named by run name (empty: any training) whose every token was sampled at
+        policy version ``min_version`` or later, each with its images fetched (``rebuild_rows``
+        takes it as it is). Episodes whose images the monitor lacks are left out by the server
+        (counted in its answer's ``skipped``)."""
+        params: list[tuple[str, str | int]] = [
+            ("task_id", task_id),
+            ("min_version", int(min_version)),
+            ("limit", int(limit)),
+            *(("training", t) for t in trainings),
+        ]
+        body = await self._get_json("/api/episodes/successes", params)
+        episodes = [episode_from_json(e) for e in body["episodes"]]
+        cache: dict[str, bytes] = {}
+        for ep in episodes:
+            for digest in ep.image_hashes:
+                if digest not in cache:
+                    cache[digest] = await self.screenshot(digest)
+                ep.images[digest] = cache[digest]
+        return episodes
+
+    async def screenshot(self, sha256: str) -> bytes:
+        """The stored image ``sha256`` (``GET /api/screenshots/<hex>``)."""
+        resp = await self._get(f"/api/screenshots/{sha256}", [])
+        return resp.content
+
+    async def _get(self, path: str, params: list) -> httpx.Response:
+        if self._http is None:
+            self._http = httpx.AsyncClient(timeout=self.config.request_timeout_s)
+        headers = {"Authorization": f"Bearer {self.config.token}"} if self.config.token else {}
+        try:
+            resp = await self._http.get(
+                f"{self.config.base_url}{path}",
+                params=params,
+                headers=headers,
+                timeout=self.config.request_timeout_s,
+            )
+        except httpx.HTTPError as exc:
+            raise MonitorError(f"GET {path}: {type(exc).__name__}: {exc}") from exc
+        if resp.status_code != 200:
+            raise MonitorError(
+                f"GET {path} answered {resp.status_code}: {resp.text[:300]}",
+                status=resp.status_code,
+                body=resp.text[:2000],
+            )
+        return resp
+
+    async def _get_json(self, path: str, params: list) -> dict[str, Any]:
+        resp = await self._get(path, params)
+        try:
+            return resp.json()
+        except ValueError as exc:
+            raise MonitorError(f"GET {path}: the answer is not JSON") from exc
 
     async def flush(self, timeout: float | None = 60.0) -> bool:
         """Wait until everything queued so far reached the server; False on timeout.
@@ -409,6 +499,7 @@ class MonitorClient:
         except Exception:
             return False
         log.warning("monitor: record refused and dropped: %s", self.counters.last_error)
+        self.counters.refused[f"{kind}.{details.get('field') or 'record'}"] += 1
         if kind == "training" and "training" in batch:
             del batch["training"]
         elif kind in batch and isinstance(index, int) and 0 <= index < len(batch[kind]):

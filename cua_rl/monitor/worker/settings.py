@@ -6,9 +6,10 @@ Every field is documented and checked in ``__post_init__``; ``MONITOR_BASE_URL``
 
 from __future__ import annotations
 
+import collections
 import os
 import tempfile
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any
 
 from cua_rl.core.fields import doc
@@ -106,7 +107,9 @@ class MonitorCounters:
     replayed: int = 0
     dropped: int = 0
     waited: int = 0  # refusals for a training/step/eval/baseline not recorded yet (retried)
+    # Records the server refused (422) and the client dropped, by ``kind.field``.
+    refused: collections.Counter = field(default_factory=collections.Counter)
     last_error: str | None = None
 
     def as_dict(self) -> dict[str, Any]:
-        return dict(self.__dict__)
+        return {**self.__dict__, "refused": dict(self.refused)}
