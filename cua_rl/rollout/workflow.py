@@ -67,6 +67,7 @@ from cua_rl.trajectory import (
     image_urls_needed,
 )
 from cua_rl.trajectory.row import episode_id_of
+from cua_rl.warehouse import rebuild_rows, replay, stored_from_rows
 
 log = get_logger(__name__)
 
@@ -295,7 +296,34 @@ class CUAAgentWorkflow(RolloutWorkflow):
             return None
         episode.timings["total"] = time.monotonic() - t0
         self._count(scope, episode, reason=None)
+        await self.remember_for_replay(episode)
         return row
+
+    async def remember_for_replay(self, episode: Episode) -> None:
+        """With ``replay.enabled``: tell the group filter which task this episode ran, and keep a
+        success's rows, rebuilt from its stored form (what the warehouse keeps), for replay into
+        later all-fail groups of its task (``cua_rl.warehouse.replay``)."""
+        s = self.settings
+        cfg = s.group.replay
+        if s.phase != "train" or not cfg.enabled:
+            return
+        pool = replay.pool(cfg.pool_per_task)
+        result = episode.conversion
+        pool.note(episode_id_of(episode.rollout_uuid), episode.task_id, episode.version)
+        if not episode.reward.success:
+            return
+        stored = stored_from_rows(
+            result.rows,
+            result.row_images,
+            task_id=episode.task_id,
+            rollout_uuid=episode.rollout_uuid,
+            training=s.group.training,
+            success=True,
+            images=result.image_data,
+            row_turns=result.row_turns,
+        )
+        rows = await asyncio.to_thread(rebuild_rows, stored, self.processor)
+        pool.add(replay.recorded_of(stored, rows))
 
     async def _run(self, engine, episode: Episode, recorder: RolloutRecorder):
         await recorder.start()

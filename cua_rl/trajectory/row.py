@@ -99,7 +99,8 @@ def stack_rows(rows: Sequence[dict[str, Any]]) -> dict[str, Any]:
 
 
 def unstack_rows(batch: dict[str, Any]) -> list[dict[str, Any]]:
-    """A batch of rows -> the rows (each cut to its attention mask): for tests and benches."""
+    """A batch of rows -> the rows (each cut to its attention mask): for replay (which swaps an
+    episode's rows in a group), tests and benches."""
     out = []
     for i in range(batch["input_ids"].shape[0]):
         n = int(batch["attention_mask"][i].sum())
@@ -261,10 +262,10 @@ def convert_turns(
         "retokenized_turns": 0,
     }
     trained: set[int] = set()
-    kept: dict[str, Any] = {}
+    store: dict[str, Any] = {}
     try:
         rows = _convert(
-            turns, processor, reward, version, config, fetched_images or {}, stats, trained, kept
+            turns, processor, reward, version, config, fetched_images or {}, stats, trained, store
         )
         for row in rows:
             row["episode_id"] = _episode_tensor(episode_id)
@@ -279,9 +280,9 @@ def convert_turns(
         stats,
         frozenset(trained),
         steps,
-        kept["images"],
-        kept["turns"],
-        kept["data"],
+        store["images"],
+        store["turns"],
+        store["data"],
     )
 
 
@@ -332,7 +333,7 @@ def _kept_segments(segments: list[Segment], breaks: int, config, stats) -> list[
     return segments
 
 
-def _convert(turns, processor, reward, version, config, fetched, stats, trained, kept) -> list:
+def _convert(turns, processor, reward, version, config, fetched, stats, trained, store) -> list:
     turns, version_of = _prepare(turns, processor, version, config, fetched, stats)
     stats["sampled_tokens"] = sum(len(t.output_ids) for t in turns)
     segments, breaks = split_segments(turns)
@@ -349,10 +350,10 @@ def _convert(turns, processor, reward, version, config, fetched, stats, trained,
     rows = []
     for seg in kept:
         rows.append(_segment_row(seg, cache, version_of, reward, image_id))
-        kept.setdefault("images", []).append(
+        store.setdefault("images", []).append(
             tuple(cache.digest(u) for u in seg.turns[-1].image_urls)
         )
-        kept.setdefault("turns", []).append(tuple(t.index for t in seg.turns))
+        store.setdefault("turns", []).append(tuple(t.index for t in seg.turns))
         trained.update(t.index for t in seg.turns)
         stats["images"] += len(seg.turns[-1].image_urls)
         stats["row_tokens"] += len(seg.ids)
@@ -360,7 +361,7 @@ def _convert(turns, processor, reward, version, config, fetched, stats, trained,
     stats["rows"] = len(rows)
     stats["trained_turns"] = sum(len(seg.turns) for seg in kept)
     stats["trained_tokens"] = int(sum(int(r["loss_mask"].sum()) for r in rows))
-    kept["data"] = cache.data
+    store["data"] = cache.data
     stats["processed_images"] = cache.processed
     stats["image_cache_peak_bytes"] = cache.peak_bytes
     return rows
