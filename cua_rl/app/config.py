@@ -51,6 +51,7 @@ from cua_rl.rollout.settings import (
     WorkflowSettings,
 )
 from cua_rl.trajectory.config import TrajectoryConfig
+from cua_rl.warehouse.episode import STORE_POLICIES
 from cua_rl.warehouse.replay import ReplayConfig
 
 LOGPROBS_MODES = ("processed_logprobs", "raw_logprobs", "processed_logits", "raw_logits")
@@ -137,6 +138,12 @@ class MonitorSection:
         "Seconds between the training's heartbeats; keep the monitor's --heartbeat-timeout-s "
         "several beats longer (default 600), or a live trainer is reaped",
     )
+    store_episodes: str = doc(
+        "successes",
+        "Which accepted training episodes the trajectory warehouse keeps, to rebuild their rows "
+        "exactly (replay, export; docs/warehouse.md): successes (what replay draws from, and "
+        "rare where replay matters), all (failures too, for exports), none",
+    )
 
     def resolved(self) -> MonitorTarget:
         """The monitor's URL and project token: the config's, else ``$MONITOR_BASE_URL`` and
@@ -149,6 +156,11 @@ class MonitorSection:
         )
 
     def __post_init__(self):
+        if self.store_episodes not in STORE_POLICIES:
+            raise ConfigError(
+                f"monitor.store_episodes={self.store_episodes!r} must be one of "
+                f"{list(STORE_POLICIES)} (e.g. monitor.store_episodes=successes)"
+            )
         if not 0 < self.heartbeat_s <= 300:
             raise ConfigError(
                 f"monitor.heartbeat_s={self.heartbeat_s} must be seconds in (0, 300] "
@@ -449,6 +461,7 @@ class CUAConfig(GRPOConfig):
             monitor_base_url=monitor_base_url if self.monitor.enabled else "",
             monitor_token=monitor_token if self.monitor.enabled else "",
             monitor_spool_path=self.monitor.spool_path,
+            store_episodes=self.monitor.store_episodes,
             training_ref=self.run_name if (self.monitor.enabled and monitor_base_url) else "",
             phase=phase,
             total_steps=total_steps,

@@ -147,6 +147,9 @@ class WorkflowSettings:
     monitor_base_url: str = ""
     monitor_token: str = ""
     monitor_spool_path: str = ""
+    # Which accepted train episodes go to the trajectory warehouse (cua_rl.warehouse):
+    # "successes", "all" or "none".
+    store_episodes: str = "successes"
     # The training's monitor client id (its run name); empty: rollouts are not recorded.
     training_ref: str = ""
     # "train", "eval" or "baseline": which monitor record the rollouts belong to.

@@ -68,6 +68,7 @@ from cua_rl.trajectory import (
 )
 from cua_rl.trajectory.row import episode_id_of
 from cua_rl.warehouse import rebuild_rows, replay, stored_from_rows
+from cua_rl.warehouse.rebuild import stored_episode_of
 
 log = get_logger(__name__)
 
@@ -241,6 +242,25 @@ class CUAAgentWorkflow(RolloutWorkflow):
                 fetch=http_fetcher(self.settings.trajectory, self.services.clients()[2]),
             )
 
+    async def store_episode(self, episode: Episode, recorder: RolloutRecorder) -> None:
+        """Keep an accepted train episode in the trajectory warehouse (``monitor.store_episodes``:
+        successes by default), so its rows can be rebuilt exactly for replay and export."""
+        policy, result = self.settings.store_episodes, episode.conversion
+        if not recorder.enabled or self.settings.phase != "train" or policy == "none":
+            return
+        if policy == "successes" and not episode.reward.success:
+            return
+        recorder.client.store_episode(
+            stored_episode_of(
+                result,
+                episode.parsed.turns if episode.parsed else [],
+                task_id=episode.task_id,
+                rollout_uuid=episode.rollout_uuid,
+                training=self.settings.training_ref,
+                success=bool(episode.reward.success),
+            )
+        )
+
     # ------------------------------------------------------------------ the episode
 
     def monitor_source(self, version: int) -> MonitorContext:
@@ -358,6 +378,7 @@ class CUAAgentWorkflow(RolloutWorkflow):
             task_success=int(episode.reward.success),
             metrics_json={"conversion": result.stats, "timings": episode.timings},
         )
+        await self.store_episode(episode, recorder)
         return result.row
 
     async def _act(self, episode: Episode, recorder: RolloutRecorder) -> None:

@@ -21,7 +21,13 @@ from cua_rl.warehouse.episode import (
     from_parts,
     to_record,
 )
-from cua_rl.warehouse.rebuild import RebuildError, rebuild_rows, stored_from_rows
+from cua_rl.warehouse.rebuild import (
+    RebuildError,
+    model_messages,
+    rebuild_rows,
+    stored_episode_of,
+    stored_from_rows,
+)
 
 __all__ = [
     "STORE_POLICIES",
@@ -32,7 +38,9 @@ __all__ = [
     "check_record",
     "episode_from_json",
     "from_parts",
+    "model_messages",
     "rebuild_rows",
+    "stored_episode_of",
     "stored_from_rows",
     "to_record",
 ]

@@ -15,8 +15,9 @@ from typing import Any
 
 from cua_rl.core.row import validate_row
 from cua_rl.errors import CuaRlError
+from cua_rl.trajectory.events import Turn
 from cua_rl.trajectory.images import decode_image, image_token_ids, process_images
-from cua_rl.trajectory.row import image_key_of, pad_runs
+from cua_rl.trajectory.row import ConversionResult, image_key_of, pad_runs
 from cua_rl.warehouse.episode import StoredEpisode, StoredRow
 
 
@@ -126,4 +127,65 @@ def rebuild_rows(stored_episode: StoredEpisode, processor) -> list[dict[str, Any
         }
         validate_row(row)
         out.append(row)
+    return out
+
+
+def stored_episode_of(
+    result: ConversionResult,
+    event_turns: Sequence[Turn],
+    *,
+    task_id: str,
+    rollout_uuid: str,
+    training: str,
+    success: bool,
+) -> StoredEpisode:
+    """The stored form of an accepted episode: the converter's ``result`` (its rows, their image
+    hashes and bytes) and the agent's turns (each row's last request, the replies and actions;
+    matched by position, as the converter's turns are numbered)."""
+    by_index = {t.index: t for t in event_turns}
+    messages = []
+    for turns in result.row_turns:
+        last = by_index.get(turns[-1]) if turns else None
+        messages.append(model_messages(last.messages) if last and last.messages else None)
+    trained = sorted({i for turns in result.row_turns for i in turns})
+    return stored_from_rows(
+        result.rows,
+        result.row_images,
+        task_id=task_id,
+        rollout_uuid=rollout_uuid,
+        training=training,
+        success=success,
+        images=result.image_data,
+        row_turns=result.row_turns,
+        row_messages=messages,
+        turns=[
+            {
+                "index": i,
+                "step": by_index[i].step,
+                "text": by_index[i].text,
+                "actions": by_index[i].actions,
+            }
+            for i in trained
+            if i in by_index
+        ],
+    )
+
+
+def model_messages(messages: Sequence[Mapping[str, Any]]) -> list[dict]:
+    """A request's messages with every image part as ``{"type": "image"}`` (in order; the
+    images are the row's), text parts as ``{"type": "text", "text": ...}``: TRL's layout."""
+    out = []
+    for m in messages:
+        content = m.get("content")
+        if isinstance(content, str) or content is None:
+            parts = [{"type": "text", "text": content or ""}]
+        else:
+            parts = []
+            for part in content:
+                kind = part.get("type") if isinstance(part, Mapping) else None
+                if kind in ("image_url", "image", "input_image"):
+                    parts.append({"type": "image"})
+                elif kind in ("text", "input_text"):
+                    parts.append({"type": "text", "text": str(part.get("text", ""))})
+        out.append({"role": str(m.get("role", "user")), "content": parts})
     return out

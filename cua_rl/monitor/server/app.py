@@ -22,7 +22,8 @@ from fastapi.responses import FileResponse, Response
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
 from cua_rl.logs import get_logger
-from cua_rl.monitor.protocol import ScreenshotError
+from cua_rl.monitor.protocol import IMAGE_KIND, ScreenshotError
+from cua_rl.monitor.server import episodes
 from cua_rl.monitor.server.dashboard import DEFAULT_STALE_AFTER_S, DashboardAuth, install_dashboard
 from cua_rl.monitor.server.read import MonitorReader
 from cua_rl.monitor.server.safety import DEFAULT_HEARTBEAT_TIMEOUT_S
@@ -113,10 +114,11 @@ def create_app(
         return _json({"ok": True})
 
     _install_reaper(app, store, heartbeat_timeout_s)
-    _install_ingest(app, store, auth, max_body_bytes)
+    _install_ingest(app, store, auth, max_body_bytes, screenshots)
     _install_trainings(app, store.read, auth)
     _install_rollouts(app, store.read, auth)
     _install_screenshots(app, screenshots, auth, max_body_bytes)
+    _install_episodes(app, store.read, auth)
     if dashboard:
         install_dashboard(app, store.path, auth, stale_after_s=stale_after_s)
     return app
@@ -246,7 +248,9 @@ async def _one_by_id(auth: DashboardAuth, request: Request, get, kind: str, row_
     return _json({kind: row})
 
 
-def _install_ingest(app: FastAPI, store: MonitorStore, auth: DashboardAuth, limit: int) -> None:
+def _install_ingest(
+    app: FastAPI, store: MonitorStore, auth: DashboardAuth, limit: int, shots: ScreenshotStore
+) -> None:
     @app.post("/api/ingest/batch")
     async def ingest(request: Request):
         _check_auth(auth, request, read=False)
@@ -256,6 +260,11 @@ def _install_ingest(app: FastAPI, store: MonitorStore, auth: DashboardAuth, limi
         except _JSON_ERRORS as exc:
             raise ApiError(400, "bad_json", f"the body is not valid JSON: {exc}") from None
         try:
+            # The warehouse's images go to the screenshot store first (content-addressed, so a
+            # batch sent again stores nothing twice); the episodes naming them follow.
+            images = batch.pop(IMAGE_KIND, None) if isinstance(batch, dict) else None
+            if images is not None:
+                await anyio.to_thread.run_sync(episodes.put_images, images, shots.put)
             result = await anyio.to_thread.run_sync(store.ingest, batch)
         except IngestValidationError as exc:
             raise ApiError(422, "validation_error", str(exc), exc.details()) from None
@@ -323,6 +332,33 @@ def _install_rollouts(app: FastAPI, read: MonitorReader, auth: DashboardAuth) ->
     @app.get("/api/rollouts/{rollout_id}")
     async def rollout(request: Request, rollout_id: int):
         return await _one_by_id(auth, request, read.get_rollout, "rollout", rollout_id)
+
+
+def _install_episodes(app: FastAPI, read: MonitorReader, auth: DashboardAuth) -> None:
+    @app.get("/api/episodes/successes")
+    async def successes(request: Request):
+        """A task's stored successes for replay (``MonitorClient.successes``)."""
+        _check_auth(auth, request)
+        task_id = request.query_params.get("task_id", "")
+        if not task_id:
+            raise ApiError(422, "validation_error", "task_id is required", {"field": "task_id"})
+        trainings = request.query_params.getlist("training")
+        min_version = _int_param(request, "min_version", -1, -1, 2**62)
+        limit = _int_param(request, "limit", 1, 1, 100)
+
+        def query():
+            found, skipped = episodes.successes(read.conn(), task_id, trainings, min_version, limit)
+            return [episodes.to_json(r, _screenshot_path) for r in found], dict(skipped)
+
+        try:
+            found, skipped = await _in_thread(query)
+        except episodes.NoEpisodeStore as exc:
+            raise ApiError(409, "no_episode_store", str(exc)) from None
+        return _json({"task_id": task_id, "episodes": found, "skipped": skipped})
+
+
+def _screenshot_path(sha256: str) -> str:
+    return f"/api/screenshots/{sha256}"
 
 
 def _install_screenshots(

@@ -500,9 +500,46 @@ CREATE INDEX idx_service_pause_training ON service_pause (training_id, start_tim
 """ + _updated_at_triggers(("service_pause",))
 
 
+# Migration 5: the trajectory warehouse (cua_rl/warehouse, docs/warehouse.md). One row per stored
+# episode: its token data as one zlib blob and its rows' metadata as JSON; ``episode_image`` names
+# the screenshot-store images each one needs, so retention never drops them.
+_EPISODE_STORE_SQL = """
+CREATE TABLE episode_store (
+    id INTEGER PRIMARY KEY AUTOINCREMENT,
+    client_id TEXT NOT NULL UNIQUE,
+    rollout_id INTEGER NOT NULL UNIQUE REFERENCES rollout(id),
+    training_id INTEGER REFERENCES training(id),
+    task_id TEXT NOT NULL,
+    episode_id INTEGER NOT NULL,
+    reward REAL NOT NULL,
+    success INTEGER NOT NULL,
+    version_min INTEGER NOT NULL,
+    version_max INTEGER NOT NULL,
+    format INTEGER NOT NULL,
+    n_rows INTEGER NOT NULL,
+    tokens INTEGER NOT NULL,
+    rows_json TEXT NOT NULL,
+    turns_json TEXT NOT NULL,
+    data BLOB NOT NULL,
+    bytes INTEGER NOT NULL,
+    created_at TIMESTAMP DEFAULT CURRENT_TIMESTAMP
+);
+CREATE INDEX idx_episode_store_task ON episode_store (task_id, success, version_min);
+CREATE INDEX idx_episode_store_training ON episode_store (training_id, id);
+CREATE TABLE episode_image (
+    episode_store_id INTEGER NOT NULL REFERENCES episode_store(id) ON DELETE CASCADE,
+    sha256 TEXT NOT NULL,
+    PRIMARY KEY (episode_store_id, sha256)
+);
+CREATE INDEX idx_episode_image_sha256 ON episode_image (sha256);
+"""
+EPISODE_STORE_VERSION = 5
+
+
 MIGRATIONS: tuple[Migration, ...] = (
     Migration(1, "seed schema", _migration_1()),
     Migration(2, "screenshot store", _SCREENSHOT_SQL),
     Migration(3, "environment before its rollout", _migration_3()),
     Migration(4, "service pauses", _PAUSE_SQL),
+    Migration(EPISODE_STORE_VERSION, "trajectory warehouse", _EPISODE_STORE_SQL),
 )

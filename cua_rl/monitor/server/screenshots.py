@@ -4,7 +4,8 @@
 temporary file, then rename), after checking that the body is an image (PNG, JPEG or WebP by its
 magic bytes, then decoded), within the size limit, and that its hash is the name it was sent
 under. A ``screenshot`` table (migration 2) records size, type and time, so retention
-(``max_total_bytes``) can drop the oldest images when the store grows past its bound. The
+(``max_total_bytes``) can drop the oldest images when the store grows past its bound, except the
+images a stored episode of the trajectory warehouse needs (``episode_image``, migration 5). The
 training side (preparing and uploading images) is ``cua_rl.monitor.worker.uploader``.
 """
 
@@ -126,11 +127,12 @@ class ScreenshotStore:
     def _enforce_retention(self) -> None:
         """Drop the oldest images until the store is within ``max_total_bytes``."""
         while self._total > self.max_total_bytes:
+            # Images a stored episode needs (the warehouse's) are kept: its rows rebuild from them.
             rows = self._conn.execute(
-                "SELECT sha256, bytes FROM screenshot ORDER BY created_at, rowid LIMIT 64"
+                "SELECT sha256, bytes FROM screenshot WHERE sha256 NOT IN "
+                "(SELECT sha256 FROM episode_image) ORDER BY created_at, rowid LIMIT 64"
             ).fetchall()
             if not rows:
-                self._total = 0
                 return
             for sha256, size in rows:
                 self._conn.execute("DELETE FROM screenshot WHERE sha256 = ?", (sha256,))

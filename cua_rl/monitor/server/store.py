@@ -2,7 +2,8 @@
 
 ``ingest(batch)`` writes one batch in one transaction: records are applied in dependency order
 (training, tasks, validators, steps, baselines, evals, rollouts, environments, turns, actions,
-observations, validations), so a record may reference one sent earlier in the same batch. Any bad
+observations, validations, then the warehouse's episodes: cua_rl/monitor/server/episodes.py), so a
+record may reference one sent earlier in the same batch. Any bad
 record rolls the whole batch back and raises :class:`IngestValidationError` naming the array,
 the record's index and the field.
 
@@ -35,11 +36,13 @@ from typing import Any
 import sqlite_utils
 
 from cua_rl.monitor.protocol import (
+    EPISODE_KIND,
+    IMAGE_KIND,
     SOURCE_ID_COLUMNS,
     SOURCE_TYPES,
     STATUSES,
 )
-from cua_rl.monitor.server import compat, safety
+from cua_rl.monitor.server import compat, episodes, safety
 from cua_rl.monitor.server.batch import (
     BATCH_KEYS,
     SPECS,
@@ -94,10 +97,11 @@ class MonitorStore:
         """Apply one batch atomically; returns ``{"training_id", <key>: [{client_id, id}]}``."""
         if not isinstance(batch, dict):
             raise IngestValidationError("the batch must be a JSON object")
-        unknown = sorted(set(batch) - set(BATCH_KEYS))
+        unknown = sorted(set(batch) - set(BATCH_KEYS) - {EPISODE_KIND})
         if unknown:
             raise IngestValidationError(
-                f"unknown batch key(s) {unknown}; expected some of {list(BATCH_KEYS)}",
+                f"unknown batch key(s) {unknown}; expected some of "
+                f"{[*BATCH_KEYS, EPISODE_KIND]} ({IMAGE_KIND} only over HTTP)",
                 kind=unknown[0],
             )
         with self._lock:
@@ -144,6 +148,8 @@ class MonitorStore:
             self._flush_group(ctx, spec, group)
             ctx.write_keys()
             result[spec.key] = out
+        if batch.get(EPISODE_KIND) is not None:  # last: an episode names its rollout
+            result[EPISODE_KIND] = episodes.apply_episodes(ctx, batch[EPISODE_KIND])
         self._settle(conn, result)
         return result
 
