@@ -192,6 +192,7 @@ class ReplayPool:
         self._successes: dict[str, collections.deque[Recorded]] = {}
         self._episodes: collections.OrderedDict[int, tuple[str, int]] = collections.OrderedDict()
         self._episodes_kept = episodes_kept
+        self._asked: dict[str, int] = {}
 
     def note(self, episode_id: int, task_id: str, version: int) -> None:
         with self._lock:
@@ -210,6 +211,14 @@ class ReplayPool:
             )
             if all(r.episode_id != recorded.episode_id for r in kept):
                 kept.append(recorded)
+
+    def first_ask(self, task_id: str, version: int) -> bool:
+        """True once per task and policy version: when to read other trainings' successes."""
+        with self._lock:
+            if self._asked.get(task_id) == version:
+                return False
+            self._asked[task_id] = version
+            return True
 
     def candidates(self, task_id: str) -> list[Recorded]:
         with self._lock:
