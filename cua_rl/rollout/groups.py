@@ -213,7 +213,7 @@ def _replay(traj, episodes, rewards, rows, settings: GroupSettings, stats: dict)
         stats["cua/replay/unknown_task"] = 1.0
         stats["cua/replay/rescued"] = 0.0
         return traj, episodes, rewards, rows
-    task_id, version = known[0][0], max(k[1] for k in known)
+    task_id, version = known[0].task_id, max(k.version for k in known)
     plan = replay.choose(
         task_id,
         rewards,
@@ -226,6 +226,9 @@ def _replay(traj, episodes, rewards, rows, settings: GroupSettings, stats: dict)
     stats["cua/replay/rescued"] = float(bool(plan))
     if not plan:
         return traj, episodes, rewards, rows
+    if pool.monitor is not None:
+        for note in replay.monitor_notes(plan, known, version, settings.training):
+            pool.monitor("rollouts", note)
     new = stack_rows(replay.apply(unstack_rows(traj), rows, plan))
     traj.clear()
     traj.update(new)

@@ -353,7 +353,16 @@ class CUAAgentWorkflow(RolloutWorkflow):
             return
         pool = replay.pool(cfg.pool_per_task)
         result = episode.conversion
-        pool.note(episode_id_of(episode.rollout_uuid), episode.task_id, episode.version)
+        pool.note(
+            episode_id_of(episode.rollout_uuid),
+            episode.task_id,
+            episode.version,
+            episode.rollout_uuid,
+        )
+        client = await self.services.monitor_client()
+        if client is not None:
+            # The filter runs in this event loop: it shows replays through this client.
+            pool.monitor = client.enqueue
         if not episode.reward.success:
             if cfg.trainings and pool.first_ask(episode.task_id, episode.version):
                 await self.fetch_for_replay(episode.task_id, episode.version, pool)

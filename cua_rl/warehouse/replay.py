@@ -21,9 +21,9 @@ from __future__ import annotations
 import collections
 import random
 import threading
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
-from typing import Any
+from typing import Any, NamedTuple
 
 from cua_rl.core.fields import doc
 from cua_rl.errors import ConfigError
@@ -92,6 +92,7 @@ class Recorded:
     version_min: int
     version_max: int
     rows: tuple[dict[str, Any], ...] = field(repr=False, compare=False)
+    rollout_uuid: str = ""  # its rollout in the monitor
 
     def age(self, version: int) -> int:
         """Policy versions between its oldest sampled token and ``version``."""
@@ -108,6 +109,7 @@ def recorded_of(stored: StoredEpisode, rows: Sequence[dict[str, Any]]) -> Record
         version_min=stored.version_min,
         version_max=stored.version_max,
         rows=tuple(rows),
+        rollout_uuid=stored.rollout_uuid,
     )
 
 
@@ -182,6 +184,37 @@ def shuffled(rewards: Sequence[float], rng: random.Random) -> list[float]:
     return out
 
 
+class Seen(NamedTuple):
+    """What the worker knows of an episode it ran."""
+
+    task_id: str
+    version: int
+    rollout_uuid: str
+
+
+def monitor_notes(plan: Plan, seen: Sequence[Seen], version: int, training: str) -> list[dict]:
+    """The ``rollouts`` records that show a replay in the monitor: each replaced episode's
+    rollout says it was not trained and which success took its place; a success of this training
+    says into which group version it was replayed. No new rollout is recorded for a replay."""
+    notes = []
+    for e, r in zip(plan.replace, plan.recorded, strict=True):
+        notes.append(
+            {
+                "client_id": seen[e].rollout_uuid,
+                "status_message": f"not trained: replaced by the replayed success {r.rollout_uuid}"
+                f" ({r.age(version)} versions old, training {r.training})",
+            }
+        )
+        if r.training == training and r.rollout_uuid:
+            notes.append(
+                {
+                    "client_id": r.rollout_uuid,
+                    "status_message": f"replayed into an all-fail group at version {version}",
+                }
+            )
+    return notes
+
+
 class ReplayPool:
     """One rollout worker's recorded successes per task, and the task and policy version of its
     recent episodes (the filter sees only rows and their episode ids)."""
@@ -190,17 +223,19 @@ class ReplayPool:
         self._lock = threading.Lock()
         self._per_task = per_task
         self._successes: dict[str, collections.deque[Recorded]] = {}
-        self._episodes: collections.OrderedDict[int, tuple[str, int]] = collections.OrderedDict()
+        self._episodes: collections.OrderedDict[int, Seen] = collections.OrderedDict()
+        # The worker's monitor client's enqueue (kind, record), set by the train workflow.
+        self.monitor: Callable[[str, dict], bool] | None = None
         self._episodes_kept = episodes_kept
         self._asked: dict[str, int] = {}
 
-    def note(self, episode_id: int, task_id: str, version: int) -> None:
+    def note(self, episode_id: int, task_id: str, version: int, rollout_uuid: str = "") -> None:
         with self._lock:
-            self._episodes[int(episode_id)] = (task_id, int(version))
+            self._episodes[int(episode_id)] = Seen(task_id, int(version), rollout_uuid)
             while len(self._episodes) > self._episodes_kept:
                 self._episodes.popitem(last=False)
 
-    def episode(self, episode_id: int) -> tuple[str, int] | None:
+    def episode(self, episode_id: int) -> Seen | None:
         with self._lock:
             return self._episodes.get(int(episode_id))
 

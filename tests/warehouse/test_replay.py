@@ -189,6 +189,21 @@ def test_the_shuffled_control_moves_the_replayed_credit(worker):
     assert 0 < credited_replay < 25
 
 
+def test_the_monitor_is_told_which_rollout_a_replay_replaced():
+    mine, theirs = _recorded(version=3), _recorded(version=4, training="another-run")
+    mine = replay.Recorded(**{**mine.__dict__, "rollout_uuid": "uuid-success"})
+    seen = [replay.Seen(TASK, 5, f"uuid-{i}") for i in range(4)]
+    plan = replay.Plan((2, 3), (mine, theirs))
+    notes = replay.monitor_notes(plan, seen, 5, RUN)
+    assert [n["client_id"] for n in notes] == ["uuid-2", "uuid-success", "uuid-3"]
+    assert notes[0]["status_message"] == (
+        f"not trained: replaced by the replayed success uuid-success (2 versions old, "
+        f"training {RUN})"
+    )
+    assert notes[1]["status_message"] == "replayed into an all-fail group at version 5"
+    assert "training another-run" in notes[2]["status_message"]
+
+
 def test_shuffled_is_a_permutation():
     rng = random.Random(0)
     out = replay.shuffled([1.0, 0.0, 0.0, 0.5], rng)

@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import asyncio
 import dataclasses
+import sqlite3
 
 import pytest
 import torch
@@ -197,6 +198,7 @@ def monitor(tmp_path):
             }
         )
     with ThreadedServer(create_app(store), name="monitor") as server:
+        server.db_path = tmp_path / "monitor.db"
         yield server
     store.close()
 
@@ -240,10 +242,28 @@ async def test_a_success_another_training_stored_in_the_monitor_rescues_a_group(
     run_b = recorded_by(RUN_B, 1, trainings=[RUN_A])
     try:
         group = stack_rows(await _episodes(run_b, FakeEngine([addr], version=5), tasks[ON], 3))
+        # AReaL calls the filter in the rollout worker's event loop, before the worker closes.
+        groups.configure(run_b.settings.group)
+        assert groups.complete_varied_groups(group)
     finally:
-        await run_b.aclose()
-    groups.configure(run_b.settings.group)
-    assert groups.complete_varied_groups(group)
+        await run_b.aclose()  # flushes what the filter sent the monitor
     episodes, _, rows = groups.episode_rewards(group)
     assert episodes[-1] == int(success["episode_id"][0])
+    # The monitor shows it: B's replaced rollout says it was not trained, and by what; A's
+    # success is not touched (it belongs to another training), and no rollout was added.
+    db = sqlite3.connect(monitor.db_path)
+    marked = db.execute(
+        "SELECT t.run_name, r.status, r.status_message FROM rollout r "
+        "JOIN step s ON r.step_id = s.id JOIN training t ON s.training_id = t.id "
+        "WHERE r.status_message LIKE '%replay%'"
+    ).fetchall()
+    per_training = db.execute(
+        "SELECT t.run_name, COUNT(*) FROM rollout r JOIN step s ON r.step_id = s.id "
+        "JOIN training t ON s.training_id = t.id GROUP BY t.run_name ORDER BY t.run_name"
+    ).fetchall()
+    db.close()
+    assert len(marked) == 1 and marked[0][:2] == (RUN_B, "completed")
+    assert marked[0][2].startswith("not trained: replaced by the replayed success")
+    assert f"training {RUN_A}" in marked[0][2]
+    assert per_training == [(RUN_A, 1), (RUN_B, 3)]
     _assert_the_recorded_row(group, rows[-1], success, success["multi_modal_input"][0])
