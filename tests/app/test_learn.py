@@ -245,15 +245,30 @@ def test_the_learn_hard_family_reads_replies_on_a_10x10_grid(tmp_path):
     from omegaconf import OmegaConf
 
     from cua_rl.app.config import CUAConfig
-    from cua_rl.app.learn import parse_args
+    from cua_rl.app.learn import REPLAY_ARMS, parse_args
+    from cua_rl.errors import ConfigError
 
     args = parse_args(["--family", "learn-hard"])
     assert args.config == "configs/learn-hard.yaml"
     root = Path(__file__).resolve().parents[2] / "configs"
     for name in ("local.yaml", "learn.yaml", "learn-hard.yaml"):
         (tmp_path / name).write_text((root / name).read_text())
-    raw, _ = parse_cli_args(["--config", str(tmp_path / "learn-hard.yaml")])
-    cfg = OmegaConf.to_object(to_structured_cfg(raw, config_cls=CUAConfig))
+
+    def load(*overrides: str) -> CUAConfig:
+        raw, _ = parse_cli_args(["--config", str(tmp_path / "learn-hard.yaml"), *overrides])
+        return OmegaConf.to_object(to_structured_cfg(raw, config_cls=CUAConfig))
+
+    cfg = load()
+    assert cfg.replay.enabled is False  # off unless asked
+    on = load(*REPLAY_ARMS["on"])
+    assert on.replay.enabled and not on.replay.shuffle_rewards
+    assert on.workflow_settings().group.replay.enabled
+    control = load(*REPLAY_ARMS["shuffled"])
+    assert control.replay.enabled and control.replay.shuffle_rewards
+    with pytest.raises(ConfigError, match="must be below gconfig.n_samples=12"):
+        load(*REPLAY_ARMS["on"], "replay.per_group=12", "replay.pool_per_task=12")
+    with pytest.raises(ConfigError, match="read from the Training Monitor"):
+        load(*REPLAY_ARMS["on"], "replay.trainings=[other]", "monitor.enabled=false")
     assert cfg.gym.selection.tags == ["learn-hard"]
     assert cfg.agent.max_steps == 1
     assert cfg.agent.model_options["parse"] == "lenient"

@@ -68,7 +68,7 @@ def _grid_on_switch(char: str) -> int:
 def tasks(gym):  # noqa: F811
     async def load():
         async with GenvClient(gym.url, gym.gym_id) as client:
-            return {t.task_id: task_row(t) for t in await load_tasks_gym(client)}
+            return {t.id: task_row(t) for t in await load_tasks_gym(client)}
 
     return asyncio.run(load())
 
