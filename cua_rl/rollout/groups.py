@@ -25,8 +25,8 @@ complete groups), ``cua/group/rejected/zero_variance`` (``complete_varied_groups
 
 With ``replay.enabled`` a complete group whose episodes all fail first gets recorded successes of
 its task in place of some failed episodes (``cua_rl.warehouse.replay``), before the variance test
-and the normalisation: ``cua/replay/all_fail`` (share of complete groups that failed entirely
-before replay), ``cua/replay/rescued`` (share of those that got a replayed episode),
+and the normalisation: ``cua/replay/all_fail`` (share of complete groups whose episodes all
+failed, by the gym's verdict, before replay), ``cua/replay/rescued`` (share of those that got a replayed episode),
 ``cua/replay/episodes`` (replayed episodes per rescued group) and ``cua/replay/age`` (their age in
 policy versions).
 """
@@ -204,14 +204,17 @@ def _replay(traj, episodes, rewards, rows, settings: GroupSettings, stats: dict)
     cfg, tol = settings.replay, settings.zero_variance_tol
     pool = replay.pool(cfg.pool_per_task)
     known = [pool.episode(e) for e in episodes]
-    all_fail = max(rewards) - min(rewards) <= tol
-    stats["cua/replay/all_fail"] = float(all_fail)
-    if not all_fail:
+    if max(rewards) - min(rewards) > tol:
+        stats["cua/replay/all_fail"] = 0.0
         return traj, episodes, rewards, rows
-    if any(k is None for k in known) or len({k[0] for k in known}) != 1:
+    if any(k is None for k in known) or len({k.task_id for k in known}) != 1:
         # Rows of episodes this worker did not run (or of two tasks): never guess the task.
         stats["cua/replay/unknown_task"] = 1.0
-        stats["cua/replay/rescued"] = 0.0
+        return traj, episodes, rewards, rows
+    # Equal rewards: all failed, or all succeeded (nothing to replay then).
+    all_fail = not any(k.success for k in known)
+    stats["cua/replay/all_fail"] = float(all_fail)
+    if not all_fail:
         return traj, episodes, rewards, rows
     task_id, version = known[0].task_id, max(k.version for k in known)
     plan = replay.choose(

@@ -358,6 +358,7 @@ class CUAAgentWorkflow(RolloutWorkflow):
             episode.task_id,
             episode.version,
             episode.rollout_uuid,
+            success=bool(episode.reward.success),
         )
         client = await self.services.monitor_client()
         if client is not None:

@@ -190,6 +190,7 @@ class Seen(NamedTuple):
     task_id: str
     version: int
     rollout_uuid: str
+    success: bool  # the gym's verdict
 
 
 def monitor_notes(plan: Plan, seen: Sequence[Seen], version: int, training: str) -> list[dict]:
@@ -229,9 +230,17 @@ class ReplayPool:
         self._episodes_kept = episodes_kept
         self._asked: dict[str, int] = {}
 
-    def note(self, episode_id: int, task_id: str, version: int, rollout_uuid: str = "") -> None:
+    def note(
+        self,
+        episode_id: int,
+        task_id: str,
+        version: int,
+        rollout_uuid: str = "",
+        *,
+        success: bool = False,
+    ) -> None:
         with self._lock:
-            self._episodes[int(episode_id)] = Seen(task_id, int(version), rollout_uuid)
+            self._episodes[int(episode_id)] = Seen(task_id, int(version), rollout_uuid, success)
             while len(self._episodes) > self._episodes_kept:
                 self._episodes.popitem(last=False)
 

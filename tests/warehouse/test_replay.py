@@ -166,13 +166,26 @@ def test_the_filter_replays_nothing_from_another_task_or_past_the_max_age(worker
     assert stats["cua/replay/all_fail"] == 1.0 and stats["cua/replay/rescued"] == 0.0
 
 
+def test_a_group_that_succeeded_entirely_is_not_counted_as_all_fail(worker):
+    groups.configure(GroupSettings(size=2, replay=_on(), training=RUN))
+    replay.pool().add(_recorded(reward=2.0))  # even a better-paid success is not put in
+    ids = [next(_ids), next(_ids)]
+    for eid in ids:
+        replay.pool().note(eid, TASK, 5, success=True)
+    traj = concat_padded_tensors([_row(1.0, eid) for eid in ids])
+    assert complete_groups(traj)
+    assert groups.episode_rewards(traj)[0] == ids
+    stats = _stats()
+    assert stats["cua/replay/all_fail"] == 0.0 and "cua/replay/rescued" not in stats
+
+
 def test_a_group_of_episodes_this_worker_did_not_run_is_counted_not_guessed(worker):
     groups.configure(GroupSettings(size=2, replay=_on(), training=RUN))
     replay.pool().add(_recorded())
     traj = concat_padded_tensors([_row(0.0, next(_ids)), _row(0.0, next(_ids))])
     assert complete_groups(traj)
     stats = _stats()
-    assert stats["cua/replay/unknown_task"] == 1.0 and stats["cua/replay/rescued"] == 0.0
+    assert stats["cua/replay/unknown_task"] == 1.0 and "cua/replay/rescued" not in stats
 
 
 def test_the_shuffled_control_moves_the_replayed_credit(worker):
@@ -192,7 +205,7 @@ def test_the_shuffled_control_moves_the_replayed_credit(worker):
 def test_the_monitor_is_told_which_rollout_a_replay_replaced():
     mine, theirs = _recorded(version=3), _recorded(version=4, training="another-run")
     mine = replay.Recorded(**{**mine.__dict__, "rollout_uuid": "uuid-success"})
-    seen = [replay.Seen(TASK, 5, f"uuid-{i}") for i in range(4)]
+    seen = [replay.Seen(TASK, 5, f"uuid-{i}", False) for i in range(4)]
     plan = replay.Plan((2, 3), (mine, theirs))
     notes = replay.monitor_notes(plan, seen, 5, RUN)
     assert [n["client_id"] for n in notes] == ["uuid-2", "uuid-success", "uuid-3"]
