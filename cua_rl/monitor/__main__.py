@@ -2,6 +2,11 @@
 
 Serves the API, the screenshot store and the dashboard (at ``/``). The token also comes from
 ``MONITOR_PROJECT_TOKEN``; without one everything is open (loopback use).
+
+``python -m cua_rl.monitor export --db PATH --training NAME [--success-only] [--min-reward R]
+--out DIR`` writes the training's stored episodes as a Hugging Face dataset
+(``cua_rl/monitor/export.py``, docs/warehouse.md); it exits 1 with one ``export error:`` line
+when there is nothing to export.
 """
 
 from __future__ import annotations
@@ -75,7 +80,36 @@ def _parser() -> argparse.ArgumentParser:
         f"off (default {DEFAULT_HEARTBEAT_TIMEOUT_S:.0f}; the trainer beats every 30 s)",
     )
     serve.add_argument("--log-level", default="warning", help="uvicorn log level")
+    export = sub.add_parser("export", help="write a training's stored episodes as a dataset")
+    export.add_argument("--db", required=True, help="the monitor's SQLite file")
+    export.add_argument("--training", required=True, help="the training's run name")
+    export.add_argument("--out", required=True, help="folder for datasets' save_to_disk")
+    export.add_argument("--success-only", action="store_true", help="successful episodes only")
+    export.add_argument("--min-reward", type=float, default=None, help="episodes with reward >= R")
+    export.add_argument(
+        "--screenshots-dir",
+        default=None,
+        help="screenshot store folder (default: beside the database, <db name>.screenshots)",
+    )
     return parser
+
+
+def export(args: argparse.Namespace) -> int:
+    from cua_rl.monitor.export import ExportError, export_training
+
+    try:
+        export_training(
+            args.db,
+            args.training,
+            args.out,
+            success_only=args.success_only,
+            min_reward=args.min_reward,
+            screenshots=args.screenshots_dir,
+        )
+    except ExportError as exc:
+        print(f"export error: {exc}", file=sys.stderr)
+        return 1
+    return 0
 
 
 def _check(parser: argparse.ArgumentParser, args: argparse.Namespace) -> int:
@@ -100,6 +134,8 @@ def _check(parser: argparse.ArgumentParser, args: argparse.Namespace) -> int:
 def main(argv: list[str] | None = None) -> int:
     parser = _parser()
     args = parser.parse_args(argv)
+    if args.command == "export":
+        return export(args)
     retention = _check(parser, args)
     import uvicorn
 

@@ -93,19 +93,22 @@ def agent():
         yield server
 
 
+def training_batch() -> dict:
+    """The training and its first steps: they exist before rollouts are recorded (train.py's
+    order)."""
+    return {
+        "training": {"run_name": RUN, "log_path": "logs", "model_name": "tiny-vl"},
+        "steps": [
+            {"client_id": step_client_id(RUN, n), "training_client_id": RUN, "step": n}
+            for n in range(1, 5)
+        ],
+    }
+
+
 @pytest.fixture
 def monitor(tmp_path):
     store = MonitorStore(str(tmp_path / "monitor.db"))
-    # The training and its first step exist before rollouts are recorded (train.py's order).
-    store.ingest(
-        {
-            "training": {"run_name": RUN, "log_path": "logs", "model_name": "tiny-vl"},
-            "steps": [
-                {"client_id": step_client_id(RUN, n), "training_client_id": RUN, "step": n}
-                for n in range(1, 5)
-            ],
-        }
-    )
+    store.ingest(training_batch())
     with ThreadedServer(create_app(store), name="monitor") as server:
         server.db_path = tmp_path / "monitor.db"
         yield server

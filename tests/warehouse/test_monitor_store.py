@@ -165,3 +165,22 @@ def test_retention_keeps_the_images_a_stored_episode_needs(images, processor, tm
     finally:
         shots.close()
         store.close()
+
+
+async def test_an_image_dropped_from_a_full_queue_is_sent_with_the_next_episode(
+    images, processor, served, tmp_path
+):
+    ep, result = stored(images, processor, uuid="r-full")
+    client = _client(served.url, tmp_path, max_queue_records=5)
+    for kind, records in rollout_batch(ep.rollout_uuid).items():  # 4 records
+        for record in [records] if kind == "training" else records:
+            client.enqueue(kind, record)
+    # Room for one image: the other and the episode are dropped (counted), not remembered.
+    assert not client.store_episode(ep)
+    assert client.counters.dropped == 2
+    async with client:
+        assert await client.flush(30)
+        assert client.store_episode(ep)  # as a later episode holding the same images
+        assert await client.flush(30)
+        found = await client.successes(TASK, [RUN], min_version=0, limit=1)
+    assert_rows_equal(rebuild_rows(found[0], processor), result.rows)

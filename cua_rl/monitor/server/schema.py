@@ -11,7 +11,8 @@ references by client id), ``extra_field`` keeps fields a client sent that the sc
 Later changes append a migration; a shipped migration is never edited. Migration 2 adds the
 ``screenshot`` table of the screenshot store. Migration 3 lets an environment exist before its
 rollout (``environment.rollout_id`` nullable), as the existing clients record it
-(cua_rl/monitor/server/compat.py); the only departure from the seed's columns.
+(cua_rl/monitor/server/compat.py); the only departure from the seed's columns. Migration 4 adds
+``service_pause``; migration 5 the trajectory warehouse's ``episode_store`` and ``episode_image``.
 """
 
 from __future__ import annotations

@@ -151,7 +151,9 @@ class MonitorClient:
                 if digest in self._images_sent:
                     continue
                 data = base64.b64encode(episode.images[digest]).decode("ascii")
-                ok &= self.enqueue(IMAGE_KIND, {"sha256": digest, "data": data})
+                if not self.enqueue(IMAGE_KIND, {"sha256": digest, "data": data}):
+                    ok = False  # dropped (counted): a later episode holding it sends it again
+                    continue
                 self._images_sent[digest] = None
                 while len(self._images_sent) > _REMEMBER_IMAGES:
                     self._images_sent.popitem(last=False)

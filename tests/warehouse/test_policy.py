@@ -1,0 +1,72 @@
+"""Which accepted episodes the workflow stores (``monitor.store_episodes``), and what it hands
+the monitor client: the converter's rows, their images and the agent's turns."""
+
+from __future__ import annotations
+
+import pytest
+
+from cua_rl.monitor.worker.context import MonitorContext
+from cua_rl.monitor.worker.recorder import RolloutRecorder
+from cua_rl.reward import RewardOutcome
+from cua_rl.rollout.episode import Episode
+from cua_rl.warehouse import rebuild_rows
+from tests.app.test_workflow import RUN, _bare_workflow
+
+from .conftest import TASK, assert_rows_equal, converted
+
+
+class StoringClient:
+    """The members of ``MonitorClient`` the recorder and the hook use; keeps what it is given."""
+
+    def __init__(self):
+        self.records: list[tuple[str, dict]] = []
+        self.stored: list = []
+
+    def enqueue(self, kind: str, record: dict) -> bool:
+        self.records.append((kind, record))
+        return True
+
+    def store_episode(self, episode) -> bool:
+        self.stored.append(episode)
+        return True
+
+
+async def _store(images, processor, *, policy: str, phase: str, success: bool):
+    turns, result = converted(images, processor, break_prefix=True)
+    wf = _bare_workflow(training_ref=RUN, phase=phase, store_episodes=policy)
+    episode = Episode(data={"task_id": TASK}, rollout_uuid="u-1", version=3)
+    episode.conversion = result
+    episode.reward = RewardOutcome(float(success), float(success), success, None)
+    client = StoringClient()
+    source = MonitorContext(eval_id="e") if phase == "eval" else MonitorContext(step_id="s")
+    recorder = RolloutRecorder(client, "u-1", task_id=TASK, model_path="m", source=source)
+    from cua_rl.trajectory.events import ParsedEvents
+
+    episode.parsed = ParsedEvents(turns=turns)
+    await wf.store_episode(episode, recorder)
+    return client.stored, result
+
+
+@pytest.mark.parametrize(
+    ("policy", "phase", "success", "stored"),
+    [
+        ("successes", "train", True, True),
+        ("successes", "train", False, False),
+        ("all", "train", False, True),
+        ("none", "train", True, False),
+        ("all", "eval", True, False),  # evaluation episodes train nothing
+    ],
+)
+async def test_the_policy_decides_which_episodes_are_stored(
+    images, processor, policy, phase, success, stored
+):
+    got, _ = await _store(images, processor, policy=policy, phase=phase, success=success)
+    assert bool(got) == stored
+
+
+async def test_the_stored_episode_is_the_trained_rows(images, processor):
+    (ep,), result = await _store(images, processor, policy="all", phase="train", success=True)
+    assert (ep.task_id, ep.rollout_uuid, ep.training, ep.success) == (TASK, "u-1", RUN, True)
+    assert [r.turns for r in ep.rows] == [(0,), (1,)]
+    assert [t["step"] for t in ep.turns] == [1, 2]
+    assert_rows_equal(rebuild_rows(ep, processor), result.rows)
