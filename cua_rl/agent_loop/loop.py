@@ -22,7 +22,13 @@ import httpx
 from cua_rl.agent_loop.run import EndRun, Run, iso
 from cua_rl.core.fields import doc
 from cua_rl.errors import ConfigError
-from cua_rl.sim.actions import ActionParseError, action_regex, to_event_args, to_gym_action
+from cua_rl.sim.actions import (
+    LENIENT_GRID,
+    ActionParseError,
+    action_regex,
+    to_event_args,
+    to_gym_action,
+)
 from cua_rl.sim.context import (
     DEFAULT_HISTORY_N,
     ContextPolicy,
@@ -233,11 +239,12 @@ class AgentLoop:
         a reply that does not parse is asked again with the identical body (policy max_asks)."""
         request = await self._build_request(ctx.model, messages, shot)
         lenient = ctx.model.get("parse") == "lenient"
+        grid = ctx.model.get("lenientGrid", LENIENT_GRID)
         for _ask in range(ctx.policy.max_asks):
             text = await self._call(run, step, ctx.model, request)
             try:
                 action = ctx.flavour.read_reply(
-                    text, shot["width"], shot["height"], lenient=lenient
+                    text, shot["width"], shot["height"], lenient=lenient, grid=grid
                 )
             except ActionParseError as exc:
                 action, error = None, exc

@@ -87,6 +87,11 @@ def validate_run_body(body: Any) -> dict:
         raise BadRunRequest(f"model.historyN must be an integer >= 1, got {history_n!r}")
     if model.get("parse", "strict") not in ("strict", "lenient"):
         raise BadRunRequest("model.parse must be 'strict' or 'lenient'")
+    grid = model.get("lenientGrid")
+    if grid is not None and (not isinstance(grid, int) or isinstance(grid, bool) or grid < 1):
+        raise BadRunRequest(
+            f"model.lenientGrid must be an integer >= 1 (cells per side), got {grid!r}"
+        )
     actions = model.get("actions")
     if actions is not None and (
         not isinstance(actions, list) or not actions or any(a not in ACTION_NAMES for a in actions)

@@ -52,6 +52,7 @@ from cua_rl.rollout.settings import (
 )
 from cua_rl.trajectory.config import TrajectoryConfig
 from cua_rl.warehouse.episode import STORE_POLICIES
+from cua_rl.warehouse.replay import ReplayConfig
 
 LOGPROBS_MODES = ("processed_logprobs", "raw_logprobs", "processed_logits", "raw_logits")
 ENDPOINT_MODES = ("gateway", "direct")
@@ -209,6 +210,11 @@ class CUAConfig(GRPOConfig):
     logits: LogitsConfig = doc(
         help="Where the trainer computes full-vocabulary logits", factory=LogitsConfig
     )
+    replay: ReplayConfig = doc(
+        help="Recorded successes of a task put into its groups that failed entirely "
+        "(cua_rl/warehouse/replay.py, docs/learning.md); off by default",
+        factory=ReplayConfig,
+    )
     group_norm: GroupNormConfig = doc(
         help="GRPO's per-group normalisation of episode rewards, done by the group filter "
         "(each episode counted once, however many rows it has); actor.reward_norm stays null",
@@ -245,6 +251,13 @@ class CUAConfig(GRPOConfig):
             )
         if self.gym.source.kind == "gym" and not self.gym.base_url:
             raise ConfigError("gym.base_url is missing: set the gym server URL (without /api/v1)")
+        self.replay.check_group_size(self.gconfig.n_samples)
+        if self.replay.enabled and self.replay.trainings and not self.monitor.enabled:
+            raise ConfigError(
+                f"replay.trainings={self.replay.trainings} are read from the Training Monitor's "
+                "episode store: set monitor.enabled=true, or leave replay.trainings empty (this "
+                "training's own successes)"
+            )
         if self.gconfig.n_samples > 1 and self.gconfig.temperature == 0:
             raise ConfigError(
                 f"gconfig.temperature=0 with gconfig.n_samples={self.gconfig.n_samples}: every "
@@ -461,5 +474,7 @@ class CUAConfig(GRPOConfig):
                 size=gconfig.n_samples,
                 zero_variance_tol=self.curriculum.zero_variance_tol,
                 norm=self.group_norm,
+                replay=self.replay,
+                training=self.run_name,
             ),
         )

@@ -7,12 +7,14 @@ per committed step. After a run it prints the success rate per step, writes ``su
 target. Several values of ``--offpolicyness`` or ``--seeds`` run one after another (folders
 ``<run-dir>/<label>``) and end with a table and one plot of every curve. ``--control`` trains the
 negative control (cua_rl/app/controls.py) instead, which must not learn. ``--family learn2``
-trains the two-step family (configs/learn2.yaml); ``--context`` picks the local agent's context
-policy (full, mai-ui, current; docs/agent.md).
+trains the two-step family (configs/learn2.yaml), ``--family learn-hard`` the one whose chance
+rate is about 1 in 80 (configs/learn-hard.yaml); ``--context`` picks the local agent's context
+policy (full, mai-ui, current; docs/agent.md). ``--replay on`` puts recorded successes into
+all-fail groups (cua_rl/warehouse/replay.py), ``--replay shuffled`` is its control.
 
-    python -m cua_rl.app.learn [--family learn|learn2] [--context POLICY] [--history-n N]
+    python -m cua_rl.app.learn [--family learn|learn2|learn-hard] [--context POLICY] [--history-n N]
         [--offpolicyness 0 1 2] [--seeds 1 2 3] [--steps N]
-        [--control] [--run-dir DIR] [key=value overrides for train.py]
+        [--control] [--replay on|shuffled] [--run-dir DIR] [key=value overrides for train.py]
 """
 
 from __future__ import annotations
@@ -42,8 +44,17 @@ from cua_rl.app.learning import (
 ROOT = Path(__file__).resolve().parents[2]
 CONTROL_WORKFLOW = "cua_rl.app.controls.ShiftedMaskWorkflow"
 # The config of each task family (docs/learning.md); --config still wins when given.
-FAMILY_CONFIGS = {"learn": "configs/learn.yaml", "learn2": "configs/learn2.yaml"}
+FAMILY_CONFIGS = {
+    "learn": "configs/learn.yaml",
+    "learn2": "configs/learn2.yaml",
+    "learn-hard": "configs/learn-hard.yaml",
+}
 CONTEXTS = ("full", "mai-ui", "current")
+# --replay: the train.py overrides of each arm (cua_rl/warehouse/replay.py).
+REPLAY_ARMS = {
+    "on": ["replay.enabled=true"],
+    "shuffled": ["replay.enabled=true", "replay.shuffle_rewards=true"],
+}
 
 
 @dataclass
@@ -128,9 +139,14 @@ def report(result: RunResult, target: float, window: int) -> dict:
     if len(successes(points)) >= 2 * window:
         first, last = first_last(points, window)
         summary.update(first_mean=round(first, 4), last_mean=round(last, 4))
-    stale = [p.staleness for p in points if p.staleness is not None]
-    if stale:
-        summary["mean_staleness"] = round(sum(stale) / len(stale), 3)
+    for key, name in (
+        ("staleness", "mean_staleness"),
+        ("zero_variance", "zero_variance_share"),
+        ("rescued", "rescued_share"),
+    ):
+        values = [getattr(p, key) for p in points if getattr(p, key) is not None]
+        if values:
+            summary[name] = round(sum(values) / len(values), 3)
     if points:
         png = plot_curves(
             {result.label: points},
@@ -155,6 +171,16 @@ def report(result: RunResult, target: float, window: int) -> dict:
             f"target {target} (mean of {window} steps) reached at step {reached}"
             if reached is not None
             else f"target {target} not reached"
+        )
+        + (
+            f"; zero-variance groups {summary['zero_variance_share']:.2f}"
+            if "zero_variance_share" in summary
+            else ""
+        )
+        + (
+            f", all-fail groups rescued by replay {summary['rescued_share']:.2f}"
+            if "rescued_share" in summary
+            else ""
         )
         + (f"; plot {summary['plot']}" if "plot" in summary else ""),
         flush=True,
@@ -181,7 +207,8 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
         "--family",
         choices=sorted(FAMILY_CONFIGS),
         default="learn",
-        help="task family: learn (one tap) or learn2 (two taps in sequence); picks its config",
+        help="task family: learn (one tap), learn2 (two taps in sequence) or learn-hard (one "
+        "tap on a 10x10 grid: chance rarely succeeds); picks its config",
     )
     parser.add_argument(
         "--context",
@@ -199,6 +226,13 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
         "--control",
         action="store_true",
         help=f"train the negative control {CONTROL_WORKFLOW} (loss mask one token late)",
+    )
+    parser.add_argument(
+        "--replay",
+        choices=REPLAY_ARMS,
+        default=None,
+        help="replay recorded successes into all-fail groups (on), or the control whose "
+        "replayed episodes' credit is shuffled within the group (shuffled); docs/learning.md",
     )
     parser.add_argument("--target", type=float, default=0.8, help="success rate a run should reach")
     parser.add_argument(
@@ -241,14 +275,19 @@ def agent_overrides(args: argparse.Namespace) -> list[str]:
 
 
 def print_table(summaries: list[dict]) -> None:
-    print("[learn] label                      exit   wall  first  last  target reached at")
+    print(
+        "[learn] label                      exit   wall  first  last  zero-var  rescued  "
+        "target reached at"
+    )
     for s in summaries:
         first = f"{s['first_mean']:.2f}" if "first_mean" in s else "  - "
         last = f"{s['last_mean']:.2f}" if "last_mean" in s else "  - "
+        zero = f"{s['zero_variance_share']:.2f}" if "zero_variance_share" in s else "  - "
+        rescued = f"{s['rescued_share']:.2f}" if "rescued_share" in s else "  - "
         reached = s["reached_at_step"] if s["reached_at_step"] is not None else "never"
         print(
             f"[learn] {s['label']:<26} {s['exit_code']:>4} {s['wall_s']:>5.0f}s  "
-            f"{first}  {last}  step {reached}"
+            f"{first}  {last}  {zero:>8}  {rescued:>7}  step {reached}"
         )
 
 
@@ -268,11 +307,14 @@ def main(argv: list[str] | None = None) -> int:
         extra.append(f"total_train_steps={args.steps}")
     if args.control:
         extra.append(f"workflow={CONTROL_WORKFLOW}")
+    if args.replay:
+        extra += REPLAY_ARMS[args.replay]
 
     results = []
     for off, seed in combos:
         parts = ["control"] if args.control else []
         parts += [args.family] if args.family != "learn" else []
+        parts += [f"replay-{args.replay}"] if args.replay else []
         parts += [f"context-{args.context}"] if args.context else []
         parts += [f"offpolicy{off}"] if off is not None else []
         parts += [f"seed{seed}"] if seed is not None else []

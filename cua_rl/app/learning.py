@@ -27,6 +27,9 @@ from cua_rl.monitor.server.read import MonitorReader
 SUCCESS_KEY = "rollout/cua/success"
 REWARD_KEY = "rollout/cua/reward"
 STALENESS_KEY = "ppo_actor/update/version_stats/sample_staleness_theta_avg"
+ZERO_VARIANCE_KEY = "rollout/cua/group/zero_variance"
+ALL_FAIL_KEY = "rollout/cua/replay/all_fail"
+RESCUED_KEY = "rollout/cua/replay/rescued"
 
 
 class CurveError(CuaRlError):
@@ -43,6 +46,11 @@ class StepPoint:
     episodes: int | None  # episodes the step trained on (whole groups)
     elapsed_s: float | None  # from the training's start to the step's commit
     staleness: float | None  # mean policy versions between sampling and the update
+    # Shares of the step's complete groups: with equal episode rewards after replay (no
+    # gradient); that failed entirely before replay (replay on); of those, rescued by replay.
+    zero_variance: float | None = None
+    all_fail: float | None = None
+    rescued: float | None = None
 
 
 def _time(value: str | None) -> datetime | None:
@@ -101,6 +109,9 @@ def read_curve(db_path: str | Path, run_name: str | None = None) -> list[StepPoi
                 episodes=int(n) if n is not None else None,
                 elapsed_s=elapsed,
                 staleness=_number(stats.get(STALENESS_KEY)),
+                zero_variance=_number(stats.get(ZERO_VARIANCE_KEY)),
+                all_fail=_number(stats.get(ALL_FAIL_KEY)),
+                rescued=_number(stats.get(RESCUED_KEY)),
             )
         )
     return points

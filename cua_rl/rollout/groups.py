@@ -22,16 +22,26 @@ Each group records 0/1 stats under the rollout scope, so the step's stats are sh
 ``cua/group/accepted``, ``cua/group/rejected/incomplete``, ``cua/group/zero_variance`` (of
 complete groups), ``cua/group/rejected/zero_variance`` (``complete_varied_groups`` only), and
 ``cua/group/rows_per_episode``.
+
+With ``replay.enabled`` a complete group whose episodes all fail first gets recorded successes of
+its task in place of some failed episodes (``cua_rl.warehouse.replay``), before the variance test
+and the normalisation: ``cua/replay/all_fail`` (share of complete groups whose episodes all
+failed, by the gym's verdict, before replay), ``cua/replay/rescued`` (share of those that got a replayed episode),
+``cua/replay/episodes`` (replayed episodes per rescued group) and ``cua/replay/age`` (their age in
+policy versions).
 """
 
 from __future__ import annotations
 
+import random
 from dataclasses import dataclass, field
 from typing import Any
 
 from cua_rl.core.fields import doc
 from cua_rl.errors import ConfigError
 from cua_rl.logs import get_logger
+from cua_rl.warehouse import replay
+from cua_rl.warehouse.replay import ReplayConfig
 
 log = get_logger(__name__)
 
@@ -72,6 +82,8 @@ class GroupSettings:
     size: int = 1  # episodes per group: gconfig.n_samples
     zero_variance_tol: float = 1e-6  # rewards within this spread count as equal
     norm: GroupNormConfig = field(default_factory=GroupNormConfig)
+    replay: ReplayConfig = field(default_factory=ReplayConfig)
+    training: str = ""  # this training's run name: its own successes may be replayed
 
 
 _settings: GroupSettings | None = None
@@ -167,6 +179,8 @@ def _judge(traj: dict[str, Any], *, drop_zero_variance: bool) -> bool:
         stats["cua/group/rejected/incomplete"] = 1.0
         accepted = False
     else:
+        if settings.replay.enabled:
+            traj, episodes, rewards, rows = _replay(traj, episodes, rewards, rows, settings, stats)
         zero_variance = max(rewards) - min(rewards) <= settings.zero_variance_tol
         stats["cua/group/zero_variance"] = float(zero_variance)
         if zero_variance and drop_zero_variance:
@@ -180,6 +194,70 @@ def _judge(traj: dict[str, Any], *, drop_zero_variance: bool) -> bool:
     stats["cua/group/accepted"] = float(accepted)
     _record(**stats)
     return accepted
+
+
+def _replay(traj, episodes, rewards, rows, settings: GroupSettings, stats: dict):
+    """Put recorded successes into an all-fail group (in place in ``traj``); the group's
+    episodes, rewards and row indices after it."""
+    from cua_rl.trajectory.row import stack_rows, unstack_rows
+
+    cfg, tol = settings.replay, settings.zero_variance_tol
+    pool = replay.pool(cfg.pool_per_task)
+    known = [pool.episode(e) for e in episodes]
+    if max(rewards) - min(rewards) > tol:
+        stats["cua/replay/all_fail"] = 0.0
+        return traj, episodes, rewards, rows
+    if any(k is None for k in known) or len({k.task_id for k in known}) != 1:
+        # Rows of episodes this worker did not run (or of two tasks): never guess the task.
+        stats["cua/replay/unknown_task"] = 1.0
+        return traj, episodes, rewards, rows
+    # Equal rewards: all failed, or all succeeded (nothing to replay then).
+    all_fail = not any(k.success for k in known)
+    stats["cua/replay/all_fail"] = float(all_fail)
+    if not all_fail:
+        return traj, episodes, rewards, rows
+    task_id, version = known[0].task_id, max(k.version for k in known)
+    plan = replay.choose(
+        task_id,
+        rewards,
+        version,
+        pool.candidates(task_id),
+        cfg,
+        tol=tol,
+        trainings=[settings.training, *cfg.trainings],
+    )
+    stats["cua/replay/rescued"] = float(bool(plan))
+    if not plan:
+        return traj, episodes, rewards, rows
+    if pool.monitor is not None:
+        for note in replay.monitor_notes(plan, known, version, settings.training):
+            pool.monitor("rollouts", note)
+    new = stack_rows(replay.apply(unstack_rows(traj), rows, plan))
+    traj.clear()
+    traj.update(new)
+    episodes, rewards, rows = episode_rewards(traj)
+    if cfg.shuffle_rewards:
+        rewards = replay.shuffled(rewards, _control_rng(cfg.seed))
+    stats["cua/replay/episodes"] = float(len(plan.recorded))
+    stats["cua/replay/age"] = sum(r.age(version) for r in plan.recorded) / len(plan.recorded)
+    log.info(
+        "replay: group of %s (all %d failed) got recorded success(es) %s, age %s",
+        task_id,
+        len(rewards),
+        [r.episode_id for r in plan.recorded],
+        [r.age(version) for r in plan.recorded],
+    )
+    return traj, episodes, rewards, rows
+
+
+_rng: random.Random | None = None
+
+
+def _control_rng(seed: int) -> random.Random:
+    global _rng
+    if _rng is None:
+        _rng = random.Random(seed)
+    return _rng
 
 
 def complete_groups(traj: dict[str, Any]) -> bool:

@@ -29,7 +29,7 @@ from areal.api.workflow_api import RolloutWorkflow
 
 from cua_rl.agent_loop.builtin import run_builtin
 from cua_rl.core.reasons import AGENT_PREFIX, Reason, agent_reason
-from cua_rl.errors import ConfigError, CuaRlError, GymError, RejectedEpisode
+from cua_rl.errors import ConfigError, CuaRlError, GymError, MonitorError, RejectedEpisode
 from cua_rl.gateway import AReaLEngineView, SessionSpec, gateway_for
 from cua_rl.heap import release_free_memory
 from cua_rl.logs import get_logger
@@ -67,6 +67,13 @@ from cua_rl.trajectory import (
     image_urls_needed,
 )
 from cua_rl.trajectory.row import episode_id_of
+from cua_rl.warehouse import (
+    RebuildError,
+    StoredEpisodeError,
+    rebuild_rows,
+    replay,
+    stored_from_rows,
+)
 from cua_rl.warehouse.rebuild import stored_episode_of
 
 log = get_logger(__name__)
@@ -260,6 +267,24 @@ class CUAAgentWorkflow(RolloutWorkflow):
             )
         )
 
+    async def fetch_for_replay(self, task_id: str, version: int, pool: replay.ReplayPool) -> None:
+        """The recorded successes of ``task_id`` in the trainings ``replay.trainings`` names, from
+        the monitor's episode store, rebuilt into the pool (once per task and policy version).
+        A failed read or rebuild is counted (``cua/replay/fetch_errors``), never raised."""
+        cfg = self.settings.group.replay
+        client = await self.services.monitor_client()
+        if client is None:
+            return
+        try:
+            found = await client.successes(
+                task_id, cfg.trainings, version - cfg.max_age_versions, cfg.pool_per_task
+            )
+            for stored in found:
+                rows = await asyncio.to_thread(rebuild_rows, stored, self.processor)
+                pool.add(replay.recorded_of(stored, rows))
+        except (MonitorError, RebuildError, StoredEpisodeError) as exc:
+            self._replay_error("cua/replay/fetch_errors", task_id, exc)
+
     # ------------------------------------------------------------------ the episode
 
     def monitor_source(self, version: int) -> MonitorContext:
@@ -315,7 +340,57 @@ class CUAAgentWorkflow(RolloutWorkflow):
             return None
         episode.timings["total"] = time.monotonic() - t0
         self._count(scope, episode, reason=None)
+        await self.remember_for_replay(episode)
         return row
+
+    async def remember_for_replay(self, episode: Episode) -> None:
+        """With ``replay.enabled``: tell the group filter which task this episode ran, and keep a
+        success's rows, rebuilt from its stored form (what the warehouse keeps), for replay into
+        later all-fail groups of its task (``cua_rl.warehouse.replay``)."""
+        s = self.settings
+        cfg = s.group.replay
+        if s.phase != "train" or not cfg.enabled:
+            return
+        pool = replay.pool(cfg.pool_per_task)
+        result = episode.conversion
+        pool.note(
+            episode_id_of(episode.rollout_uuid),
+            episode.task_id,
+            episode.version,
+            episode.rollout_uuid,
+            success=bool(episode.reward.success),
+        )
+        client = await self.services.monitor_client()
+        if client is not None:
+            # The filter runs in this event loop: it shows replays through this client.
+            pool.monitor = client.enqueue
+        if not episode.reward.success:
+            if cfg.trainings and pool.first_ask(episode.task_id, episode.version):
+                await self.fetch_for_replay(episode.task_id, episode.version, pool)
+            return
+        try:
+            stored = stored_from_rows(
+                result.rows,
+                result.row_images,
+                task_id=episode.task_id,
+                rollout_uuid=episode.rollout_uuid,
+                training=s.group.training,
+                success=True,
+                images=result.image_data,
+                row_turns=result.row_turns,
+            )
+            rows = await asyncio.to_thread(rebuild_rows, stored, self.processor)
+        except (RebuildError, StoredEpisodeError, KeyError) as exc:
+            # The episode trains as it is; only its replay is lost, and counted.
+            self._replay_error("cua/replay/record_errors", episode.task_id, exc)
+            return
+        pool.add(replay.recorded_of(stored, rows))
+
+    def _replay_error(self, key: str, task_id: str, exc: Exception) -> None:
+        from areal.utils import stats_tracker
+
+        stats_tracker.get(workflow_context.stat_scope()).scalar(**{key: 1.0})
+        log.warning("replay of %s: %s: %s", task_id, key, exc)
 
     async def _run(self, engine, episode: Episode, recorder: RolloutRecorder):
         await recorder.start()

@@ -15,7 +15,7 @@ call found wins)::
 With lenient reading (``read_reply(..., lenient=True)``) every non-empty reply is an action: a
 valid call as written, otherwise a tap at the centre of the cell of a 3x3 grid over the screen
 that the reply's first non-space character names (its code point modulo 9, cells numbered row by
-row). A randomly initialised model then acts on the screen without grammar-constrained
+row; a finer ``grid`` makes a chance tap rarer, docs/learning.md's learn-hard family). A randomly initialised model then acts on the screen without grammar-constrained
 decoding (whose logprobs the trainer cannot reproduce), and what it emits decides what it taps.
 
 ``action_regex`` is the same language as a regular expression that vLLM's structured outputs
@@ -121,15 +121,18 @@ def grid_cell_centre(
     return (int((col + 0.5) * width / grid), int((row + 0.5) * height / grid))
 
 
-def read_reply(output: str, width: int, height: int, *, lenient: bool = False) -> Action:
-    """The action of a model reply: strict parsing, or with ``lenient`` the grid-cell tap."""
+def read_reply(
+    output: str, width: int, height: int, *, lenient: bool = False, grid: int = LENIENT_GRID
+) -> Action:
+    """The action of a model reply: strict parsing, or with ``lenient`` the tap on the cell of a
+    ``grid`` x ``grid`` split that the first character names."""
     try:
         return parse_action(output)
     except ActionParseError:
         if not lenient or not isinstance(output, str) or not output.strip():
             raise
     first = output.strip()[0]
-    x, y = grid_cell_centre(ord(first), width, height)
+    x, y = grid_cell_centre(ord(first), width, height, grid)
     return Action(name="tap", params={"x": x, "y": y}, text=first)
 
 

@@ -231,6 +231,21 @@ TASKS: tuple[SimTask, ...] = (
         (V("calculator_result", 1, _calc("111")), V("answer", 1, _answer("111"))),
     ),
 )
+
+
+def _wifi_task(number: int, name: str, level: str, *, on: bool) -> SimTask:
+    """Turn Wi-Fi on (or off), starting on Settings with it the other way: one tap on the switch."""
+    return SimTask(
+        number,
+        name,
+        level,
+        "settings",
+        f"Turn Wi-Fi {'on' if on else 'off'}.",
+        _set(screen="settings", wifi=not on),
+        (V("wifi_on" if on else "wifi_off", 1, _is("wifi", on)),),
+    )
+
+
 # The "learn" family (level "learn"): one tap at the centre of the top-right cell of a 3x3 grid
 # over the screen, (300, 106) at 360x640, solves each task in one step. That point is the
 # Calculator icon on the home screen and the Wi-Fi switch on the Settings screen, where these
@@ -247,24 +262,8 @@ LEARN_TASKS: tuple[SimTask, ...] = (
         _set(screen="home"),
         (V("calculator_open", 1, _is("screen", "calculator")),),
     ),
-    SimTask(
-        15,
-        "learn_wifi_on",
-        "learn",
-        "settings",
-        "Turn Wi-Fi on.",
-        _set(screen="settings", wifi=False),
-        (V("wifi_on", 1, _is("wifi", True)),),
-    ),
-    SimTask(
-        16,
-        "learn_wifi_off",
-        "learn",
-        "settings",
-        "Turn Wi-Fi off.",
-        _set(screen="settings", wifi=True),
-        (V("wifi_off", 1, _is("wifi", False)),),
-    ),
+    _wifi_task(15, "learn_wifi_on", "learn", on=True),
+    _wifi_task(16, "learn_wifi_off", "learn", on=False),
 )
 # The "learn2" family (level "learn2"): two taps on the same cell, in two steps. Both tasks start on
 # Settings, where the top-right cell's centre, (300, 106) at 360x640, is the Wi-Fi switch (as in
@@ -299,7 +298,17 @@ LEARN2_TASKS: tuple[SimTask, ...] = (
         ),
     ),
 )
-TASKS = TASKS + LEARN_TASKS + LEARN2_TASKS
+# The "learn-hard" family (level "learn-hard"): the learn family's Wi-Fi tasks read through a 10x10
+# grid (the agent's ``lenientGrid: 10``, configs/learn-hard.yaml). Two cells' centres, 17 and 18
+# ((270, 96) and (306, 96) at 360x640), fall on the Wi-Fi switch; no other cell's centre flips it.
+# A uniformly random cell succeeds with 2/100 and a uniformly random first token of the tiny
+# BPE vocabulary with about 1/80, so most groups fail entirely: the family replay is measured on
+# (docs/learning.md).
+LEARN_HARD_TASKS: tuple[SimTask, ...] = (
+    _wifi_task(19, "learn_hard_wifi_on", "learn-hard", on=True),
+    _wifi_task(20, "learn_hard_wifi_off", "learn-hard", on=False),
+)
+TASKS = TASKS + LEARN_TASKS + LEARN2_TASKS + LEARN_HARD_TASKS
 TASKS_BY_ID = {t.task_id: t for t in TASKS}
 
 

@@ -99,7 +99,8 @@ def stack_rows(rows: Sequence[dict[str, Any]]) -> dict[str, Any]:
 
 
 def unstack_rows(batch: dict[str, Any]) -> list[dict[str, Any]]:
-    """A batch of rows -> the rows (each cut to its attention mask): for tests and benches."""
+    """A batch of rows -> the rows (each cut to its attention mask): for replay (which swaps an
+    episode's rows in a group), tests and benches."""
     out = []
     for i in range(batch["input_ids"].shape[0]):
         n = int(batch["attention_mask"][i].sum())

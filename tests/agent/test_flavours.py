@@ -184,3 +184,36 @@ async def test_a_mai_ui_run_executes_on_the_gym(agent, gym, new_execution, spec_
     assert end["type"] == "run_end" and end["reason"] == "finished"
     system = app.state.seen[0]["messages"][0]
     assert system["role"] == "system" and '"name": "mobile_use"' in system["content"]
+
+
+async def test_a_lenient_run_reads_replies_on_the_configured_grid(
+    agent, gym, new_execution, spec_for
+):
+    # 'u' (117) names cell 17 of a 10x10 grid (row 1, column 7): (270, 96) on a 360x640 screen,
+    # where the default 3x3 grid would tap cell 0 (117 % 9), (60, 106).
+    app = _scripted_model(["uuu"])
+    with ThreadedServer(app) as model:
+        ex = await new_execution()
+        body = spec_for(
+            ex,
+            model_base_url=f"{model.url}/v1",
+            max_steps=1,
+            model_options={"parse": "lenient", "lenientGrid": 10, "logprobs": False},
+        ).body()
+        events = await _events(agent.url, body)
+    executed = [e["action"] for e in events if e["type"] == "action_executed"]
+    assert [a["args"] for a in executed] == [{"point": {"x": 270, "y": 96}}]
+
+
+@pytest.mark.parametrize("grid", [0, "10", True])
+def test_a_bad_lenient_grid_is_refused(grid):
+    from cua_rl.agent_loop.run import BadRunRequest, validate_run_body
+
+    body = {
+        "task": "t",
+        "maxSteps": 1,
+        "model": {"baseUrl": "http://127.0.0.1/v1", "name": "m", "lenientGrid": grid},
+        "env": {"type": "genv", "gymBaseUrl": "http://127.0.0.1", "gymId": "g", "executionId": "e"},
+    }
+    with pytest.raises(BadRunRequest, match="lenientGrid must be an integer >= 1"):
+        validate_run_body(body)

@@ -238,3 +238,39 @@ def test_family_and_context_flags_reach_the_training_config(tmp_path):
     assert (cfg.agent.context, cfg.agent.history_n) == ("mai-ui", 2)
     assert cfg.agent.run_model_options() == {"context": "mai-ui", "historyN": 2}
     assert cfg.gconfig.n_samples * cfg.train_dataset.batch_size == 24
+
+
+def test_the_learn_hard_family_reads_replies_on_a_10x10_grid(tmp_path):
+    from areal.api.cli_args import parse_cli_args, to_structured_cfg
+    from omegaconf import OmegaConf
+
+    from cua_rl.app.config import CUAConfig
+    from cua_rl.app.learn import REPLAY_ARMS, parse_args
+    from cua_rl.errors import ConfigError
+
+    args = parse_args(["--family", "learn-hard"])
+    assert args.config == "configs/learn-hard.yaml"
+    root = Path(__file__).resolve().parents[2] / "configs"
+    for name in ("local.yaml", "learn.yaml", "learn-hard.yaml"):
+        (tmp_path / name).write_text((root / name).read_text())
+
+    def load(*overrides: str) -> CUAConfig:
+        raw, _ = parse_cli_args(["--config", str(tmp_path / "learn-hard.yaml"), *overrides])
+        return OmegaConf.to_object(to_structured_cfg(raw, config_cls=CUAConfig))
+
+    cfg = load()
+    assert cfg.replay.enabled is False  # off unless asked
+    on = load(*REPLAY_ARMS["on"])
+    assert on.replay.enabled and not on.replay.shuffle_rewards
+    assert on.workflow_settings().group.replay.enabled
+    control = load(*REPLAY_ARMS["shuffled"])
+    assert control.replay.enabled and control.replay.shuffle_rewards
+    with pytest.raises(ConfigError, match="must be below gconfig.n_samples=12"):
+        load(*REPLAY_ARMS["on"], "replay.per_group=12", "replay.pool_per_task=12")
+    with pytest.raises(ConfigError, match="read from the Training Monitor"):
+        load(*REPLAY_ARMS["on"], "replay.trainings=[other]", "monitor.enabled=false")
+    assert cfg.gym.selection.tags == ["learn-hard"]
+    assert cfg.agent.max_steps == 1
+    assert cfg.agent.model_options["parse"] == "lenient"
+    assert cfg.agent.model_options["lenientGrid"] == 10
+    assert cfg.gconfig.n_samples * cfg.train_dataset.batch_size == 24

@@ -17,6 +17,8 @@ SLIDER_Y = 290  # track runs from x=30 (0%) to x=330 (100%)
 NEW_NOTE, SAVE, CANCEL = (305, 50), (280, 345), (80, 345)
 # Centres of the cells of a 3x3 grid over 360x640, row by row (the lenient agent's taps).
 GRID = [(x, y) for y in (106, 320, 533) for x in (60, 180, 300)]
+# Centres of a 10x10 grid's cells on the 360x640 screen, row by row: 36 x 64 pixel cells.
+GRID10 = [(18 + 36 * col, 32 + 64 * row) for row in range(10) for col in range(10)]
 CALC = {
     k: (51 + 86 * c, 239 + 90 * r)
     for r, row in enumerate(("789/", "456*", "123-", "C0=+"))
@@ -132,6 +134,9 @@ SCRIPTS = {
         [tap(GRID[2]), tap(BLUETOOTH)],
         None,
     ),
+    # The learn-hard family: the Wi-Fi switch, at the centre of cell 17 of a 10x10 grid.
+    "sim-019-learn-hard-wifi-on": ([tap(GRID10[17])], None, [tap(BLUETOOTH)], None),
+    "sim-020-learn-hard-wifi-off": ([tap(GRID10[18])], None, [tap(BLUETOOTH)], None),
 }
 LEARN = ("sim-014-learn-open-calculator", "sim-015-learn-wifi-on", "sim-016-learn-wifi-off")
 
@@ -151,7 +156,9 @@ async def run_script(genv, gym, http, task_id, script, answer):
 async def test_every_served_task_has_a_script_and_all_levels_exist(genv):
     tasks = await genv.list_tasks()
     assert {t["task_id"] for t in tasks} == set(SCRIPTS)
-    assert {"easy", "normal", "hard", "learn"} <= {tag for t in tasks for tag in t["tags"]}
+    assert {"easy", "normal", "hard", "learn", "learn2", "learn-hard"} <= {
+        tag for t in tasks for tag in t["tags"]
+    }
 
 
 @pytest.mark.parametrize("task_id", sorted(SCRIPTS))
@@ -216,11 +223,10 @@ async def test_final_answer_must_state_the_number(genv, gym, http, answer, passe
     assert result.success is passes
 
 
-@pytest.mark.parametrize("task_id", LEARN)
-async def test_exactly_one_grid_cell_solves_each_learn_task(genv, gym, http, task_id):
-    # The family's scripted difficulty: one tap on a random cell solves it with probability 1/9.
+async def solving_cells(genv, gym, http, task_id, centres) -> list[int]:
+    """The cells whose centre, tapped once on a fresh execution, solves the task."""
     solved = []
-    for cell, (x, y) in enumerate(GRID):
+    for cell, (x, y) in enumerate(centres):
         async with genv.execution(task_id) as ex:
             r = await http.post(
                 f"{gym.base_url}/executions/{ex.execution_id}/actions",
@@ -229,7 +235,13 @@ async def test_exactly_one_grid_cell_solves_each_learn_task(genv, gym, http, tas
             assert r.status_code == 200, r.text
             if (await ex.evaluate()).success:
                 solved.append(cell)
-    assert solved == [2]
+    return solved
+
+
+@pytest.mark.parametrize("task_id", LEARN)
+async def test_exactly_one_grid_cell_solves_each_learn_task(genv, gym, http, task_id):
+    # The family's scripted difficulty: one tap on a random cell solves it with probability 1/9.
+    assert await solving_cells(genv, gym, http, task_id, GRID) == [2]
 
 
 LEARN2 = ("sim-017-learn2-wifi-off-on", "sim-018-learn2-wifi-on-off")
@@ -257,3 +269,13 @@ async def test_only_the_two_tap_sequence_solves_each_learn2_task(genv, gym, http
     halves = {pair for pair, score in scores.items() if score == 0.5}
     assert halves == {(2, b) for b in range(9) if b != 2} | {(a, 2) for a in range(9) if a != 2}
     assert all(score == 0.0 for pair, score in scores.items() if pair not in {(2, 2), *halves})
+
+
+LEARN_HARD = ("sim-019-learn-hard-wifi-on", "sim-020-learn-hard-wifi-off")
+
+
+@pytest.mark.parametrize("task_id", LEARN_HARD)
+async def test_two_cells_of_a_10x10_grid_solve_each_learn_hard_task(genv, gym, http, task_id):
+    # The family's scripted difficulty: one tap on a random cell of the finer grid solves it with
+    # probability 2/100 (the two cells of row 1 whose centres, x 270 and 306, lie on the switch).
+    assert await solving_cells(genv, gym, http, task_id, GRID10) == [17, 18]

@@ -25,7 +25,9 @@ from cua_rl.sim.actions import Action
 
 
 class ReadReply(Protocol):
-    def __call__(self, text: str, width: int, height: int, *, lenient: bool = False) -> Action: ...
+    def __call__(
+        self, text: str, width: int, height: int, *, lenient: bool = False, grid: int = ...
+    ) -> Action: ...
 
 
 @dataclass(frozen=True)

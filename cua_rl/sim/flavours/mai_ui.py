@@ -20,7 +20,7 @@ from __future__ import annotations
 
 import json
 
-from cua_rl.sim.actions import Action, ActionParseError
+from cua_rl.sim.actions import LENIENT_GRID, Action, ActionParseError
 from cua_rl.sim.flavours.toolcall import (
     call_of,
     canonical_call,
@@ -123,7 +123,9 @@ def parse_mobile_use(args: dict, width: int, height: int, text: str) -> Action:
     raise ActionParseError(f"unknown {FUNCTION} action {action!r}")
 
 
-def read_reply(text: str, width: int, height: int, *, lenient: bool = False) -> Action:
+def read_reply(
+    text: str, width: int, height: int, *, lenient: bool = False, grid: int = LENIENT_GRID
+) -> Action:
     try:
         name, args = first_tool_call(text)
         if name != FUNCTION:
@@ -135,7 +137,7 @@ def read_reply(text: str, width: int, height: int, *, lenient: bool = False) -> 
     except ActionParseError:
         if not lenient or not isinstance(text, str) or not text.strip():
             raise
-        return lenient_tap(text, width, height)
+        return lenient_tap(text, width, height, grid)
 
 
 def render(action: Action, width: int, height: int, device: str = "mobile") -> str:

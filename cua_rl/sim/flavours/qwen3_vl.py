@@ -19,7 +19,7 @@ from __future__ import annotations
 
 import json
 
-from cua_rl.sim.actions import Action, ActionParseError
+from cua_rl.sim.actions import LENIENT_GRID, Action, ActionParseError
 from cua_rl.sim.flavours.mai_ui import parse_mobile_use
 from cua_rl.sim.flavours.toolcall import (
     TOOLS_POSTAMBLE,
@@ -168,7 +168,9 @@ def _computer_use(args: dict, width: int, height: int, text: str) -> Action:
     return parse_mobile_use(args, width, height, text)
 
 
-def read_reply(text: str, width: int, height: int, *, lenient: bool = False) -> Action:
+def read_reply(
+    text: str, width: int, height: int, *, lenient: bool = False, grid: int = LENIENT_GRID
+) -> Action:
     try:
         name, args = first_tool_call(text)
         if name == "mobile_use":
@@ -187,7 +189,7 @@ def read_reply(text: str, width: int, height: int, *, lenient: bool = False) -> 
     except ActionParseError:
         if not lenient or not isinstance(text, str) or not text.strip():
             raise
-        return lenient_tap(text, width, height)
+        return lenient_tap(text, width, height, grid)
 
 
 def describe(action: Action, width: int, height: int, device: str = "mobile") -> str:

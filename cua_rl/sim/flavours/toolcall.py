@@ -11,7 +11,7 @@ import json
 import math
 import re
 
-from cua_rl.sim.actions import Action, ActionParseError, grid_cell_centre
+from cua_rl.sim.actions import LENIENT_GRID, Action, ActionParseError, grid_cell_centre
 
 GRID = 999
 _BLOCK = re.compile(r"<tool_call>\s*(.*?)\s*(?:</tool_call>|$)", re.S)
@@ -110,10 +110,10 @@ def to_pixels(value, width: int, height: int, grid: int = GRID) -> tuple[int, in
     return (min(int(x / grid * width), width - 1), min(int(y / grid * height), height - 1))
 
 
-def lenient_tap(text: str, width: int, height: int) -> Action:
+def lenient_tap(text: str, width: int, height: int, grid: int = LENIENT_GRID) -> Action:
     """The sim's fallback for a reply with no call: tap the grid cell its first character names."""
     first = text.strip()[0]
-    x, y = grid_cell_centre(ord(first), width, height)
+    x, y = grid_cell_centre(ord(first), width, height, grid)
     return Action(name="tap", params={"x": x, "y": y}, text=first)
 
 
