@@ -54,6 +54,7 @@ from cua_rl.rollout.pause import (
     Pauses,
     loop_pauses,
     outage_of,
+    pause_for_held_calls,
     probe_for,
 )
 from cua_rl.rollout.placement import is_surplus, rollout_source
@@ -252,6 +253,11 @@ class CUAAgentWorkflow(RolloutWorkflow):
 
     @drained_episode
     async def arun_episode(self, engine, data: dict[str, Any]) -> dict[str, Any] | None:
+        if self.settings.endpoint.mode == "gateway":
+            http = self.services.clients()[2]
+            pause_for_held_calls(
+                self.pauses(), self.settings.pause, http, phase=self.settings.phase
+            )
         waited = await self.pauses().admit()
         scope = workflow_context.stat_scope()
         episode = Episode(
