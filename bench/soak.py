@@ -32,7 +32,6 @@ of the database per episode; one verdict line.
 from __future__ import annotations
 
 import argparse
-import re
 import signal
 import subprocess
 import sys
@@ -64,6 +63,7 @@ from soak_accounting import (  # noqa: E402 - beside this file
 from cua_rl.app.demo import Child, free_port, wait_http  # noqa: E402
 from cua_rl.monitor.server.read import MonitorReader  # noqa: E402
 from cua_rl.testing.fault_proxy import FaultProxy  # noqa: E402
+from cua_rl.testing.procs import vllm_port  # noqa: E402
 
 DUPS = (
     "duplicate_actions",
@@ -144,13 +144,7 @@ class Stack:
         )
 
     def find_vllm_port(self) -> int | None:
-        for proc in self.processes():
-            cmd = proc[2]
-            if "cua_rl.cpu.vllm_server" in cmd and "--port" in cmd:
-                m = re.search(r"--port (\d+)", cmd)
-                if m:
-                    return int(m.group(1))
-        return None
+        return vllm_port(self.trainer.pid) if self.trainer is not None else None
 
     def processes(self) -> list[tuple[int, str, str]]:
         """(pid, role, cmdline) of every process the soak started, alive now."""
