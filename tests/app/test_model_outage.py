@@ -150,6 +150,8 @@ def test_the_local_stack_trains_through_a_60s_model_server_outage_mid_step(
         recorded.setdefault(uuid, []).append(response)
     # Calls the gateway held through the outage ended in completed, trained episodes.
     assert held >= 1, turns
+    pauses = db_rows(db, "SELECT service, probes, duration_s FROM service_pause")
+    print(f"{held} turns held through the outage; pauses: {pauses}")
     # What the agent received, answer by answer, is what was recorded and trained.
     for uuid, responses in recorded.items():
         assert received.get(uuid) == responses, (uuid, received.get(uuid), responses)
