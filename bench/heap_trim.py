@@ -29,18 +29,19 @@ CASES = ("plain", "trim", "held")
 
 
 def child(episodes: int, case: str) -> dict:
+    from cua_rl.heap import hold_mmap_threshold, release_free_memory
+
+    if case == "held":
+        hold_mmap_threshold()  # before the libraries below allocate, as a worker does
     import tracemalloc
 
     import numpy as np
     from PIL import Image
     from transformers import AutoProcessor
 
-    from cua_rl.heap import hold_mmap_threshold, release_free_memory
     from cua_rl.testing.cache import ensure_model
     from cua_rl.testing.memory import rss_bytes
 
-    if case == "held":
-        hold_mmap_threshold()
     trim = case != "plain"
     processor = AutoProcessor.from_pretrained(str(ensure_model("qwen2-vl-bpe")))
     trim_s: list[float] = []
