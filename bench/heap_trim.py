@@ -1,10 +1,11 @@
-"""What ``cua_rl.heap.release_free_memory`` (glibc's ``malloc_trim``) saves a rollout worker.
+"""What ``cua_rl.heap`` (glibc's mmap threshold held, ``malloc_trim``) saves a rollout worker.
 
 The rollout worker processes each episode's screenshots with the model's processor in pool
 threads (``asyncio.to_thread``), 4 episodes at a time as in ``configs/local.yaml``. Each
 measurement runs in a fresh child process: the tiny Qwen2-VL's processor on 2 to 6 random
-screenshots (320 to 640 x 240 to 480) per episode, ``--episodes`` episodes, with or without a
-trim after each one. Printed per case: RSS after warm-up (the first 50 episodes) and at the end,
+screenshots (320 to 640 x 240 to 480) per episode, ``--episodes`` episodes: ``plain``, ``trim``
+(a trim after each episode) and ``held`` (the threshold held from the start, and the trim).
+Printed per case: RSS after warm-up (the first 50 episodes) and at the end,
 their ratio (the growth this soak-like load leaves), Python's own heap (tracemalloc) at the end,
 and the trim's time per call.
 
@@ -24,19 +25,24 @@ from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[1]
 WARM = 50
+CASES = ("plain", "trim", "held")
 
 
-def child(episodes: int, trim: bool) -> dict:
+def child(episodes: int, case: str) -> dict:
+    from cua_rl.heap import hold_mmap_threshold, release_free_memory
+
+    if case == "held":
+        hold_mmap_threshold()  # before the libraries below allocate, as a worker does
     import tracemalloc
 
     import numpy as np
     from PIL import Image
     from transformers import AutoProcessor
 
-    from cua_rl.heap import release_free_memory
     from cua_rl.testing.cache import ensure_model
     from cua_rl.testing.memory import rss_bytes
 
+    trim = case != "plain"
     processor = AutoProcessor.from_pretrained(str(ensure_model("qwen2-vl-bpe")))
     trim_s: list[float] = []
 
@@ -76,15 +82,15 @@ def child(episodes: int, trim: bool) -> dict:
 def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--episodes", type=int, default=400)
-    ap.add_argument("--child", choices=("plain", "trim"), help=argparse.SUPPRESS)
+    ap.add_argument("--child", choices=CASES, help=argparse.SUPPRESS)
     args = ap.parse_args()
     if args.child:
-        print(json.dumps(child(args.episodes, args.child == "trim")))
+        print(json.dumps(child(args.episodes, args.child)))
         return 0
     print(
         f"{'case':<6} {'RSS warm MiB':>12} {'end':>6} {'x':>5} {'python heap':>11} {'trim ms':>8}"
     )
-    for case in ("plain", "trim"):
+    for case in CASES:
         proc = subprocess.run(
             [sys.executable, __file__, "--child", case, "--episodes", str(args.episodes)],
             cwd=ROOT,

@@ -32,7 +32,6 @@ of the database per episode; one verdict line.
 from __future__ import annotations
 
 import argparse
-import re
 import signal
 import subprocess
 import sys
@@ -64,6 +63,7 @@ from soak_accounting import (  # noqa: E402 - beside this file
 from cua_rl.app.demo import Child, free_port, wait_http  # noqa: E402
 from cua_rl.monitor.server.read import MonitorReader  # noqa: E402
 from cua_rl.testing.fault_proxy import FaultProxy  # noqa: E402
+from cua_rl.testing.procs import vllm_port  # noqa: E402
 
 DUPS = (
     "duplicate_actions",
@@ -144,13 +144,7 @@ class Stack:
         )
 
     def find_vllm_port(self) -> int | None:
-        for proc in self.processes():
-            cmd = proc[2]
-            if "cua_rl.cpu.vllm_server" in cmd and "--port" in cmd:
-                m = re.search(r"--port (\d+)", cmd)
-                if m:
-                    return int(m.group(1))
-        return None
+        return vllm_port(self.trainer.pid) if self.trainer is not None else None
 
     def processes(self) -> list[tuple[int, str, str]]:
         """(pid, role, cmdline) of every process the soak started, alive now."""
@@ -179,8 +173,10 @@ class Stack:
             out.append((p.pid, role or role_of(chain) or "trainer", chain[0]))
         return out
 
-    def sample(self) -> dict[str, tuple[int, float, int, int]]:
-        """role -> (processes, RSS MiB, open fds, of them sockets), summed over the role."""
+    def sample(self) -> dict[str, tuple]:
+        """role -> (processes, RSS MiB, open fds, of them sockets, anonymous MiB, file-backed
+        MiB), summed over the role. The split tells a heap that grows (anonymous: malloc, torch)
+        from library and model pages touched for the first time (file-backed, shared)."""
         import psutil
 
         out: dict[str, list] = {}
@@ -189,13 +185,16 @@ class Stack:
                 p = psutil.Process(pid)
                 rss, fds = p.memory_info().rss, p.num_fds()
                 socks = len(p.net_connections(kind="all"))
-            except (psutil.NoSuchProcess, psutil.AccessDenied):
+                anon, file = rss_split(pid)
+            except (psutil.NoSuchProcess, psutil.AccessDenied, OSError):
                 continue
-            cur = out.setdefault(role, [0, 0.0, 0, 0])
+            cur = out.setdefault(role, [0, 0.0, 0, 0, 0.0, 0.0])
             cur[0] += 1
             cur[1] += rss / 2**20
             cur[2] += fds
             cur[3] += socks
+            cur[4] += anon / 2**20
+            cur[5] += file / 2**20
         return {k: tuple(v) for k, v in out.items()}
 
     def stop_trainer(self) -> int:
@@ -254,14 +253,25 @@ SETTLE_S = 120.0  # the role table's "warm" column: this long after the first st
 
 
 def record_sample(path: Path, at_s: float, sample: dict) -> None:
-    """One line per role: seconds since the start, processes, RSS MiB, fds, sockets. Whether a
-    role's memory grows steadily or levels off is read from these, not from two points."""
+    """One line per role: seconds since the start, processes, RSS MiB, fds, sockets, RSS's
+    anonymous and file-backed MiB. Whether a role's memory grows steadily or levels off is read
+    from these, not from two points."""
     new = not path.exists()
     with open(path, "a", encoding="utf-8") as f:
         if new:
-            f.write("t_s,role,procs,rss_mib,fds,sockets\n")
-        for role, (procs, rss, fds, socks) in sorted(sample.items()):
-            f.write(f"{at_s:.0f},{role},{procs},{rss:.1f},{fds},{socks}\n")
+            f.write("t_s,role,procs,rss_mib,fds,sockets,anon_mib,file_mib\n")
+        for role, (procs, rss, fds, socks, anon, file) in sorted(sample.items()):
+            f.write(f"{at_s:.0f},{role},{procs},{rss:.1f},{fds},{socks},{anon:.1f},{file:.1f}\n")
+
+
+def rss_split(pid: int) -> tuple[int, int]:
+    """(anonymous, file-backed and shared) resident bytes of ``pid``, from /proc/PID/status."""
+    kib = {}
+    for line in Path(f"/proc/{pid}/status").read_text().splitlines():
+        key, _, value = line.partition(":")
+        if key in ("RssAnon", "RssFile", "RssShmem"):
+            kib[key] = int(value.split()[0])
+    return kib["RssAnon"] * 1024, (kib["RssFile"] + kib["RssShmem"]) * 1024
 
 
 def run(args, stack: Stack, log) -> dict:

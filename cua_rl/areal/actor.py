@@ -28,11 +28,13 @@ from areal.utils.environ import is_single_controller
 
 from cua_rl.areal.positions import fix_qwen2_5_vl_image_positions
 from cua_rl.areal.vision_dedup import VisionDedupMixin
-from cua_rl.heap import release_free_memory
+from cua_rl.heap import hold_mmap_threshold, release_free_memory
 
 # Workers import this module by the engine's dotted path: the trainer's Qwen2.5-VL positions
 # then match vLLM's.
 fix_qwen2_5_vl_image_positions()
+# Each update's tensors keep their own mappings, returned when freed (cua_rl/heap.py).
+hold_mmap_threshold()
 
 
 class CuaPPOActor(VisionDedupMixin, FSDPPPOActor):

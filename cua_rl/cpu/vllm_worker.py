@@ -7,16 +7,20 @@ trainer saves a HuggingFace checkpoint and the server asks each worker to load i
 Only ``areal_update_weights`` is provided; the NCCL (xccl) and LoRA methods are not, so
 ``actor.weight_update_mode`` must be ``disk``.
 
-Loaded by vLLM inside its engine-core process via ``--worker-extension-cls``.
+Loaded by vLLM inside its engine-core process via ``--worker-extension-cls``. Each reload
+allocates the whole model anew and frees the old one: the worker holds glibc's mmap threshold
+and gives free pages back after each reload (``cua_rl.heap``), or its RSS creeps step by step.
 """
 
 from __future__ import annotations
 
 from pathlib import Path
 
+from cua_rl.heap import hold_mmap_threshold, release_free_memory
 from cua_rl.logs import get_logger
 
 log = get_logger(__name__)
+hold_mmap_threshold()
 
 
 def checkpoint_problem(path: str) -> str | None:
@@ -101,6 +105,7 @@ class DiskWeightReloadExtension:
             # (torch.Size([128, 256])) into parameter (torch.Size([0]))"). reload_weights
             # restores checkpoint-format parameters, loads, then repacks.
             self.reload_weights(weights_path=model_path, is_checkpoint_format=True)
+            release_free_memory()
         except Exception as exc:  # the message travels back to the trainer as a 400
             log.exception("weight reload from %s failed", model_path)
             return False, (

@@ -11,6 +11,7 @@ images the row is then built from.
     render.py   messages -> prompt ids, extending the stored conversation (pure)
     engine.py   one call through the engine: pause, abort and retry handling, versions
     pauses.py   the pauses of each engine, and the bound a pause gets from them
+    outages.py  the model-server outages the gateway is holding calls through
     requests.py what a request may ask: the trainer's sampling, tools, token bytes
     session.py  one episode: re-sends, images, capture, the OpenAI answer
     capture.py  what an episode captured, and its turns for the row builder

@@ -35,11 +35,9 @@ import httpx
 from cua_rl.errors import ModelServerError
 from cua_rl.gateway.backends import Request, VLLMTokens
 from cua_rl.gateway.config import GatewayConfig, Sampling
+from cua_rl.gateway.outages import OUTAGES
 from cua_rl.gateway.pauses import PauseBound, Pauses, pauses_of
 from cua_rl.gateway.render import BadRequest, Image
-from cua_rl.logs import get_logger
-
-log = get_logger(__name__)
 
 PAUSE_POLL_S = 0.2
 OUTAGE_BACKOFF_CAP_S = 10.0  # longest gap between two re-sends: a restarted server is found soon
@@ -180,25 +178,14 @@ class _Attempts:
         self.gen, self.out, self.lps, self.versions, self.top = None, [], [], [], []
 
 
-# Outages in progress, per model server, for one log line when each starts and ends (not one
-# per call: hundreds of episodes share a server).
-_DOWN: dict[str, float] = {}
-
-
 def _outage_failed(server: str, reason: str, outage_s: float, st: _Attempts) -> float:
     """A failed send during an outage: the seconds to wait before the next, or ModelOutage."""
     now = time.monotonic()
     if st.down_since is None:
         st.down_since, st.down_tries = now, 0
-        if server not in _DOWN:
-            _DOWN[server] = now
-            log.warning(
-                "model server %s unavailable (%s): calls are held and re-sent for up to "
-                "gateway.model_outage_s=%g s",
-                server,
-                reason,
-                outage_s,
-            )
+        OUTAGES.hold(server, reason, outage_s)
+    else:
+        OUTAGES.failed_again(server, reason)
     st.failures += 1
     st.down_tries += 1
     down = now - st.down_since
@@ -215,14 +202,8 @@ def _outage_failed(server: str, reason: str, outage_s: float, st: _Attempts) -> 
 
 def _outage_over(server: str, st: _Attempts) -> None:
     """The server answered: the call's outage (if it lived through one) and the server's end."""
-    started = _DOWN.pop(server, None)
-    if started is not None:
-        log.warning(
-            "model server %s answers again after an outage of %.1f s",
-            server,
-            time.monotonic() - started,
-        )
     if st.down_since is not None:
+        OUTAGES.release(server, answered=True)
         st.outage_s += time.monotonic() - st.down_since
         st.down_since = None
 
@@ -315,26 +296,30 @@ async def generate(
     pause_bound = pause_bound or GatewayConfig().pause_bound
     t0 = time.monotonic()
     st = _Attempts()
-    finish = "abort"
-    while finish == "abort" and len(st.out) < max_tokens:
-        try:
-            st.paused_s += await wait_while_paused(engine, pause_bound)
-        except WaitFailed as exc:
-            exc.waited_s += st.paused_s
-            raise
-        if not backend.tokens_in and st.out:
-            st.restart()
-        body = backend.body(
-            Request(ids + st.out, images, messages, sampling, max_tokens - len(st.out), model)
-        )
-        if text_extra and not backend.tokens_in:
-            body.update(text_extra)
-        resp = await _post(client, server, backend.path, body, timeout_s, outage_s, st)
-        if resp is None:
-            continue
-        parsed = backend.parse(_answer_of(resp, server, backend))
-        finish = parsed.finish_reason
-        _absorb(st, parsed, ids, engine, server, max_aborts)
+    try:
+        finish = "abort"
+        while finish == "abort" and len(st.out) < max_tokens:
+            try:
+                st.paused_s += await wait_while_paused(engine, pause_bound)
+            except WaitFailed as exc:
+                exc.waited_s += st.paused_s
+                raise
+            if not backend.tokens_in and st.out:
+                st.restart()
+            body = backend.body(
+                Request(ids + st.out, images, messages, sampling, max_tokens - len(st.out), model)
+            )
+            if text_extra and not backend.tokens_in:
+                body.update(text_extra)
+            resp = await _post(client, server, backend.path, body, timeout_s, outage_s, st)
+            if resp is None:
+                continue
+            parsed = backend.parse(_answer_of(resp, server, backend))
+            finish = parsed.finish_reason
+            _absorb(st, parsed, ids, engine, server, max_aborts)
+    finally:
+        if st.down_since is not None:  # failed past the deadline, or cancelled, while held
+            OUTAGES.release(server, answered=False)
     gen = st.gen
     gen.output_ids, gen.logprobs, gen.versions, gen.top = st.out, st.lps, st.versions, st.top
     # An abort that left no room is a call that ran out of tokens.

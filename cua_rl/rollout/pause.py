@@ -2,7 +2,10 @@
 
 When an episode is rejected because the gym failed its create (5xx, refused, no answer), the agent
 service failed to start its run, or the model server stayed out past ``gateway.model_outage_s``,
-every episode started next would burn a box and a task on the same failure. ``Pauses`` (one per
+every episode started next would burn a box and a task on the same failure. A model server that
+is out pauses new episodes before any is rejected: while the gateway holds calls for it
+(``cua_rl.gateway.outages``), a new episode would only wait in its own call, so
+``pause_for_held_calls`` opens the pause at the next episode's start. ``Pauses`` (one per
 rollout worker event loop) then holds each new episode at its start (``admit``, before it reads
 the policy version, opens a gateway session or creates a box) and probes the failing service with
 a growing, bounded backoff (``pause.probe_initial_s`` doubling up to ``pause.probe_max_s``); the
@@ -10,7 +13,7 @@ first probe that succeeds lets them all go. Episodes already in flight go on and
 reason as before; a waiting episode is not rejected, so its task is not consumed and its group
 stays whole. Each probe is what an episode would do first: the gym creates an execution of the
 failed episode's task and terminates it, the agent service answers a run lookup, the model server
-answers ``/health``.
+has no call held by the gateway any more and answers ``/health``.
 
 A failed probe is appended to the worker's outcome file as a rejection for the episodes' reason,
 so failfast (``cua_rl.app.failfast``) still stops a service that never comes back: its persistence
@@ -35,6 +38,7 @@ from cua_rl.core.fields import doc
 from cua_rl.core.reasons import Reason, agent_reason, gateway_reason
 from cua_rl.errors import ConfigError, CuaRlError, GymError, ModelServerError, RejectedEpisode
 from cua_rl.gateway.engine import server_url
+from cua_rl.gateway.outages import OUTAGES, Held
 from cua_rl.logs import get_logger
 from cua_rl.monitor.protocol import pause_client_id
 from cua_rl.monitor.worker.batches import ref
@@ -240,8 +244,19 @@ async def gym_probe(genv, task_id: str) -> None:
         pass
 
 
+def held_error(held: Held) -> str:
+    return (
+        f"the gateway holds {held.calls} model call(s) for {held.server}, re-sending since "
+        f"{time.monotonic() - held.since:.0f} s ago: {held.error}"
+    )
+
+
 async def model_server_probe(http: httpx.AsyncClient, server: str) -> None:
-    """vLLM and SGLang both answer ``GET /health`` with 200 once they serve."""
+    """Down while the gateway still holds calls for ``server`` (it re-sends them itself: the
+    first answered ends the outage); else vLLM and SGLang both answer ``GET /health`` with 200
+    once they serve."""
+    for held in OUTAGES.held(server):
+        raise ModelServerError(held_error(held))
     resp = await http.get(f"{server_url(server)}/health")
     if resp.status_code != 200:
         raise ModelServerError(
@@ -258,6 +273,20 @@ def probe_for(
     if service == AGENT:
         return lambda: within(config.probe_timeout_s, agent.probe())
     return lambda: within(config.probe_timeout_s, model_server_probe(http, model_server))
+
+
+def pause_for_held_calls(pauses: Pauses, config: PauseConfig, http, *, phase: str) -> None:
+    """Before a new episode starts: when the gateway is holding calls because a model server is
+    out, pause new episodes (probed until the gateway's calls are answered and the server's
+    ``/health`` answers) instead of starting one more that would wait in its own call."""
+    for held in OUTAGES.held():
+        if MODEL_SERVER in pauses.open:
+            return
+        probe = probe_for(
+            MODEL_SERVER, config, genv=None, agent=None, http=http, task_id="",
+            model_server=held.server,
+        )  # fmt: skip
+        pauses.report(Outage(MODEL_SERVER, MODEL_OUTAGE, held_error(held)), probe, phase=phase)
 
 
 _PER_LOOP: weakref.WeakKeyDictionary[asyncio.AbstractEventLoop, Pauses] = (

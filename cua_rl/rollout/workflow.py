@@ -31,7 +31,7 @@ from cua_rl.agent_loop.builtin import run_builtin
 from cua_rl.core.reasons import AGENT_PREFIX, Reason, agent_reason
 from cua_rl.errors import ConfigError, CuaRlError, GymError, MonitorError, RejectedEpisode
 from cua_rl.gateway import AReaLEngineView, SessionSpec, gateway_for
-from cua_rl.heap import release_free_memory
+from cua_rl.heap import hold_mmap_threshold, release_free_memory
 from cua_rl.logs import get_logger
 from cua_rl.mini_agent import RunDriver, RunResult, RunSpec
 from cua_rl.monitor.worker.context import MonitorContext
@@ -54,6 +54,7 @@ from cua_rl.rollout.pause import (
     Pauses,
     loop_pauses,
     outage_of,
+    pause_for_held_calls,
     probe_for,
 )
 from cua_rl.rollout.placement import is_surplus, rollout_source
@@ -92,6 +93,7 @@ class CUAAgentWorkflow(RolloutWorkflow):
         self._outcomes = OutcomeLog(settings.outcome_dir) if settings.outcome_dir else None
         self._processor = processor
         self.services = Services.shared(settings)
+        hold_mmap_threshold()  # screenshot buffers keep their own mappings (cua_rl/heap.py)
         if settings.phase == "train":
             # The group filter AReaL calls beside this workflow reads its settings from here.
             groups.configure(settings.group)
@@ -297,6 +299,11 @@ class CUAAgentWorkflow(RolloutWorkflow):
 
     @drained_episode
     async def arun_episode(self, engine, data: dict[str, Any]) -> dict[str, Any] | None:
+        if self.settings.endpoint.mode == "gateway":
+            http = self.services.clients()[2]
+            pause_for_held_calls(
+                self.pauses(), self.settings.pause, http, phase=self.settings.phase
+            )
         waited = await self.pauses().admit()
         scope = workflow_context.stat_scope()
         episode = Episode(

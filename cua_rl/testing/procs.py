@@ -1,4 +1,5 @@
-"""The processes a browser gym started (Linux ``/proc``), for leak tests and memory figures.
+"""The processes a browser gym or a training started (Linux ``/proc``), for leak tests, memory
+figures and the model server's port.
 
 Chromium runs as a family of processes (browser, zygotes, GPU, network, one renderer per
 browser context) below Playwright's driver, all descendants of the process that started the
@@ -10,6 +11,7 @@ per-process memory figure when many renderers share Chromium's code.
 from __future__ import annotations
 
 import os
+import re
 from pathlib import Path
 
 PROC = Path("/proc")
@@ -90,3 +92,13 @@ def pss_bytes(pids: list[int]) -> int:
                 total += int(line.split()[1]) << 10
                 break
     return total
+
+
+def vllm_port(root: int) -> int | None:
+    """The port of the vLLM server started below ``root`` (``cua_rl.cpu.vllm_server ... --port
+    N``, as train.py starts it), read from its command line; None until it runs."""
+    for pid in descendants(root):
+        cmd = _cmdline(pid)
+        if "cua_rl.cpu.vllm_server" in cmd and (m := re.search(r"--port (\d+)", cmd)):
+            return int(m.group(1))
+    return None

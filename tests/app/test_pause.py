@@ -16,6 +16,8 @@ from cua_rl.aio import within
 from cua_rl.app.failfast import ADVICE, FailFastConfig, RejectionWatch, advice_for
 from cua_rl.core.reasons import Reason
 from cua_rl.errors import ConfigError, GymError, RejectedEpisode
+from cua_rl.gateway import Gateway, GatewayConfig, Sampling, SessionSpec
+from cua_rl.gateway.outages import OUTAGES
 from cua_rl.genv import GenvClient, GenvTimeouts
 from cua_rl.mini_agent import MiniAgentClient
 from cua_rl.monitor.worker.client import MonitorClient, MonitorClientConfig
@@ -29,6 +31,7 @@ from cua_rl.rollout.pause import (
     PauseRecords,
     Pauses,
     outage_of,
+    pause_for_held_calls,
     probe_for,
 )
 from cua_rl.serving import ThreadedServer
@@ -36,6 +39,8 @@ from cua_rl.sim.agent import AgentServer
 from cua_rl.sim.gym import GymServer
 from cua_rl.testing.fault_proxy import FaultProxy
 from cua_rl.testing.model_standin import ModelStandIn
+from cua_rl.trajectory.config import TrajectoryConfig
+from tests.gateway.conftest import FakeEngine, user
 
 RUN = "pause-test"
 FAST = PauseConfig(probe_initial_s=0.02, probe_max_s=0.1, probe_timeout_s=20)
@@ -264,3 +269,74 @@ async def test_the_run_s_end_stops_the_loop_s_probes():
     await close_loop_pauses()
     assert prober.done()
     assert loop_pauses(FAST, lambda: told) is not pauses  # a later run starts with none open
+
+
+async def test_a_model_server_out_under_the_gateway_s_held_calls_pauses_new_episodes(
+    monitor, tiny_vl_bpe_model_dir
+):
+    """Every answer cut by the proxy: the gateway holds an episode's call and re-sends it, and the
+    next episode's start opens the model server's pause before any episode failed. New episodes
+    wait until the held call is answered and the server answers /health; the monitor holds the
+    pause. Before the outage, nothing is held and nothing pauses."""
+    from transformers import AutoProcessor
+
+    processor = AutoProcessor.from_pretrained(tiny_vl_bpe_model_dir)
+    standin = ModelStandIn()
+    server = ThreadedServer(standin.app, name="model-standin").start()
+    proxy = FaultProxy().start()
+    proxy.set_upstream(server.host, server.port)
+    gw = Gateway(GatewayConfig(model_server_url=proxy.url, model_outage_s=600.0)).start()
+    spec = SessionSpec(
+        FakeEngine("127.0.0.1:1"), Sampling(max_new_tokens=8), processor, "p", TrajectoryConfig()
+    )
+    url = gw.open("ep", spec)
+    client = MonitorClient(MonitorClientConfig(base_url=monitor.url))
+    await client.start()
+    client.training(RUN, log_path="logs", model_name="tiny")
+    told = Told(RUN, monitor=lambda: client)
+    pauses = Pauses(FAST, told)
+    try:
+        async with httpx.AsyncClient(timeout=120) as http:
+            ask = {"messages": [user("a")]}
+            assert (await http.post(f"{url}/chat/completions", json=ask)).status_code == 200
+            pause_for_held_calls(pauses, FAST, http, phase="train")
+            assert not pauses.open and OUTAGES.held() == []  # the server answers: no pause
+            proxy.outage()
+            call = asyncio.create_task(
+                http.post(f"{url}/chat/completions", json={"messages": [user("b")]})
+            )
+            # The gateway has cut its first answer and holds the call (state, polled).
+            for _ in range(1200):
+                if OUTAGES.held() or call.done():
+                    break
+                await asyncio.sleep(0.05)
+            (held,) = OUTAGES.held()
+            assert not call.done() and held.calls == 1 and proxy.dropped >= 1
+            pause_for_held_calls(pauses, FAST, http, phase="train")  # the next episode's start
+            assert set(pauses.open) == {MODEL_SERVER}
+            waiting = asyncio.create_task(pauses.admit())
+            for _ in range(2):
+                await within(BOUND_S, told.failed.get())
+            assert not waiting.done() and not call.done()
+            proxy.restore()
+            answered = await within(BOUND_S, call)
+            assert answered.status_code == 200
+            assert await within(BOUND_S, waiting) > 0
+            assert not pauses.open and OUTAGES.held() == []
+        capture = gw.close("ep")
+        assert capture.errors == [] and capture.turns[-1].retries == proxy.dropped
+        await client.flush()
+    finally:
+        await pauses.aclose()
+        await client.close()
+        gw.stop()
+        proxy.stop()
+        server.stop()
+    db = sqlite3.connect(monitor.db_path)
+    rows = db.execute(
+        "SELECT service, reason, error_message, probes, end_time FROM service_pause"
+    ).fetchall()
+    db.close()
+    ((service, reason, error, probes, end),) = rows
+    assert (service, reason) == (MODEL_SERVER, "gateway_model_server_error")
+    assert "the gateway holds 1 model call(s)" in error and probes >= 2 and end is not None
