@@ -9,7 +9,8 @@ ended four ways, a trainer killed outright) in another. The main process streams
 others' output goes to log files, printed when all have ended. The exit status is the first failing process's. Two trainings at
 once on one machine are safe only because AReaL's port choice no longer follows the training
 seed (cua_rl/areal/ports.py): before that, trainings of one config drew the same ports. The
-trainings per context policy (tests/app/test_context_train.py) ride with the run-end group.
+trainings per context policy (tests/app/test_context_train.py) and the training through a model
+outage (tests/app/test_model_outage.py) ride with the run-end group.
 
     python scripts/test_shards.py [--log-dir DIR] [-- extra pytest args for every process]
 """
@@ -37,6 +38,7 @@ BESIDE = {
         "tests/app/test_run_end.py",
         "tests/monitor/test_safety_trainer_killed.py",
         "tests/app/test_context_train.py",
+        "tests/app/test_model_outage.py",
     ),
 }
 
