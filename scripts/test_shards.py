@@ -9,6 +9,7 @@ ended four ways, a trainer killed outright) in another. The main process streams
 others' output goes to log files, printed when all have ended. The exit status is the first failing process's. Two trainings at
 once on one machine are safe only because AReaL's port choice no longer follows the training
 seed (cua_rl/areal/ports.py): before that, trainings of one config drew the same ports. The
+trainings per family (tests/app/test_families_train.py) ride with the learning group, the
 trainings per context policy (tests/app/test_context_train.py) and the training through a model
 outage (tests/app/test_model_outage.py) ride with the run-end group.
 
@@ -33,6 +34,7 @@ BESIDE = {
         "tests/app/test_learn.py",
         "tests/curriculum/test_in_the_loop.py",
         "tests/cluster",
+        "tests/app/test_families_train.py",
     ),
     "run-end": (
         "tests/app/test_run_end.py",
