@@ -220,6 +220,14 @@ async def _read_body(request: Request, limit: int, hint: str = "") -> bytes:
     return b"".join(chunks)
 
 
+def _str_param(request: Request, name: str) -> str:
+    """A required, non-empty query parameter (422 naming it otherwise)."""
+    value = request.query_params.get(name, "")
+    if not value:
+        raise ApiError(422, "validation_error", f"{name} is required", {"field": name})
+    return value
+
+
 def _int_param(request: Request, name: str, default: int, lo: int, hi: int) -> int:
     raw = request.query_params.get(name)
     if raw is None:
@@ -297,9 +305,7 @@ def _install_trainings(app: FastAPI, read: MonitorReader, auth: DashboardAuth) -
     @app.get("/api/task-outcomes")
     async def task_outcomes(request: Request):
         _check_auth(auth, request)
-        run_name = request.query_params.get("run_name", "")
-        if not run_name:
-            raise ApiError(422, "validation_error", "run_name is required", {"field": "run_name"})
+        run_name = _str_param(request, "run_name")
         # A run not recorded yet has no outcomes (not a 404: that means a wrong URL).
         training_id, rows = await _in_thread(read.task_outcomes, run_name)
         return _json({"run_name": run_name, "training_id": training_id, "outcomes": rows})
@@ -339,9 +345,7 @@ def _install_episodes(app: FastAPI, read: MonitorReader, auth: DashboardAuth) ->
     async def successes(request: Request):
         """A task's stored successes for replay (``MonitorClient.successes``)."""
         _check_auth(auth, request)
-        task_id = request.query_params.get("task_id", "")
-        if not task_id:
-            raise ApiError(422, "validation_error", "task_id is required", {"field": "task_id"})
+        task_id = _str_param(request, "task_id")
         trainings = request.query_params.getlist("training")
         min_version = _int_param(request, "min_version", -1, -1, 2**62)
         limit = _int_param(request, "limit", 1, 1, 100)
