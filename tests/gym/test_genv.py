@@ -403,3 +403,63 @@ async def test_retained_screenshots_are_bounded_in_bytes_oldest_first(genv, gym,
         await genv.terminate(c.execution_id)
     codes = [(await http.get(u)).status_code for u in urls]
     assert codes == [404, 200, 200]
+
+
+# -- screenshots kept after terminate, on disk -------------------------------------------------
+async def _shoot(http, gym, eid) -> tuple[str, bytes]:
+    shot = (await http.post(f"{gym.base_url}/executions/{eid}/screenshot")).json()
+    return shot["url"], base64.b64decode(shot["data_url"].split(",", 1)[1])
+
+
+async def _screenshot_health(http, gym) -> dict:
+    return (await http.get(f"{gym.url}/healthz")).json()["screenshots"]
+
+
+async def test_terminated_screenshots_leave_memory_and_are_served_byte_identical(http, tmp_path):
+    with GymServer(SimGymConfig(screenshot_spill_dir=str(tmp_path))) as g:
+        async with GenvClient(g.url, g.gym_id, timeouts=FAST) as genv:
+            c = await genv.create_execution(WIFI_ON)
+            first = await _shoot(http, g, c.execution_id)
+            await act(http, g, c.execution_id, "tap", x=SETTINGS_ICON[0], y=SETTINGS_ICON[1])
+            second = await _shoot(http, g, c.execution_id)
+            shots = [first, second]
+            assert first[1] != second[1]
+            size = len(first[1]) + len(second[1])
+            assert (await _screenshot_health(http, g))["memory_bytes"] == size
+            await genv.terminate(c.execution_id)
+            health = await _screenshot_health(http, g)
+            assert health == {"memory_bytes": 0, "retained_executions": 1, "retained_bytes": size}
+            for url, png in shots:
+                r = await http.get(url)
+                assert r.status_code == 200 and r.content == png
+            # One file for the execution, in a directory of the gym's own under the given one.
+            files = [p for p in tmp_path.rglob("*") if p.is_file()]
+            assert [p.stat().st_size for p in files] == [size]
+    assert list(tmp_path.iterdir()) == []  # the gym removed its directory when it stopped
+
+
+@pytest.mark.parametrize("gym_config", [SimGymConfig(max_retained_executions=1)])
+async def test_a_dropped_execution_s_screenshot_file_is_removed(genv, gym, http):
+    urls = []
+    for _ in range(2):
+        c = await genv.create_execution(WIFI_ON)
+        urls.append((await _shoot(http, gym, c.execution_id))[0])
+        await genv.terminate(c.execution_id)
+    assert [(await http.get(u)).status_code for u in urls] == [404, 200]
+    files = list(os.scandir(gym.gym.spill.root))
+    assert len(files) == 1
+    assert (await _screenshot_health(http, gym))["retained_executions"] == 1
+
+
+async def test_a_spill_that_cannot_be_written_is_counted_not_silent(http, tmp_path):
+    not_a_dir = tmp_path / "file"
+    not_a_dir.write_text("")
+    with GymServer(SimGymConfig(screenshot_spill_dir=str(not_a_dir))) as g:
+        async with GenvClient(g.url, g.gym_id, timeouts=FAST) as genv:
+            c = await genv.create_execution(WIFI_ON)
+            url, _ = await _shoot(http, g, c.execution_id)
+            await genv.terminate(c.execution_id)
+            health = (await http.get(f"{g.url}/healthz")).json()
+            assert health["counters"]["spill_errors"] == 1
+            assert health["screenshots"]["memory_bytes"] == 0
+            assert (await http.get(url)).status_code == 404
