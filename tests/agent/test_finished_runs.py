@@ -1,8 +1,9 @@
 """A finished run's record leaves the agent's memory and stays readable, unchanged, over HTTP.
 
 Real local gym and agent on loopback, and a scripted OpenAI-style model that taps once and then
-finishes, answering token ids as vLLM does, so every part of a run's record (events with the
-screenshots as data URLs, steps, tokens) is there to be moved to disk and read back.
+finishes, answering token ids as vLLM does (``cua_rl.testing.chat_model``), so every part of a
+run's record (events with the screenshots as data URLs, steps, tokens) is there to be moved to
+disk and read back.
 """
 
 from __future__ import annotations
@@ -13,49 +14,17 @@ import copy
 
 import httpx
 import pytest
-from fastapi import FastAPI
 
 from cua_rl.agent_loop.run import Run
 from cua_rl.core.spill import Spill
 from cua_rl.mini_agent import DriverConfig, MiniAgentClient, drive_run
-from cua_rl.serving import ThreadedServer
 from cua_rl.sim.agent import AgentServer, AgentServerConfig
-
-REPLIES = ("tap(300, 116)", 'finished("done")')
-
-
-class ScriptedModel:
-    """Answers each chat completion with the next reply of ``REPLIES`` (the last one again once
-    they run out), with prompt ids, output ids and logprobs; counts the calls."""
-
-    def __init__(self):
-        self.calls = 0
-        app = FastAPI()
-
-        @app.post("/v1/chat/completions")
-        async def complete() -> dict:
-            text = REPLIES[min(self.calls, len(REPLIES) - 1)]
-            self.calls += 1
-            ids = list(range(300, 300 + len(text)))
-            return {
-                "id": f"cmpl-{self.calls}",
-                "prompt_token_ids": list(range(1000, 1000 + 500 * self.calls)),
-                "choices": [
-                    {
-                        "message": {"role": "assistant", "content": text},
-                        "finish_reason": "stop",
-                        "token_ids": ids,
-                        "logprobs": {"content": [{"logprob": -0.5} for _ in ids]},
-                    }
-                ],
-            }
-
-        self.server = ThreadedServer(app, name="scripted-model")
+from cua_rl.testing.chat_model import ScriptedChatModel
 
 
 @pytest.fixture
 def model():
-    m = ScriptedModel()
+    m = ScriptedChatModel()
     with m.server:
         yield m
 
