@@ -159,7 +159,7 @@ class Run:
         if self.task is not None and not self.task.done():
             raise RuntimeError(f"run {self.id} is still running; only a finished run spills")
         parts = [json.dumps(getattr(self, name)).encode() for name in self._PARTS]
-        self.spilled = spill.write(self.id, parts)
+        self.spilled = spill.write(parts)
         for name in self._PARTS:
             setattr(self, name, [])
         return self.spilled

@@ -90,7 +90,7 @@ def _parser() -> argparse.ArgumentParser:
     p.add_argument(
         "--screenshot-spill-dir",
         default="",
-        help="where terminated executions' screenshots are kept on disk (default: a temp dir)",
+        help="where terminated executions' screenshots are kept on disk (default: the temp dir)",
     )
     p.add_argument("--width", type=int, default=360)
     p.add_argument("--height", type=int, default=640)

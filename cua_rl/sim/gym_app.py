@@ -130,6 +130,7 @@ def _service_routes(app: FastAPI, gym: SimGym) -> None:
                 "memory_bytes": gym.memory_screenshot_bytes(),
                 "retained_executions": len(gym.retained),
                 "retained_bytes": gym.retained_bytes,
+                "disk_bytes": gym.spill.disk_bytes,
             },
             "delaying": {op: n for op, n in gym.delaying.items() if n},
         }

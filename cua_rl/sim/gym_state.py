@@ -66,8 +66,8 @@ class SimGymConfig:
     )
     screenshot_spill_dir: str = doc(
         "",
-        "where a directory of terminated executions' screenshots is made (removed when the gym "
-        "stops); empty: the system's temporary directory",
+        "directory of the files holding terminated executions' screenshots (unnamed temporary "
+        "files, freed when the gym stops or dies); empty: the system's temporary directory",
     )
     width: int = doc(360, "screenshot width in pixels")
     height: int = doc(640, "screenshot height in pixels")
@@ -149,7 +149,7 @@ class SimGym:
         # (None: it took none, or writing them failed).
         self.retained: OrderedDict[str, tuple[float, Spilled | None]] = OrderedDict()
         self.retained_bytes = 0
-        self.spill = Spill(self.config.screenshot_spill_dir, prefix="sim-gym-shots-")
+        self.spill = Spill(self.config.screenshot_spill_dir)
         self.counters = {
             "created": 0,
             "evaluations": 0,
@@ -239,7 +239,7 @@ class SimGym:
         if not shots or self.config.screenshot_retention_s == 0:
             return None
         try:
-            return self.spill.write(ex.execution_id, shots)
+            return self.spill.write(shots)
         except OSError as e:
             self.counters["spill_errors"] += 1
             log.warning("screenshots of %s not kept: %s", ex.execution_id, e)
@@ -250,7 +250,7 @@ class SimGym:
         return sum(len(b) for ex in self.live.values() for b in ex.screenshots)
 
     def close_spill(self) -> None:
-        """Drop every retained screenshot and the spill directory (the server is stopping)."""
+        """Drop every retained screenshot and free their files (the server is stopping)."""
         self.retained.clear()
         self.retained_bytes = 0
         self.spill.close()

@@ -20,6 +20,7 @@ from cua_rl.core.spill import Spill
 from cua_rl.mini_agent import DriverConfig, MiniAgentClient, drive_run
 from cua_rl.sim.agent import AgentServer, AgentServerConfig
 from cua_rl.testing.chat_model import ScriptedChatModel
+from tests.conftest import open_files_under
 
 
 @pytest.fixture
@@ -60,8 +61,10 @@ async def test_a_finished_run_is_read_back_from_disk_unchanged(
         assert (s.status, s.reason, s.steps) == ("completed", "finished", 2)
         health = await _health(agent)
         assert health["runs"] == 1 and health["runs_in_memory"] == 0
-        files = [p for p in tmp_path.rglob("*") if p.is_file()]
-        assert [p.stat().st_size for p in files] == [health["spilled_bytes"]]
+        assert health["disk_bytes"] == health["spilled_bytes"] > 0
+        # An unnamed file in the given folder: nothing to clean up even if the agent is killed.
+        assert list(tmp_path.iterdir()) == []
+        assert [t.endswith(" (deleted)") for t in open_files_under(tmp_path)] == [True]
         async with MiniAgentClient(agent.url) as client, httpx.AsyncClient() as http:
             # Everything the driver followed while the run was live, read again from the file.
             assert await client.get_events(s.run_id) == result.events
@@ -79,19 +82,20 @@ async def test_a_finished_run_is_read_back_from_disk_unchanged(
             for data_url, url in zip(urls[-2:], befores, strict=True):
                 png = (await http.get(url)).content
                 assert base64.b64decode(data_url.split(",", 1)[1]) == png
-    assert list(tmp_path.iterdir()) == []  # the service removed its directory when it stopped
+    assert open_files_under(tmp_path) == []  # closed, so freed, when the service stopped
 
 
-async def test_the_oldest_finished_run_is_dropped_with_its_file(
+async def test_the_oldest_finished_run_is_dropped_with_its_record(
     gym, new_execution, spec_for, model, tmp_path
 ):
     config = AgentServerConfig(spill_dir=str(tmp_path), max_runs_kept=1)
     with AgentServer(config) as agent:
         first = await _drive(agent, new_execution, spec_for, model)
-        await _drive(agent, new_execution, spec_for, model)
-        assert (await _health(agent))["runs"] == 1
-        assert len([p for p in tmp_path.rglob("*") if p.is_file()]) == 1
+        second = await _drive(agent, new_execution, spec_for, model)
+        health = await _health(agent)
+        assert health["runs"] == 1 and health["spilled_bytes"] < health["disk_bytes"]
         async with MiniAgentClient(agent.url) as client:
+            assert await client.get_events(second.summary.run_id) == second.events
             assert await client.get_trajectory(first.summary.run_id) is None
 
 

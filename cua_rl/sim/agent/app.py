@@ -152,7 +152,7 @@ def main(argv: list[str] | None = None) -> int:
     )  # fmt: skip
     parser.add_argument(
         "--spill-dir", default="",
-        help="where finished runs' records are kept on disk (default: a temp dir)",
+        help="where finished runs' records are kept on disk (default: the temp dir)",
     )  # fmt: skip
     parser.add_argument("--log-level", default="warning")
     args = parser.parse_args(argv)

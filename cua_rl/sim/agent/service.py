@@ -1,8 +1,8 @@
 """The local agent service's runs: each ``POST /runs`` is a task running the shared agent loop
 (``cua_rl.agent_loop``), kept for the GET routes until ``max_runs_kept`` newer ones end.
 
-A run's record moves to disk as soon as it ends (``Run.spill``, into a directory the service
-removes when it stops): the driver reads it once more after the end, nothing reads it often, and
+A run's record moves to disk as soon as it ends (``Run.spill``, into unnamed files freed when
+the service stops or dies): the driver reads it once more after the end, nothing reads it often, and
 in memory the finished runs' screenshots and token ids were what grew the service (docs/soak.md).
 """
 
@@ -34,8 +34,8 @@ class AgentServerConfig(LoopConfig):
     max_runs_kept: int = doc(512, "finished runs kept for GET before the oldest are dropped")
     spill_dir: str = doc(
         "",
-        "where a directory of finished runs' records is made (removed when the service stops); "
-        "empty: the system's temporary directory",
+        "directory of the files holding finished runs' records (unnamed temporary files, freed "
+        "when the service stops or dies); empty: the system's temporary directory",
     )
     context: str = doc(
         "full",
@@ -69,7 +69,7 @@ class AgentService:
         )
         self.runs: OrderedDict[str, Run] = OrderedDict()
         self._ids = itertools.count(1)
-        self.spill = Spill(self.config.spill_dir, prefix="sim-agent-runs-")
+        self.spill = Spill(self.config.spill_dir)
         self.spill_errors = 0
         self._closing = False
 
@@ -107,6 +107,7 @@ class AgentService:
         return {
             "runs_in_memory": len(self.runs) - len(spilled),
             "spilled_bytes": sum(spilled),
+            "disk_bytes": self.spill.disk_bytes,
             "spill_errors": self.spill_errors,
         }
 
