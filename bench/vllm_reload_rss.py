@@ -16,10 +16,11 @@ Variants (the server's environment on top of the worker's):
 - ``mmap``: ``MALLOC_MMAP_THRESHOLD_=131072``: the threshold held in every process from its
   start (the worker extension holds it only in the engine core, once imported).
 - ``onednn``: ``ONEDNN_PRIMITIVE_CACHE_CAPACITY=0``: no per-shape oneDNN kernel cache.
-- ``all``: the three together.
+- ``onednn+mmap``, ``onednn+arenas``, ``all``: together.
 
-Printed per variant: anonymous MiB after ``--warm`` rounds, at the end, end over warm, and the
-samples every ``--every`` rounds. Each variant starts its own server (minutes on a small
+Printed per variant: anonymous MiB after ``--warm`` rounds, at the end, end over warm, the
+median seconds of a round's requests (what a variant costs in speed) and the samples every
+``--every`` rounds. Each variant starts its own server (minutes on a small
 machine); run it under the shared heavy lock.
 
     python bench/vllm_reload_rss.py [--variants base,mmap] [--rounds 60] [--requests 8]
@@ -33,6 +34,7 @@ import base64
 import io
 import random
 import shutil
+import statistics
 import sys
 import tempfile
 import time
@@ -55,6 +57,8 @@ VARIANTS = {
     "arenas": {"MALLOC_ARENA_MAX": "2"},
     "mmap": {"MALLOC_MMAP_THRESHOLD_": "131072"},
     "onednn": {"ONEDNN_PRIMITIVE_CACHE_CAPACITY": "0"},
+    "onednn+mmap": {"ONEDNN_PRIMITIVE_CACHE_CAPACITY": "0", "MALLOC_MMAP_THRESHOLD_": "131072"},
+    "onednn+arenas": {"ONEDNN_PRIMITIVE_CACHE_CAPACITY": "0", "MALLOC_ARENA_MAX": "2"},
     "all": {
         "MALLOC_ARENA_MAX": "2",
         "MALLOC_MMAP_THRESHOLD_": "131072",
@@ -115,22 +119,26 @@ def anon_mib(root: int) -> float:
     return total / 2**20
 
 
-async def one_round(http: httpx.AsyncClient, server: VLLMServer, rng, n: int, ckpt: Path) -> None:
+async def one_round(http: httpx.AsyncClient, server: VLLMServer, rng, n: int, ckpt: Path) -> float:
+    """Seconds the requests took; then the reload."""
+    t0 = time.monotonic()
     answers = await asyncio.gather(
         *(http.post(f"{server.base_url}/chat/completions", json=request(rng, server.model))
           for _ in range(n))
     )  # fmt: skip
     for r in answers:
         r.raise_for_status()
+    took = time.monotonic() - t0
     r = await http.post(
         f"http://{server.host}:{server.port}/areal_update_weights",
         json={"model_path": str(ckpt)},
     )
     if r.status_code != 200 or not r.json().get("success"):
         raise RuntimeError(f"reload from {ckpt} failed: {r.status_code} {r.text[:300]}")
+    return took
 
 
-def measure(variant: str, args, model_dir: Path, work: Path) -> list[float]:
+def measure(variant: str, args, model_dir: Path, work: Path) -> tuple[list[float], float]:
     env = {"OMP_NUM_THREADS": "1", **VARIANTS[variant]}
     server = VLLMServer(
         model_dir,
@@ -141,6 +149,7 @@ def measure(variant: str, args, model_dir: Path, work: Path) -> list[float]:
     )
     rng = random.Random(args.seed)
     samples: list[float] = []
+    seconds: list[float] = []
     with server:
         root = server.process.pid
 
@@ -150,14 +159,14 @@ def measure(variant: str, args, model_dir: Path, work: Path) -> list[float]:
                 for i in range(args.rounds):
                     ckpt = work / f"weight_update_v{i + 1}"
                     shutil.copytree(model_dir, ckpt)
-                    await one_round(http, server, rng, args.requests, ckpt)
+                    seconds.append(await one_round(http, server, rng, args.requests, ckpt))
                     if previous is not None:
                         shutil.rmtree(previous)
                     previous = ckpt
                     samples.append(anon_mib(root))
 
         asyncio.run(run())
-    return samples
+    return samples, statistics.median(seconds)
 
 
 def main() -> int:
@@ -175,15 +184,17 @@ def main() -> int:
         ap.error(f"variants from {sorted(VARIANTS)}; 0 < --warm < --rounds")
     model_dir = ensure_model("qwen2-vl-bpe")
     print(f"{args.rounds} rounds of {args.requests} requests and a reload; anonymous MiB")
-    print(f"{'variant':<8} {'warm':>6} {'end':>6} {'x':>5}  every {args.every} rounds")
+    print(
+        f"{'variant':<13} {'warm':>6} {'end':>6} {'x':>5} {'s/round':>7}  every {args.every} rounds"
+    )
     for name in names:
         t0 = time.monotonic()
         with tempfile.TemporaryDirectory(prefix="vllm-reload-") as tmp:
-            samples = measure(name, args, model_dir, Path(tmp))
+            samples, per_round = measure(name, args, model_dir, Path(tmp))
         warm, end = samples[args.warm - 1], samples[-1]
         trace = " ".join(f"{s:.0f}" for s in samples[:: args.every])
         print(
-            f"{name:<8} {warm:>6.0f} {end:>6.0f} {end / warm:>5.2f}  {trace}"
+            f"{name:<13} {warm:>6.0f} {end:>6.0f} {end / warm:>5.2f} {per_round:>7.2f}  {trace}"
             f"  ({time.monotonic() - t0:.0f}s)",
             flush=True,
         )
