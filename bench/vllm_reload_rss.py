@@ -16,7 +16,7 @@ Variants (the server's environment on top of the worker's):
 - ``mmap``: ``MALLOC_MMAP_THRESHOLD_=131072``: the threshold held in every process from its
   start (the worker extension holds it only in the engine core, once imported).
 - ``onednn``: ``ONEDNN_PRIMITIVE_CACHE_CAPACITY=0``: no per-shape oneDNN kernel cache.
-- ``onednn+mmap``, ``onednn+arenas``, ``all``: together.
+- ``onednn+mmap``, ``onednn+arenas``, ``all``: together; ``onednn64+mmap``: a cache of 64.
 
 Printed per variant: anonymous MiB after ``--warm`` rounds, at the end, end over warm, the
 median seconds of a round's requests (what a variant costs in speed) and the samples every
@@ -59,6 +59,7 @@ VARIANTS = {
     "onednn": {"ONEDNN_PRIMITIVE_CACHE_CAPACITY": "0"},
     "onednn+mmap": {"ONEDNN_PRIMITIVE_CACHE_CAPACITY": "0", "MALLOC_MMAP_THRESHOLD_": "131072"},
     "onednn+arenas": {"ONEDNN_PRIMITIVE_CACHE_CAPACITY": "0", "MALLOC_ARENA_MAX": "2"},
+    "onednn64+mmap": {"ONEDNN_PRIMITIVE_CACHE_CAPACITY": "64", "MALLOC_MMAP_THRESHOLD_": "131072"},
     "all": {
         "MALLOC_ARENA_MAX": "2",
         "MALLOC_MMAP_THRESHOLD_": "131072",
