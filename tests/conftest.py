@@ -91,6 +91,20 @@ def demo_run(tmp_path_factory, tiny_vl_model_dir):
     return run_demo(run_dir, *DEMO_OVERRIDES, timeout=1700)
 
 
+def open_files_under(folder: Path) -> list[str]:
+    """What this process's descriptors point to under ``folder`` (an unlinked file's target
+    still names the folder it was made in, with " (deleted)")."""
+    targets = []
+    for fd in os.listdir("/proc/self/fd"):
+        try:
+            target = os.readlink(f"/proc/self/fd/{fd}")
+        except OSError:
+            continue  # closed meanwhile (the listing's own descriptor)
+        if target.startswith(f"{folder}/"):
+            targets.append(target)
+    return targets
+
+
 def db_rows(db: Path, sql: str, *args) -> list[tuple]:
     """The rows of one query on a SQLite file (the monitor's database after a run)."""
     con = sqlite3.connect(db)

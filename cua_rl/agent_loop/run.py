@@ -1,12 +1,20 @@
-"""One agent run's state, and the checks of a run body (``POST /runs`` or the builtin mode's) and of event time bounds."""
+"""One agent run's state, and the checks of a run body (``POST /runs`` or the builtin mode's) and of event time bounds.
+
+A finished run's record (events, steps, tokens) can be moved to disk (``Run.spill``): its model
+calls' events hold every screenshot of the prompt as a data URL and every prompt token id, and
+a service keeping hundreds of finished runs readable grew by all of it. Spilled, the same
+attributes read it back from the file, unchanged.
+"""
 
 from __future__ import annotations
 
 import asyncio
+import json
 import time
 from datetime import UTC, datetime
 from typing import Any
 
+from cua_rl.core.spill import Spill, Spilled
 from cua_rl.sim.actions import ACTION_NAMES
 from cua_rl.sim.context import POLICIES
 from cua_rl.sim.flavours import FLAVOUR_NAMES
@@ -116,26 +124,58 @@ class Run:
         self.body = body
         self.status = "queued"
         self.reason: str | None = None
-        self.events: list[dict] = []
+        self._events: list[dict] = []
         self._event_ms: list[int] = []
-        self.steps: list[dict] = []
-        self.tokens: list[dict] = []
+        self._steps: list[dict] = []
+        self._tokens: list[dict] = []
         self.created_at = time.time()
         self.task: asyncio.Task | None = None
         self._last_ms = 0
+        self.spilled: Spilled | None = None
+
+    # The record's parts, in the order ``spill`` writes them.
+    _PARTS = ("_events", "_event_ms", "_steps", "_tokens")
+
+    def _part(self, name: str) -> list:
+        if self.spilled is None:
+            return getattr(self, name)
+        return json.loads(Spill.read(self.spilled, self._PARTS.index(name)))
+
+    @property
+    def events(self) -> list[dict]:
+        return self._part("_events")
+
+    @property
+    def steps(self) -> list[dict]:
+        return self._part("_steps")
+
+    @property
+    def tokens(self) -> list[dict]:
+        return self._part("_tokens")
+
+    def spill(self, spill: Spill) -> Spilled:
+        """Move the record of this finished run to ``spill``'s disk (``OSError`` leaves it in
+        memory); afterwards every read comes from the file."""
+        if self.task is not None and not self.task.done():
+            raise RuntimeError(f"run {self.id} is still running; only a finished run spills")
+        parts = [json.dumps(getattr(self, name)).encode() for name in self._PARTS]
+        self.spilled = spill.write(parts)
+        for name in self._PARTS:
+            setattr(self, name, [])
+        return self.spilled
 
     def emit(self, type_: str, step: int, **fields) -> dict:
         # Strictly increasing ms timestamps keep (type, ts, step, actionIndex) unique.
         ms = max(int(time.time() * 1000), self._last_ms + 1)
         self._last_ms = ms
         event = {"type": type_, "ts": iso(ms), "step": step, **fields}
-        self.events.append(event)
+        self._events.append(event)
         self._event_ms.append(ms)
         return event
 
     def events_between(self, from_ms: int | None, to_ms: int | None) -> list[dict]:
         return [
             ev
-            for ev, ms in zip(self.events, self._event_ms, strict=True)
+            for ev, ms in zip(self.events, self._part("_event_ms"), strict=True)
             if (from_ms is None or ms >= from_ms) and (to_ms is None or ms < to_ms)
         ]

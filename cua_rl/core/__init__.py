@@ -4,6 +4,8 @@
 - ``images``: image data URLs, type sniffing and the image URL policy (allowed hosts, sizes)
   that the trajectory converter, the gateway and the monitor's screenshots apply alike.
 - ``row``: the training row's contract (keys, dtypes, shapes) and its validator.
+- ``spill``: byte strings a service keeps serving, held in unnamed files instead of its memory
+  (the local gym's retained screenshots, the local agent's finished runs).
 - ``fields``: ``doc(default, help)``, a config dataclass field with its help text (the
   ``metadata={"help": ...}`` AReaL's config classes use).
 

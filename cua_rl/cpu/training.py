@@ -38,6 +38,19 @@ _AREAL_WORKER_CMD = "python -m areal.infra.rpc.rpc_server"
 RAY_SETUP_HOOK = "cua_rl.cpu.training.patch_ray_worker"
 WORKER_MEM_GIB = 1
 
+# Set in the vLLM server's environment unless already there. The server reloads the whole
+# checkpoint after every step and serves prompts of ever new lengths, and its anonymous memory
+# rose 2479 -> 3000 MiB over a 60-minute soak. bench/vllm_reload_rss.py (docs/soak.md) measured
+# each suspect alone and together: oneDNN's per-shape primitive cache (up to 1024 kernels, each
+# with its scratch buffers) filling up was most of it, glibc's raised mmap threshold the rest
+# (freed reload buffers left in the arenas); the worker extension's mallopt came too late and in
+# one process only, the environment holds it in every process from its start. Neither alone
+# stayed flat; both together did.
+SERVER_ENV_DEFAULTS = {
+    "ONEDNN_PRIMITIVE_CACHE_CAPACITY": "0",
+    "MALLOC_MMAP_THRESHOLD_": "131072",
+}
+
 # Folder that holds the cua_rl package: the vLLM interpreter needs it on PYTHONPATH to import
 # the server module and the worker extension.
 _PACKAGE_ROOT = str(Path(__file__).resolve().parents[2])
@@ -56,12 +69,15 @@ def server_env(base: dict[str, str]) -> dict[str, str]:
 
     The worker's PYTHONPATH lists the trainer venv's site-packages (AReaL copies the
     controller's sys.path into it); inherited by the vLLM interpreter it would import the
-    trainer's torch and transformers. The server gets only the folder holding cua_rl.
+    trainer's torch and transformers. The server gets only the folder holding cua_rl, and
+    ``SERVER_ENV_DEFAULTS`` (its memory stays flat over reloads) unless the worker sets them.
     """
     env = dict(base)
     env["PYTHONPATH"] = _PACKAGE_ROOT
     for var in ("PYTHONHOME", "VIRTUAL_ENV"):
         env.pop(var, None)
+    for var, value in SERVER_ENV_DEFAULTS.items():
+        env.setdefault(var, value)
     return env
 
 

@@ -11,8 +11,10 @@ Design:
   its backend opened (``cua_rl/sim/device.py``: the simulated phone, or a MiniWoB page in a
   headless Chromium), screenshots kept after terminate for a bounded retention (they stand in
   for presigned object-store URLs), a cap on live executions and a sweeper that expires idle
-  ones (the only cleanup a real gym has for an execution whose creator vanished). A device that
-  breaks fails its execution only; stopping the gym closes every execution still open.
+  ones (the only cleanup a real gym has for an execution whose creator vanished). A terminated
+  execution's screenshots are kept on disk (``cua_rl.core.spill``), so retention costs no memory. A
+  device that breaks fails its execution only; stopping the gym closes every execution still
+  open.
 - Faults are injected per operation (create / evaluate / terminate): latency first, then a 500
   with ``detail``, then the real work, then optionally a dropped connection. Dropping *after*
   the work is the worst case on purpose: a dropped create leaves a live execution the client
@@ -85,6 +87,11 @@ def _parser() -> argparse.ArgumentParser:
         default=3600.0,
         help="seconds screenshots stay fetchable after terminate",
     )
+    p.add_argument(
+        "--screenshot-spill-dir",
+        default="",
+        help="where terminated executions' screenshots are kept on disk (default: the temp dir)",
+    )
     p.add_argument("--width", type=int, default=360)
     p.add_argument("--height", type=int, default=640)
     p.add_argument("--log-level", default="warning")
@@ -125,6 +132,7 @@ def main(argv: list[str] | None = None) -> int:
             max_live=args.max_live,
             idle_ttl_s=args.idle_ttl,
             screenshot_retention_s=args.screenshot_retention,
+            screenshot_spill_dir=args.screenshot_spill_dir,
             width=args.width,
             height=args.height,
             faults=faults,

@@ -93,6 +93,7 @@ def create_app(gym: SimGym) -> FastAPI:
         finally:
             task.cancel()
             await gym.close_all()
+            gym.close_spill()
             await gym.backend.stop()
 
     app = FastAPI(title="cua-rl sim gym", lifespan=lifespan)
@@ -125,6 +126,12 @@ def _service_routes(app: FastAPI, gym: SimGym) -> None:
             "backend": cfg.backend,
             "live": len(gym.live),
             "counters": gym.counters,
+            "screenshots": {
+                "memory_bytes": gym.memory_screenshot_bytes(),
+                "retained_executions": len(gym.retained),
+                "retained_bytes": gym.retained_bytes,
+                "disk_bytes": gym.spill.disk_bytes,
+            },
             "delaying": {op: n for op, n in gym.delaying.items() if n},
         }
 
@@ -259,6 +266,9 @@ def _device_routes(app: FastAPI, gym: SimGym) -> None:
                     detail=f"execution {execution_id} reached {cfg.max_screenshots} screenshots",
                 )
             png = await _on_device(gym, ex, ex.device.screenshot())
+            if gym.live.get(execution_id) is not ex:
+                # Terminated meanwhile: its screenshots were spilled without this one.
+                raise HTTPException(409, detail=f"execution {execution_id} is terminated")
             ex.screenshots.append(png)
             index = len(ex.screenshots) - 1
         url = (

@@ -1,13 +1,15 @@
 """The local gym's state: its configuration, its executions and what they share.
 
 ``SimGym`` owns live executions (each with the device its backend opened, see
-``cua_rl/sim/device.py``), the screenshots kept after terminate, the live cap, idle expiry,
-injected faults and the counters; ``gym_app`` serves it over HTTP and ``gym`` runs the server.
+``cua_rl/sim/device.py``), the screenshots kept after terminate (on disk: ``cua_rl.core.spill``),
+the live cap, idle expiry, injected faults and the counters; ``gym_app`` serves it over HTTP and
+``gym`` runs the server.
 """
 
 from __future__ import annotations
 
 import asyncio
+import logging
 import random
 import time
 import uuid
@@ -17,9 +19,12 @@ from dataclasses import dataclass, field
 from fastapi import HTTPException, Request
 
 from cua_rl.core.fields import doc
+from cua_rl.core.spill import Spill, Spilled
 from cua_rl.errors import ConfigError
 from cua_rl.sim.browser import BrowserConfig
 from cua_rl.sim.device import BACKENDS, Backend, Device, DeviceFailure
+
+log = logging.getLogger(__name__)
 
 OPS = ("create", "evaluate", "terminate")
 
@@ -58,6 +63,11 @@ class SimGymConfig:
     max_screenshots: int = doc(512, "screenshots one execution may capture")
     max_retained_bytes: int = doc(
         512 * 1024 * 1024, "PNG bytes kept for terminated executions (oldest dropped first)"
+    )
+    screenshot_spill_dir: str = doc(
+        "",
+        "directory of the files holding terminated executions' screenshots (unnamed temporary "
+        "files, freed when the gym stops or dies); empty: the system's temporary directory",
     )
     width: int = doc(360, "screenshot width in pixels")
     height: int = doc(640, "screenshot height in pixels")
@@ -135,9 +145,11 @@ class SimGym:
         self.backend = backend or make_backend(self.config)
         self.live: dict[str, Execution] = {}
         self._opening = 0  # creates between the cap check and their device being open
-        # Terminated executions' screenshots: id -> (expires_at, screenshots), oldest first.
-        self.retained: OrderedDict[str, tuple[float, list[bytes]]] = OrderedDict()
+        # Terminated executions' screenshots, on disk: id -> (expires_at, where), oldest first
+        # (None: it took none, or writing them failed).
+        self.retained: OrderedDict[str, tuple[float, Spilled | None]] = OrderedDict()
         self.retained_bytes = 0
+        self.spill = Spill(self.config.screenshot_spill_dir)
         self.counters = {
             "created": 0,
             "evaluations": 0,
@@ -147,6 +159,7 @@ class SimGym:
             "rejected_cap": 0,
             "faults": 0,
             "drops": 0,
+            "spill_errors": 0,
         }
         # Requests held by an injected latency right now, per operation: tests wait on this to
         # act while a call is provably inside the gym, instead of sleeping and hoping.
@@ -213,14 +226,34 @@ class SimGym:
             return False
         ex.status = status
         self.counters["expired" if status == "expired" else "terminated"] += 1
-        self.retained[execution_id] = (
-            time.time() + self.config.screenshot_retention_s,
-            ex.screenshots,
-        )
-        self.retained_bytes += sum(len(b) for b in ex.screenshots)
+        spilled = self._spill(ex)
+        self.retained[execution_id] = (time.time() + self.config.screenshot_retention_s, spilled)
+        self.retained_bytes += spilled.size if spilled else 0
         self._trim_retained()
         await ex.device.close()
         return True
+
+    def _spill(self, ex: Execution) -> Spilled | None:
+        """Move ``ex``'s screenshots out of memory; a disk error loses them, counted and logged."""
+        shots, ex.screenshots = ex.screenshots, []
+        if not shots or self.config.screenshot_retention_s == 0:
+            return None
+        try:
+            return self.spill.write(shots)
+        except OSError as e:
+            self.counters["spill_errors"] += 1
+            log.warning("screenshots of %s not kept: %s", ex.execution_id, e)
+            return None
+
+    def memory_screenshot_bytes(self) -> int:
+        """PNG bytes the gym holds in memory: live executions' only (terminated ones spill)."""
+        return sum(len(b) for ex in self.live.values() for b in ex.screenshots)
+
+    def close_spill(self) -> None:
+        """Drop every retained screenshot and free their files (the server is stopping)."""
+        self.retained.clear()
+        self.retained_bytes = 0
+        self.spill.close()
 
     async def close_all(self) -> int:
         """Terminate every open execution (the server is stopping); returns how many."""
@@ -239,8 +272,10 @@ class SimGym:
                 and self.retained_bytes <= cfg.max_retained_bytes
             ):
                 break
-            _, shots = self.retained.pop(oldest)
-            self.retained_bytes -= sum(len(b) for b in shots)
+            _, spilled = self.retained.pop(oldest)
+            if spilled is not None:
+                self.retained_bytes -= spilled.size
+                self.spill.remove(spilled)
 
     async def sweep(self) -> int:
         cutoff = time.time() - self.config.idle_ttl_s
@@ -251,14 +286,13 @@ class SimGym:
         return len(stale)
 
     def screenshot_bytes(self, execution_id: str, index: int) -> bytes | None:
-        shots = self.live[execution_id].screenshots if execution_id in self.live else None
-        if shots is None and execution_id in self.retained:
-            expires, shots = self.retained[execution_id]
-            if expires < time.time():
-                return None
-        if shots is None or not 0 <= index < len(shots):
+        ex = self.live.get(execution_id)
+        if ex is not None:
+            return ex.screenshots[index] if 0 <= index < len(ex.screenshots) else None
+        expires, spilled = self.retained.get(execution_id, (0.0, None))
+        if spilled is None or expires < time.time():
             return None
-        return shots[index]
+        return self.spill.read(spilled, index)
 
     async def inject(self, op: str, request: Request) -> None:
         """Latency and failure before the work; the drop decision is taken here, applied after."""

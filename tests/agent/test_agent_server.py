@@ -32,7 +32,10 @@ def test_cli_prints_ready_url_serves_and_stops_on_interrupt():
         port = int(url.rsplit(":", 1)[1])
         assert port > 0
         health = httpx.get(f"{url}/healthz", timeout=5).json()
-        assert health == {"ok": True, "runs": 0}
+        assert health == {
+            "ok": True, "runs": 0, "runs_in_memory": 0, "spilled_bytes": 0, "disk_bytes": 0,
+            "spill_errors": 0,
+        }  # fmt: skip
         assert httpx.get(f"{url}/runs/nope", timeout=5).status_code == 404
         proc.send_signal(signal.SIGINT)
         assert proc.wait(timeout=20) == 0

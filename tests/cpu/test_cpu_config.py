@@ -197,6 +197,13 @@ def test_server_env_drops_the_trainer_site_packages(monkeypatch):
     assert base["VIRTUAL_ENV"] == "x"  # the caller's dict is not modified
 
 
+def test_server_env_holds_the_server_s_memory_settings_unless_the_worker_sets_them():
+    env = cpu.server_env({"MALLOC_MMAP_THRESHOLD_": "65536"})
+    assert env["ONEDNN_PRIMITIVE_CACHE_CAPACITY"] == "0"
+    assert env["MALLOC_MMAP_THRESHOLD_"] == "65536"
+    assert cpu.server_env({})["MALLOC_MMAP_THRESHOLD_"] == "131072"
+
+
 def test_patch_worker_replaces_areal_launch(monkeypatch, tmp_path):
     import subprocess
 

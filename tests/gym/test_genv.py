@@ -18,6 +18,7 @@ from PIL import Image
 from cua_rl.errors import ConfigError, GymError
 from cua_rl.genv import GenvClient, parse_created, parse_evaluation
 from cua_rl.sim.gym import GymServer, SimGymConfig
+from tests.conftest import open_files_under
 
 from .conftest import FAST, open_executions
 
@@ -248,7 +249,9 @@ async def test_actions_that_miss_are_ok_false_with_a_reason(genv, gym, http):
 
 
 # -- idle expiry, faults endpoint, health, CLI ---------------------------------------------------
-@pytest.mark.parametrize("gym_config", [SimGymConfig(idle_ttl_s=0.4)])
+# Long enough for the create and the screenshot to come first on a loaded machine: one that
+# expired in between (or during the capture) would answer 409, not the screenshot.
+@pytest.mark.parametrize("gym_config", [SimGymConfig(idle_ttl_s=2.0)])
 async def test_idle_executions_expire(genv, gym, http):
     c = await genv.create_execution(WIFI_ON)
     shot = (await http.post(f"{gym.base_url}/executions/{c.execution_id}/screenshot")).json()
@@ -403,3 +406,65 @@ async def test_retained_screenshots_are_bounded_in_bytes_oldest_first(genv, gym,
         await genv.terminate(c.execution_id)
     codes = [(await http.get(u)).status_code for u in urls]
     assert codes == [404, 200, 200]
+
+
+# -- screenshots kept after terminate, on disk -------------------------------------------------
+async def _shoot(http, gym, eid) -> tuple[str, bytes]:
+    shot = (await http.post(f"{gym.base_url}/executions/{eid}/screenshot")).json()
+    return shot["url"], base64.b64decode(shot["data_url"].split(",", 1)[1])
+
+
+async def _screenshot_health(http, gym) -> dict:
+    return (await http.get(f"{gym.url}/healthz")).json()["screenshots"]
+
+
+async def test_terminated_screenshots_leave_memory_and_are_served_byte_identical(http, tmp_path):
+    with GymServer(SimGymConfig(screenshot_spill_dir=str(tmp_path))) as g:
+        async with GenvClient(g.url, g.gym_id, timeouts=FAST) as genv:
+            c = await genv.create_execution(WIFI_ON)
+            first = await _shoot(http, g, c.execution_id)
+            await act(http, g, c.execution_id, "tap", x=SETTINGS_ICON[0], y=SETTINGS_ICON[1])
+            second = await _shoot(http, g, c.execution_id)
+            shots = [first, second]
+            assert first[1] != second[1]
+            size = len(first[1]) + len(second[1])
+            assert (await _screenshot_health(http, g))["memory_bytes"] == size
+            await genv.terminate(c.execution_id)
+            health = await _screenshot_health(http, g)
+            assert health == {
+                "memory_bytes": 0, "retained_executions": 1, "retained_bytes": size,
+                "disk_bytes": size,
+            }  # fmt: skip
+            for url, png in shots:
+                r = await http.get(url)
+                assert r.status_code == 200 and r.content == png
+            # An unnamed file in the given folder: nothing to clean up even if the gym is killed.
+            assert list(tmp_path.iterdir()) == []
+            assert [t.endswith(" (deleted)") for t in open_files_under(tmp_path)] == [True]
+    assert open_files_under(tmp_path) == []  # closed, so freed, when the gym stopped
+
+
+@pytest.mark.parametrize("gym_config", [SimGymConfig(max_retained_executions=1)])
+async def test_a_dropped_execution_s_screenshots_are_no_longer_counted(genv, gym, http):
+    shots = []
+    for _ in range(2):
+        c = await genv.create_execution(WIFI_ON)
+        shots.append(await _shoot(http, gym, c.execution_id))
+        await genv.terminate(c.execution_id)
+    assert [(await http.get(url)).status_code for url, _ in shots] == [404, 200]
+    health = await _screenshot_health(http, gym)
+    assert (health["retained_executions"], health["retained_bytes"]) == (1, len(shots[1][1]))
+
+
+async def test_a_spill_that_cannot_be_written_is_counted_not_silent(http, tmp_path):
+    not_a_dir = tmp_path / "file"
+    not_a_dir.write_text("")
+    with GymServer(SimGymConfig(screenshot_spill_dir=str(not_a_dir))) as g:
+        async with GenvClient(g.url, g.gym_id, timeouts=FAST) as genv:
+            c = await genv.create_execution(WIFI_ON)
+            url, _ = await _shoot(http, g, c.execution_id)
+            await genv.terminate(c.execution_id)
+            health = (await http.get(f"{g.url}/healthz")).json()
+            assert health["counters"]["spill_errors"] == 1
+            assert health["screenshots"]["memory_bytes"] == 0
+            assert (await http.get(url)).status_code == 404

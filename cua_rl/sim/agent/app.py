@@ -42,7 +42,7 @@ def create_app(config: AgentServerConfig | None = None, client: httpx.AsyncClien
 
     @app.get("/healthz")
     async def healthz():
-        return {"ok": True, "runs": len(service.runs)}
+        return {"ok": True, "runs": len(service.runs), **service.memory()}
 
     return app
 
@@ -71,23 +71,23 @@ def _add_run_reads(app: FastAPI, service: AgentService) -> None:
         except BadRunRequest as exc:
             return JSONResponse({"error": str(exc)}, status_code=400)
         events = run.events_between(from_ms, to_ms)
-        if not run.events:
+        if not events and not run.events:
             raise HTTPException(404, "no events yet")
         return {"events": events}
 
     @app.get("/runs/{run_id}/steps")
     async def get_steps(run_id: str):
-        run = _get(run_id)
-        if not run.steps:
+        steps = _get(run_id).steps
+        if not steps:
             raise HTTPException(404, "no steps yet")
-        return run.steps
+        return steps
 
     @app.get("/runs/{run_id}/steps/{index}")
     async def get_step(run_id: str, index: int):
-        run = _get(run_id)
-        if not 0 <= index < len(run.steps):
+        steps = _get(run_id).steps
+        if not 0 <= index < len(steps):
             raise HTTPException(404, f"no step {index}")
-        return run.steps[index]
+        return steps[index]
 
     @app.get("/runs/{run_id}/trajectory")
     async def get_trajectory(run_id: str):
@@ -150,6 +150,10 @@ def main(argv: list[str] | None = None) -> int:
         "--history-n", type=int, default=3,
         help="default screenshots per request of the mai-ui context (per run: model.historyN)",
     )  # fmt: skip
+    parser.add_argument(
+        "--spill-dir", default="",
+        help="where finished runs' records are kept on disk (default: the temp dir)",
+    )  # fmt: skip
     parser.add_argument("--log-level", default="warning")
     args = parser.parse_args(argv)
 
@@ -162,6 +166,7 @@ def main(argv: list[str] | None = None) -> int:
             step_latency_s=args.step_latency,
             context=args.context,
             history_n=args.history_n,
+            spill_dir=args.spill_dir,
         )
     except ConfigError as exc:
         print(f"error: {exc}", file=sys.stderr)
