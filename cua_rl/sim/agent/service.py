@@ -97,7 +97,7 @@ class AgentService:
             return
         try:
             run.spill(self.spill)
-        except OSError as e:
+        except (OSError, TypeError, ValueError) as e:  # the disk, or a value JSON cannot hold
             self.spill_errors += 1
             log.warning("run %s kept in memory, not spilled: %s", run.id, e)
 
