@@ -2,10 +2,10 @@
 
 Each arm is a setting (replay off, on, its shuffled control) and a list of run folders written by
 ``python -m cua_rl.app.learn`` (one seed each). For every run it reads the curve from the run's
-``monitor.db`` (the wall time from its ``curve.json``) and prints the step at which the trailing
-mean of ``--window`` steps first reached ``--target``, the last window's mean, and the group
-shares: groups with zero variance before the target, all-fail groups, and the share of those
-that replay rescued (gave a gradient). For every arm: the median step to the target over its
+``monitor.db`` (the wall time from its ``curve.json``) and prints the first step with a success,
+the step at which the trailing mean of ``--window`` steps first reached ``--target``, the last
+window's mean, and the group shares: groups with zero variance before the target, all-fail
+groups, and the share of those that replay rescued (gave a gradient). For every arm: the median step to the target over its
 runs and the shares pooled over them (``cua_rl.app.learning.summarise_arm``). The counts of
 groups are the shares times the episodes over ``--group-size`` (AReaL exports shares per step).
 One PNG has a panel per arm with its runs' curves.
@@ -78,8 +78,8 @@ def main(argv: list[str] | None = None) -> int:
 
     curves: dict[str, dict[str, list[StepPoint]]] = {}
     print(
-        f"{'arm':<12} {'run':<22} reached  last  zero-var  all-fail  rescued (all-fail groups)"
-        "   wall"
+        f"{'arm':<12} {'run':<22} first  reached  last  zero-var  all-fail  "
+        "rescued (all-fail groups)   wall"
     )
     for name, *dirs in args.arm:
         curves[name] = {}
@@ -90,8 +90,10 @@ def main(argv: list[str] | None = None) -> int:
             before, whole = group_shares(before_step(points, reached)), group_shares(points)
             last = successes(points)[-args.window :]
             wall = _wall(d)
+            # Replay has nothing of its own to put into a group before its first success.
+            first = next((p.step for p in points if p.success), "never")
             print(
-                f"{name:<12} {d.name:<22} {'never' if reached is None else reached:>7}  "
+                f"{name:<12} {d.name:<22} {first:>5}  {'never' if reached is None else reached:>7}  "
                 f"{statistics.mean(last) if last else 0:.2f}  "
                 f"{_share(before.zero_variance):>8}  {_share(whole.all_fail):>8}  "
                 f"{_groups(whole, args.group_size):>26}  "

@@ -70,10 +70,10 @@ def test_the_table_and_plot_of_two_arms(bench, tmp_path, capsys):
     out = capsys.readouterr().out.splitlines()
     runs = {line.split()[1]: line.split() for line in out[1:4]}
     # on-a: zero variance before step 3: 2 + 1 of 4 groups; 4 of 6 groups all-fail, 1 rescued.
-    assert runs["on-a"] == "replay on-a 3 1.00 0.75 0.67 1 of 4 (0.25) 400s".split()
+    assert runs["on-a"] == "replay on-a 3 3 1.00 0.75 0.67 1 of 4 (0.25) 400s".split()
     # on-b: before step 2: 0 of 2; 2 of 6 all-fail, both rescued; no curve.json: no wall.
-    assert runs["on-b"] == "replay on-b 2 1.00 0.00 0.33 2 of 2 (1.00) -".split()
-    assert runs["off-a"] == "none off-a never 0.00 1.00 - - -".split()
+    assert runs["on-b"] == "replay on-b 2 2 1.00 0.00 0.33 2 of 2 (1.00) -".split()
+    assert runs["off-a"] == "none off-a never never 0.00 1.00 - - -".split()
     arms = {line.split()[0]: line.split() for line in out[6:8]}
     # Pooled: zero variance 3 of 6 groups before the targets; rescued 3 of the 6 all-fail groups.
     assert arms["replay"] == "replay 2 3,2 2.5 0.50 0.50 3 of 6 (0.50)".split()
