@@ -270,7 +270,13 @@ def format_curve(points: Sequence[StepPoint]) -> list[str]:
     return lines
 
 
-def _draw(ax, curves: Mapping[str, Sequence[StepPoint]], title: str, target: float | None):
+def _draw(
+    ax,
+    curves: Mapping[str, Sequence[StepPoint]],
+    title: str,
+    target: float | None,
+    legend: str = "lower right",
+):
     from matplotlib.ticker import MaxNLocator
 
     for label, points in curves.items():
@@ -285,7 +291,7 @@ def _draw(ax, curves: Mapping[str, Sequence[StepPoint]], title: str, target: flo
     ax.set_ylim(-0.03, 1.03)
     ax.set_title(title)
     ax.grid(alpha=0.3)
-    ax.legend(loc="lower right", fontsize=8)
+    ax.legend(loc=legend, fontsize=8)
 
 
 def _save(fig, path: str | Path) -> Path:
@@ -337,7 +343,8 @@ def plot_arms(
     plt, fig, axes = _figure(len(arms), 4.5 * len(arms))
     try:
         for ax, (arm, curves) in zip(axes, arms.items(), strict=True):
-            _draw(ax, curves, arm, target)
+            # Rising curves leave the left middle empty: runs that learn start at 0.
+            _draw(ax, curves, arm, target, legend="center left")
         return _save(fig, path)
     finally:
         plt.close(fig)
