@@ -5,7 +5,8 @@ Each arm is a setting (replay off, on, its shuffled control) and a list of run f
 ``monitor.db`` (the wall time from its ``curve.json``) and prints the first step with a success,
 the step at which the trailing mean of ``--window`` steps first reached ``--target``, the last
 window's mean, and the group shares: groups with zero variance before the target, all-fail
-groups, and the share of those that replay rescued (gave a gradient). For every arm: the median step to the target over its
+groups, and the share of those that replay rescued (gave a gradient), over the whole run and from
+its first success on (before it, replay has nothing of the run's own to put in). For every arm: the median step to the target over its
 runs and the shares pooled over them (``cua_rl.app.learning.summarise_arm``). The counts of
 groups are the shares times the episodes over ``--group-size`` (AReaL exports shares per step).
 One PNG has a panel per arm with its runs' curves.
@@ -28,6 +29,7 @@ from cua_rl.app.learning import (  # noqa: E402
     GroupShares,
     StepPoint,
     before_step,
+    from_first_success,
     group_shares,
     plot_arms,
     read_curve,
@@ -45,9 +47,9 @@ def _groups(shares: GroupShares, group_size: int) -> str:
     """All-fail groups rescued, as counts: 'rescued of all-fail (share)'."""
     if shares.all_fail is None:
         return "-"
-    groups = shares.episodes / group_size
-    fail = shares.all_fail * groups
-    return f"{shares.rescued * fail:.0f} of {fail:.0f} ({shares.rescued:.2f})"
+    fail = shares.all_fail * shares.episodes / group_size
+    rescued = shares.rescued or 0.0  # None: no all-fail group to rescue
+    return f"{rescued * fail:.0f} of {fail:.0f} ({_share(shares.rescued)})"
 
 
 def _wall(run_dir: Path) -> float | None:
@@ -79,7 +81,7 @@ def main(argv: list[str] | None = None) -> int:
     curves: dict[str, dict[str, list[StepPoint]]] = {}
     print(
         f"{'arm':<12} {'run':<22} first  reached  last  zero-var  all-fail  "
-        "rescued (all-fail groups)   wall"
+        "rescued (all-fail groups)  from the first success   wall"
     )
     for name, *dirs in args.arm:
         curves[name] = {}
@@ -92,23 +94,28 @@ def main(argv: list[str] | None = None) -> int:
             wall = _wall(d)
             # Replay has nothing of its own to put into a group before its first success.
             first = next((p.step for p in points if p.success), "never")
+            since = group_shares(from_first_success(points))
             print(
                 f"{name:<12} {d.name:<22} {first:>5}  {'never' if reached is None else reached:>7}  "
                 f"{statistics.mean(last) if last else 0:.2f}  "
                 f"{_share(before.zero_variance):>8}  {_share(whole.all_fail):>8}  "
-                f"{_groups(whole, args.group_size):>26}  "
+                f"{_groups(whole, args.group_size):>26}  {_groups(since, args.group_size):>22}  "
                 + ("-" if wall is None else f"{wall:.0f}s")
             )
     print()
-    print(f"{'arm':<12} runs  reached at        median  zero-var  all-fail  rescued (groups)")
+    print(
+        f"{'arm':<12} runs  reached at        median  zero-var  all-fail  rescued (groups)  "
+        "from the first success"
+    )
     for name, runs in curves.items():
         arm = summarise_arm(list(runs.values()), args.target, args.window)
+        since = group_shares([p for points in runs.values() for p in from_first_success(points)])
         reached = ",".join("never" if r is None else str(r) for r in arm.reached)
         median = "never" if arm.median_reached is None else f"{arm.median_reached:g}"
         print(
             f"{name:<12} {arm.runs:>4}  {reached:<16} {median:>7}  "
             f"{_share(arm.before_target.zero_variance):>8}  {_share(arm.whole.all_fail):>8}  "
-            f"{_groups(arm.whole, args.group_size)}"
+            f"{_groups(arm.whole, args.group_size)}  {_groups(since, args.group_size)}"
         )
     if args.out is not None:
         png = plot_arms(curves, args.out, target=args.target)

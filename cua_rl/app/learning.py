@@ -217,6 +217,13 @@ def before_step(points: Sequence[StepPoint], step: int | None) -> list[StepPoint
     return [p for p in points if step is None or p.step < step]
 
 
+def from_first_success(points: Sequence[StepPoint]) -> list[StepPoint]:
+    """The points from the first step with a success on (none when nothing succeeded): before it
+    replay has no success of this training to put into an all-fail group."""
+    first = next((i for i, p in enumerate(points) if p.success), len(points))
+    return list(points[first:])
+
+
 def median_step(reached: Sequence[int | None]) -> float | None:
     """The median step at which runs reached a target; a run that never did counts as later than
     any that did, so the median is None when half the runs or more never reached it."""

@@ -27,6 +27,7 @@ from cua_rl.app.learning import (
     StepPoint,
     first_last,
     format_curve,
+    from_first_success,
     group_shares,
     median_step,
     plot_arms,
@@ -172,6 +173,11 @@ def test_group_shares_are_the_shares_of_all_groups_not_the_mean_of_step_shares()
     without_replay = [_step(1, 0.0, zero=1.0), _step(2, 0.1, 48, zero=0.5)]
     assert group_shares(without_replay) == GroupShares(2 / 3, None, None, 72)
     assert group_shares([_step(1, 0.0)]) == GroupShares(None, None, None, 0)
+
+
+def test_from_first_success_drops_the_steps_before_it():
+    assert [p.step for p in from_first_success(REPLAYED)] == [2, 3, 4]
+    assert from_first_success([_step(1, 0.0), _step(2, None)]) == []
 
 
 def test_median_step_ranks_a_run_that_never_reached_after_every_run_that_did():

@@ -56,12 +56,14 @@ def _fail(rescued: float) -> dict:
 
 
 SOLVED = {"success": 1.0, "group/zero_variance": 1.0, "replay/all_fail": 0.0}
+# One group with successes, one all-fail group that got a replayed success.
+MIXED = {"success": 0.25, "group/zero_variance": 0.0, "replay/all_fail": 0.5, "replay/rescued": 1.0}
 
 
 def test_the_table_and_plot_of_two_arms(bench, tmp_path, capsys):
-    # Replay: seed a reaches 0.8 (window 1) at step 3, seed b at step 2.
+    # Replay: both seeds reach 0.8 (window 1) at step 3; a's first success is there, b's at 2.
     a = _run(tmp_path / "on-a", [_fail(0.0), _fail(0.5), SOLVED], wall_s=400.4)
-    b = _run(tmp_path / "on-b", [_fail(1.0), SOLVED, SOLVED])
+    b = _run(tmp_path / "on-b", [_fail(1.0), MIXED, SOLVED])
     # No replay: never; the filter records no replay statistic.
     c = _run(tmp_path / "off-a", [{"success": 0.0, "group/zero_variance": 1.0}] * 3)
     png = tmp_path / "arms.png"
@@ -69,15 +71,18 @@ def test_the_table_and_plot_of_two_arms(bench, tmp_path, capsys):
     assert bench.main([*args, "--window", "1", "--group-size", str(GROUP), "--out", str(png)]) == 0
     out = capsys.readouterr().out.splitlines()
     runs = {line.split()[1]: line.split() for line in out[1:4]}
-    # on-a: zero variance before step 3: 2 + 1 of 4 groups; 4 of 6 groups all-fail, 1 rescued.
-    assert runs["on-a"] == "replay on-a 3 3 1.00 0.75 0.67 1 of 4 (0.25) 400s".split()
-    # on-b: before step 2: 0 of 2; 2 of 6 all-fail, both rescued; no curve.json: no wall.
-    assert runs["on-b"] == "replay on-b 2 2 1.00 0.00 0.33 2 of 2 (1.00) -".split()
-    assert runs["off-a"] == "none off-a never never 0.00 1.00 - - -".split()
+    # on-a: zero variance before step 3: 2 + 1 of 4 groups; 4 of 6 groups all-fail, 1 rescued;
+    # from its first success (step 3) on, no all-fail group.
+    assert runs["on-a"] == "replay on-a 3 3 1.00 0.75 0.67 1 of 4 (0.25) 0 of 0 (-) 400s".split()
+    # on-b: before step 3: 0 of 4; all-fail 2 + 1 of 6 groups, all 3 rescued; from step 2 on, 1
+    # of 4 groups all-fail, rescued; no curve.json: no wall.
+    assert runs["on-b"] == "replay on-b 2 3 1.00 0.00 0.50 3 of 3 (1.00) 1 of 1 (1.00) -".split()
+    assert runs["off-a"] == "none off-a never never 0.00 1.00 - - - -".split()
     arms = {line.split()[0]: line.split() for line in out[6:8]}
-    # Pooled: zero variance 3 of 6 groups before the targets; rescued 3 of the 6 all-fail groups.
-    assert arms["replay"] == "replay 2 3,2 2.5 0.50 0.50 3 of 6 (0.50)".split()
-    assert arms["none"] == "none 1 never never 1.00 - -".split()
+    # Pooled: zero variance 3 of 8 groups before the targets; 7 of 12 groups all-fail, 4 of
+    # those rescued; from the first successes on, 1 of 1.
+    assert arms["replay"] == "replay 2 3,3 3 0.38 0.58 4 of 7 (0.57) 1 of 1 (1.00)".split()
+    assert arms["none"] == "none 1 never never 1.00 - - -".split()
     with Image.open(png) as img:
         assert img.size == (990, 440)
 
