@@ -31,14 +31,18 @@ from pathlib import Path
 
 from cua_rl.app import demo
 from cua_rl.app.learning import (
+    ArmSummary,
     CurveError,
     StepPoint,
+    before_step,
     first_last,
     format_curve,
+    group_shares,
     plot_curves,
     read_curve,
     steps_to_reach,
     successes,
+    summarise_arm,
 )
 
 ROOT = Path(__file__).resolve().parents[2]
@@ -139,14 +143,22 @@ def report(result: RunResult, target: float, window: int) -> dict:
     if len(successes(points)) >= 2 * window:
         first, last = first_last(points, window)
         summary.update(first_mean=round(first, 4), last_mean=round(last, 4))
-    for key, name in (
-        ("staleness", "mean_staleness"),
-        ("zero_variance", "zero_variance_share"),
-        ("rescued", "rescued_share"),
+    staleness = [p.staleness for p in points if p.staleness is not None]
+    if staleness:
+        summary["mean_staleness"] = round(sum(staleness) / len(staleness), 3)
+    # Zero variance before the target (a solved task's groups all succeed, no variance either);
+    # all-fail groups and their rescue over the whole run.
+    before, whole = (
+        group_shares(before_step(points, summary["reached_at_step"])),
+        group_shares(points),
+    )
+    for name, value in (
+        ("zero_variance_share", before.zero_variance),
+        ("all_fail_share", whole.all_fail),
+        ("rescued_share", whole.rescued),
     ):
-        values = [getattr(p, key) for p in points if getattr(p, key) is not None]
-        if values:
-            summary[name] = round(sum(values) / len(values), 3)
+        if value is not None:
+            summary[name] = round(value, 3)
     if points:
         png = plot_curves(
             {result.label: points},
@@ -173,7 +185,7 @@ def report(result: RunResult, target: float, window: int) -> dict:
             else f"target {target} not reached"
         )
         + (
-            f"; zero-variance groups {summary['zero_variance_share']:.2f}"
+            f"; zero-variance groups before the target {summary['zero_variance_share']:.2f}"
             if "zero_variance_share" in summary
             else ""
         )
@@ -291,6 +303,34 @@ def print_table(summaries: list[dict]) -> None:
         )
 
 
+def run_label(args: argparse.Namespace, off: int | None, seed: int | None) -> str:
+    """A run's name (its folder among several); without a seed, its arm's."""
+    parts = ["control"] if args.control else []
+    parts += [args.family] if args.family != "learn" else []
+    parts += [f"replay-{args.replay}"] if args.replay else []
+    parts += [f"context-{args.context}"] if args.context else []
+    parts += [f"offpolicy{off}"] if off is not None else []
+    parts += [f"seed{seed}"] if seed is not None else []
+    return "-".join(parts) or ("control" if args.control else args.family)
+
+
+def format_arm(label: str, arm: ArmSummary, target: float) -> str:
+    """One line for several seeds of one setting: the median steps to the target, pooled shares."""
+    reached = ", ".join("never" if r is None else str(r) for r in arm.reached)
+    median = "never" if arm.median_reached is None else f"step {arm.median_reached:g}"
+    line = (
+        f"[learn] {label}: {arm.runs} runs, target {target} reached at {reached}: median {median}"
+    )
+    if arm.before_target.zero_variance is not None:
+        line += f"; zero-variance groups before the target {arm.before_target.zero_variance:.2f}"
+    if arm.whole.rescued is not None:
+        line += (
+            f"; all-fail groups {arm.whole.all_fail:.2f} of all, "
+            f"rescued by replay {arm.whole.rescued:.2f} of them"
+        )
+    return line
+
+
 def main(argv: list[str] | None = None) -> int:
     args = parse_args(argv)
     stamp = datetime.now().strftime("%Y%m%d-%H%M%S")
@@ -312,13 +352,7 @@ def main(argv: list[str] | None = None) -> int:
 
     results = []
     for off, seed in combos:
-        parts = ["control"] if args.control else []
-        parts += [args.family] if args.family != "learn" else []
-        parts += [f"replay-{args.replay}"] if args.replay else []
-        parts += [f"context-{args.context}"] if args.context else []
-        parts += [f"offpolicy{off}"] if off is not None else []
-        parts += [f"seed{seed}"] if seed is not None else []
-        label = "-".join(parts) or ("control" if args.control else args.family)
+        label = run_label(args, off, seed)
         run_dir = base / label if len(combos) > 1 else base
         overrides = list(extra)
         if off is not None:
@@ -338,6 +372,12 @@ def main(argv: list[str] | None = None) -> int:
             png = plot_curves(curves, base / "success.png", target=args.target)
             print(f"[learn] all curves: {png}", flush=True)
         (base / "summary.json").write_text(json.dumps(summaries, indent=2))
+    for off in offs if len(seeds) > 1 else []:
+        # One arm per --offpolicyness value: its seeds' runs.
+        runs = [r.points for r, (o, _) in zip(results, combos, strict=False) if o == off]
+        if len(runs) > 1:
+            arm = summarise_arm(runs, args.target, args.window)
+            print(format_arm(run_label(args, off, None), arm, args.target), flush=True)
     return max((r.rc for r in results), default=1)
 
 

@@ -4,7 +4,9 @@ A run's proof of learning is its training rollouts' success rate per step (the
 ``rollout/cua/success`` statistic each committed step stores in ``step.metrics_json``, the
 number the dashboard plots). This module reads that curve from a monitor SQLite file, condenses
 it (the mean of the first and last steps, the first step whose trailing window reaches a target)
-and draws one or more curves into a PNG. It only reads: the monitor process may still be writing,
+and draws one or more curves into a PNG. Several seeds of one arm (a setting compared with
+another, e.g. replay on or off) condense into an ``ArmSummary``: the median step at which the
+seeds reach the target and the group shares pooled over every seed's steps. It only reads: the monitor process may still be writing,
 so a locked or half-written database yields the steps committed so far.
 
 ``python -m cua_rl.app.learn`` (``make learn``) drives runs and prints these summaries;
@@ -16,6 +18,7 @@ from __future__ import annotations
 import json
 import math
 import sqlite3
+import statistics
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 from datetime import datetime
@@ -161,6 +164,104 @@ def steps_to_reach(points: Sequence[StepPoint], target: float, window: int = 3) 
     return None
 
 
+def _pooled(pairs: Sequence[tuple[float, float]]) -> float | None:
+    """The mean of shares weighted by how many units each was taken over; None without units."""
+    total = sum(w for _, w in pairs)
+    return sum(v * w for v, w in pairs) / total if total > 0 else None
+
+
+@dataclass(frozen=True)
+class GroupShares:
+    """The group statistics of some steps, pooled: each step's shares weighted by its episodes.
+
+    AReaL exports a share per step (the mean of one 0/1 value per group), not how many groups it
+    was taken over, so a step's groups are taken to be in proportion to the episodes it trained
+    (its whole groups); with a fixed group size the pooled share is then the share of all groups.
+    """
+
+    zero_variance: float | None  # of the complete groups: equal rewards after replay
+    all_fail: float | None  # of the complete groups: every episode failed before replay
+    rescued: float | None  # of those all-fail groups: got a replayed success (a gradient)
+    episodes: int  # behind the shares: groups = episodes / group size
+
+
+def group_shares(points: Sequence[StepPoint]) -> GroupShares:
+    """Pools the group shares of ``points``; a step without a statistic adds nothing to it.
+
+    A step that stores ``all_fail`` but no ``rescued`` had replay on and no all-fail group (the
+    filter records ``rescued`` only for those), or replay off: either way it rescued none.
+    """
+    zero, fail, rescued, episodes = [], [], [], 0
+    for p in points:
+        weight = float(p.episodes or 0)
+        if p.zero_variance is not None:
+            zero.append((p.zero_variance, weight))
+            episodes += p.episodes or 0
+        if p.all_fail is not None:
+            fail.append((p.all_fail, weight))
+            rescued.append((p.rescued or 0.0, p.all_fail * weight))
+    return GroupShares(
+        zero_variance=_pooled(zero),
+        all_fail=_pooled(fail),
+        rescued=_pooled(rescued),
+        episodes=episodes,
+    )
+
+
+def before_step(points: Sequence[StepPoint], step: int | None) -> list[StepPoint]:
+    """The points before ``step`` (all of them when it is None: the target was never reached).
+
+    Once a policy solves its tasks every group succeeds entirely and has no variance either; the
+    share that tells arms apart is the one while there is still something to learn.
+    """
+    return [p for p in points if step is None or p.step < step]
+
+
+def from_first_success(points: Sequence[StepPoint]) -> list[StepPoint]:
+    """The points from the first step with a success on (none when nothing succeeded): before it
+    replay has no success of this training to put into an all-fail group."""
+    first = next((i for i, p in enumerate(points) if p.success), len(points))
+    return list(points[first:])
+
+
+def median_step(reached: Sequence[int | None]) -> float | None:
+    """The median step at which runs reached a target; a run that never did counts as later than
+    any that did, so the median is None when half the runs or more never reached it."""
+    if not reached:
+        raise CurveError("no runs to take a median of")
+    ranked = sorted(math.inf if r is None else float(r) for r in reached)
+    middle = statistics.median(ranked)
+    return None if math.isinf(middle) else middle
+
+
+@dataclass(frozen=True)
+class ArmSummary:
+    """Several runs (seeds) of one arm of a comparison."""
+
+    runs: int
+    reached: list[int | None]  # per run, in the order given
+    median_reached: float | None  # None: the median run never reached the target
+    before_target: GroupShares  # pooled over each run's steps before it reached the target
+    whole: GroupShares  # pooled over every step of every run
+
+
+def summarise_arm(
+    runs: Sequence[Sequence[StepPoint]], target: float, window: int = 3
+) -> ArmSummary:
+    """The median steps to ``target`` (trailing mean of ``window`` steps) and the pooled shares."""
+    if not runs:
+        raise CurveError("an arm needs at least one run")
+    reached = [steps_to_reach(points, target, window) for points in runs]
+    before = [p for points, r in zip(runs, reached, strict=True) for p in before_step(points, r)]
+    return ArmSummary(
+        runs=len(runs),
+        reached=reached,
+        median_reached=median_step(reached),
+        before_target=group_shares(before),
+        whole=group_shares([p for points in runs for p in points]),
+    )
+
+
 def format_curve(points: Sequence[StepPoint]) -> list[str]:
     """One line per step: success, reward, episodes, time since the start."""
     lines = []
@@ -176,6 +277,49 @@ def format_curve(points: Sequence[StepPoint]) -> list[str]:
     return lines
 
 
+def _draw(
+    ax,
+    curves: Mapping[str, Sequence[StepPoint]],
+    title: str,
+    target: float | None,
+    legend: str = "lower right",
+):
+    from matplotlib.ticker import MaxNLocator
+
+    for label, points in curves.items():
+        if points:
+            ax.plot(
+                [p.step for p in measured(points)], successes(points), marker="o", ms=3, label=label
+            )
+    if target is not None:
+        ax.axhline(target, color="grey", linestyle="--", linewidth=1, label=f"target {target}")
+    ax.xaxis.set_major_locator(MaxNLocator(integer=True))
+    ax.set_xlabel("training step")
+    ax.set_ylim(-0.03, 1.03)
+    ax.set_title(title)
+    ax.grid(alpha=0.3)
+    ax.legend(loc=legend, fontsize=8)
+
+
+def _save(fig, path: str | Path) -> Path:
+    out = Path(path)
+    out.parent.mkdir(parents=True, exist_ok=True)
+    fig.tight_layout()
+    fig.savefig(out)
+    return out
+
+
+def _figure(panels: int, width: float):
+    import matplotlib
+
+    matplotlib.use("Agg")  # no display on training machines
+    import matplotlib.pyplot as plt
+
+    fig, axes = plt.subplots(1, panels, figsize=(width, 4), dpi=110, sharey=True, squeeze=False)
+    axes[0][0].set_ylabel("success rate of the step's episodes")
+    return plt, fig, axes[0]
+
+
 def plot_curves(
     curves: Mapping[str, Sequence[StepPoint]],
     path: str | Path,
@@ -186,36 +330,28 @@ def plot_curves(
     """Draw each labelled curve (success per step) into a PNG at ``path``."""
     if not curves or not any(curves.values()):
         raise CurveError("no committed steps to plot")
-    import matplotlib
-
-    matplotlib.use("Agg")  # no display on training machines
-    import matplotlib.pyplot as plt
-    from matplotlib.ticker import MaxNLocator
-
-    fig, ax = plt.subplots(figsize=(7, 4), dpi=110)
+    plt, fig, (ax,) = _figure(1, 7)
     try:
-        for label, points in curves.items():
-            if points:
-                ax.plot(
-                    [p.step for p in measured(points)],
-                    successes(points),
-                    marker="o",
-                    ms=3,
-                    label=label,
-                )
-        if target is not None:
-            ax.axhline(target, color="grey", linestyle="--", linewidth=1, label=f"target {target}")
-        ax.xaxis.set_major_locator(MaxNLocator(integer=True))
-        ax.set_xlabel("training step")
-        ax.set_ylabel("success rate of the step's episodes")
-        ax.set_ylim(-0.03, 1.03)
-        ax.set_title(title)
-        ax.grid(alpha=0.3)
-        ax.legend(loc="lower right", fontsize=8)
-        out = Path(path)
-        out.parent.mkdir(parents=True, exist_ok=True)
-        fig.tight_layout()
-        fig.savefig(out)
+        _draw(ax, curves, title, target)
+        return _save(fig, path)
     finally:
         plt.close(fig)
-    return out
+
+
+def plot_arms(
+    arms: Mapping[str, Mapping[str, Sequence[StepPoint]]],
+    path: str | Path,
+    *,
+    target: float | None = None,
+) -> Path:
+    """One panel per arm, each with its runs' curves, side by side on one success axis."""
+    if not arms or not all(any(curves.values()) for curves in arms.values()):
+        raise CurveError("every arm needs a run with committed steps to plot")
+    plt, fig, axes = _figure(len(arms), 4.5 * len(arms))
+    try:
+        for ax, (arm, curves) in zip(axes, arms.items(), strict=True):
+            # Rising curves leave the left middle empty: runs that learn start at 0.
+            _draw(ax, curves, arm, target, legend="center left")
+        return _save(fig, path)
+    finally:
+        plt.close(fig)

@@ -20,16 +20,22 @@ import torch
 from PIL import Image
 
 from cua_rl.app.controls import shift_mask_right
-from cua_rl.app.learn import Progress
+from cua_rl.app.learn import Progress, format_arm
 from cua_rl.app.learning import (
     CurveError,
+    GroupShares,
     StepPoint,
     first_last,
     format_curve,
+    from_first_success,
+    group_shares,
+    median_step,
+    plot_arms,
     plot_curves,
     read_curve,
     steps_to_reach,
     successes,
+    summarise_arm,
 )
 from cua_rl.monitor.server.store import MonitorStore
 
@@ -141,6 +147,79 @@ def test_plot_and_table(tmp_path):
     assert lines[1].startswith("step   2  success 0.600") and lines[1].endswith("#" * 12)
     with pytest.raises(CurveError):
         plot_curves({"a": []}, tmp_path / "empty.png")
+
+
+def _step(n, success, episodes=24, zero=None, fail=None, rescued=None) -> StepPoint:
+    return StepPoint(n, success, success, episodes, None, None, zero, fail, rescued)
+
+
+# Hand-worked groups of 12 episodes: step 1 has 2 groups, both all-fail, 1 rescued (so 1 keeps
+# zero variance); step 2 has 4 groups (48 episodes), 2 all-fail both rescued, 1 all-success; step
+# 3 has 2 all-success groups; step 4 exported no group statistic.
+REPLAYED = [
+    _step(1, 0.0, 24, zero=0.5, fail=1.0, rescued=0.5),
+    _step(2, 0.25, 48, zero=0.25, fail=0.5, rescued=1.0),
+    _step(3, 1.0, 24, zero=1.0, fail=0.0),
+    _step(4, 1.0, 24),
+]
+
+
+def test_group_shares_are_the_shares_of_all_groups_not_the_mean_of_step_shares():
+    shares = group_shares(REPLAYED)
+    # 4 of 8 groups without variance, 4 of 8 all-fail, 3 of those 4 rescued.
+    assert shares == GroupShares(zero_variance=0.5, all_fail=0.5, rescued=0.75, episodes=96)
+    # The plain mean of the steps' shares would say 0.58 and 0.5 (below), not 0.5 and 0.75.
+    assert sum(p.zero_variance for p in REPLAYED[:3]) / 3 == pytest.approx(0.583, abs=1e-3)
+    without_replay = [_step(1, 0.0, zero=1.0), _step(2, 0.1, 48, zero=0.5)]
+    assert group_shares(without_replay) == GroupShares(2 / 3, None, None, 72)
+    assert group_shares([_step(1, 0.0)]) == GroupShares(None, None, None, 0)
+
+
+def test_from_first_success_drops_the_steps_before_it():
+    assert [p.step for p in from_first_success(REPLAYED)] == [2, 3, 4]
+    assert from_first_success([_step(1, 0.0), _step(2, None)]) == []
+
+
+def test_median_step_ranks_a_run_that_never_reached_after_every_run_that_did():
+    assert median_step([20, 13, None]) == 20
+    assert median_step([13, None, None]) is None
+    assert median_step([10, 20]) == 15
+    assert median_step([10, None]) is None
+    assert median_step([28]) == 28
+    with pytest.raises(CurveError, match="no runs"):
+        median_step([])
+
+
+def test_an_arm_pools_zero_variance_before_each_runs_target_and_rescues_over_whole_runs():
+    # Reaches 0.8 (window 1) at step 3: its zero-variance share counts steps 1 and 2 only.
+    fast = REPLAYED
+    # Never reaches it: every step counts.
+    slow = [_step(1, 0.0, zero=1.0, fail=1.0, rescued=0.0), _step(2, 0.0, zero=1.0, fail=1.0)]
+    arm = summarise_arm([fast, slow], target=0.8, window=1)
+    assert arm.runs == 2 and arm.reached == [3, None] and arm.median_reached is None
+    # Before the target: (1 + 1) of fast's 6 groups, 4 of slow's 4.
+    assert arm.before_target.zero_variance == pytest.approx(6 / 10)
+    # Whole runs: 4 of fast's 8 groups and slow's 4 all-fail; 3 of those 8 rescued.
+    assert arm.whole.all_fail == pytest.approx(8 / 12)
+    assert arm.whole.rescued == pytest.approx(3 / 8)
+    assert summarise_arm([fast, fast, slow], 0.8, 1).median_reached == 3
+    with pytest.raises(CurveError):
+        summarise_arm([], 0.8)
+    line = format_arm("learn-hard-replay-on", arm, 0.8)
+    assert line == (
+        "[learn] learn-hard-replay-on: 2 runs, target 0.8 reached at 3, never: median never; "
+        "zero-variance groups before the target 0.60; all-fail groups 0.67 of all, "
+        "rescued by replay 0.38 of them"
+    )
+
+
+def test_plot_arms_draws_a_panel_per_arm(tmp_path):
+    arms = {"off": {"s1": _points([0.0, 0.5])}, "on": {"s1": _points([0.5, 1.0]), "s2": []}}
+    png = plot_arms(arms, tmp_path / "arms.png", target=0.8)
+    with Image.open(png) as img:
+        assert img.size == (990, 440)  # 2 panels of 4.5 x 4 inches at 110 dpi
+    with pytest.raises(CurveError, match="every arm"):
+        plot_arms({"off": {"s1": []}, "on": arms["on"]}, tmp_path / "none.png")
 
 
 def test_progress_prints_each_committed_step_once(tmp_path, capsys):
