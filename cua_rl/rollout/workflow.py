@@ -277,9 +277,16 @@ class CUAAgentWorkflow(RolloutWorkflow):
         client = await self.services.monitor_client()
         if client is None:
             return
+        # Only what choose() can take: versions within max_age_versions of this one, none
+        # ahead of it (a training further on than this one would fill the pool with successes
+        # it can never use, pushing out its own), and never below 0 (the monitor refuses it).
         try:
             found = await client.successes(
-                task_id, cfg.trainings, version - cfg.max_age_versions, cfg.pool_per_task
+                task_id,
+                cfg.trainings,
+                max(version - cfg.max_age_versions, 0),
+                cfg.pool_per_task,
+                max_version=version,
             )
             for stored in found:
                 rows = await asyncio.to_thread(rebuild_rows, stored, self.processor)

@@ -74,6 +74,11 @@ async def test_recorded_successes_come_back_and_rebuild_exactly(
         assert await client.successes(TASK, [RUN], min_version=4, limit=5) == []
         assert await client.successes(TASK, ["another-run"], min_version=0, limit=5) == []
         assert len(await client.successes(TASK, [], min_version=0, limit=5)) == 1
+        # Nor one with a token sampled after the version asked for (replay cannot use it).
+        last = ep.version_max
+        assert await client.successes(TASK, [RUN], 0, 5, max_version=last - 1) == []
+        got = await client.successes(TASK, [RUN], 0, 5, max_version=last)
+        assert [e.rollout_uuid for e in got] == ["r-ok"]
     assert len(_stored_rows(served.store.path)) == 3
     # Each image stored once for the three episodes.
     with sqlite3.connect(served.store.path) as db:

@@ -348,10 +348,13 @@ def _install_episodes(app: FastAPI, read: MonitorReader, auth: DashboardAuth) ->
         task_id = _str_param(request, "task_id")
         trainings = request.query_params.getlist("training")
         min_version = _int_param(request, "min_version", -1, -1, 2**62)
+        max_version = _int_param(request, "max_version", 2**62, -1, 2**62)
         limit = _int_param(request, "limit", 1, 1, 100)
 
         def query():
-            found, skipped = episodes.successes(read.conn(), task_id, trainings, min_version, limit)
+            found, skipped = episodes.successes(
+                read.conn(), task_id, trainings, min_version, limit, max_version
+            )
             return [episodes.to_json(r, _screenshot_path) for r in found], dict(skipped)
 
         try:

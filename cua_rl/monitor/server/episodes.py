@@ -204,12 +204,17 @@ def successes(
     trainings: Sequence[str],
     min_version: int,
     limit: int,
+    max_version: int | None = None,
 ) -> tuple[list[sqlite3.Row], Counter]:
     """The newest stored successes of ``task_id`` whose oldest token has version >=
-    ``min_version``, from ``trainings`` (run names; empty: any), whole (images all stored)."""
+    ``min_version`` (and, given ``max_version``, whose newest has version <= it), from
+    ``trainings`` (run names; empty: any), whole (images all stored)."""
     require_store(conn)
     where = ["es.task_id = ?", "es.success = 1", "es.version_min >= ?"]
     params: list[Any] = [task_id, int(min_version)]
+    if max_version is not None:
+        where.append("es.version_max <= ?")
+        params.append(int(max_version))
     if trainings:
         where.append(f"t.run_name IN ({', '.join('?' * len(trainings))})")
         params += list(trainings)

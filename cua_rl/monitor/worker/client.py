@@ -168,17 +168,23 @@ class MonitorClient:
     # Unlike the records above, reads answer now: a failure raises MonitorError.
 
     async def successes(
-        self, task_id: str, trainings: list[str], min_version: int, limit: int
+        self,
+        task_id: str,
+        trainings: list[str],
+        min_version: int,
+        limit: int,
+        max_version: int | None = None,
     ) -> list[StoredEpisode]:
         """Recorded successful episodes of ``task_id`` (newest first, at most ``limit``) from
         the trainings named by run name (empty: any training) whose every token was sampled at
-        policy version ``min_version`` or later, each with its images fetched (``rebuild_rows``
-        takes it as it is). Episodes whose images the monitor lacks are left out by the server
-        (counted in its answer's ``skipped``)."""
+        policy version ``min_version`` or later (and ``max_version`` or earlier, if given), each
+        with its images fetched (``rebuild_rows`` takes it as it is). Episodes whose images the
+        monitor lacks are left out by the server (counted in its answer's ``skipped``)."""
         params: list[tuple[str, str | int]] = [
             ("task_id", task_id),
             ("min_version", int(min_version)),
             ("limit", int(limit)),
+            *((("max_version", int(max_version)),) if max_version is not None else ()),
             *(("training", t) for t in trainings),
         ]
         body = await self._get_json("/api/episodes/successes", params)
