@@ -11,7 +11,7 @@ PY_VLLM := $(VENV_VLLM)/bin/python
 PIP_QUIET ?= -q
 export CUA_VLLM_PYTHON ?= $(abspath $(PY_VLLM))
 
-.PHONY: help envs venv venv-vllm test test-fast lint format demo demo-ray clean-envs freeze-vllm models browser learn gpu-stack
+.PHONY: help envs venv venv-vllm test test-fast lint format demo demo-ray clean-envs freeze-vllm models browser learn gpu-stack gpu-trainer gpu-uv gpu-envs gpu-wheels
 SUDO := $(shell [ "$$(id -u)" = 0 ] || echo sudo)
 
 help:
@@ -22,7 +22,10 @@ help:
 	@echo "make test-fast  the suite without tests marked slow"
 	@echo "make lint       ruff check + format check"
 	@echo "make models     build the tiny local models into .cache/models"
-	@echo "make gpu-stack  GPU node only: the inference engine for rollout.backend (GPU_BACKEND=vllm|sglang, GPU_PYTHON=AReaL's python); never run here"
+	@echo "make gpu-envs   resolve the GPU environments (trainer, vllm, sglang) for linux x86_64 / Python 3.12, no install"
+	@echo "make gpu-trainer GPU node: AReaL 1.0.4 (its overrides) and cua-rl into GPU_PYTHON's environment"
+	@echo "make gpu-stack  GPU node: vLLM's own environment .venv-vllm-cuda (GPU_BACKEND=sglang: SGLang into GPU_PYTHON's)"
+	@echo "make gpu-wheels the wheels bench/gpu_device.sh needs on a lent GPU machine without network (.whl/)"
 
 venv: $(VENV)/.stamp
 venv-vllm: $(VENV_VLLM)/.stamp
@@ -104,13 +107,51 @@ freeze-vllm: venv-vllm
 	$(PY_VLLM) -m pip freeze --exclude-editable | grep -vE '^(torchaudio|torchcodec)==' > requirements/vllm-constraints.txt.new
 	@echo "review and move requirements/vllm-constraints.txt.new over requirements/vllm-constraints.txt"
 
-# The GPU inference stack (cua_rl/app/stack.py), into the environment AReaL trains in on a GPU
-# node; never run by test or demo, and written, never run on a GPU (CUDA wheels, no GPU here).
-#   make gpu-stack GPU_PYTHON=/path/to/areal-env/bin/python GPU_BACKEND=sglang
-GPU_PYTHON ?= python
+# GPU nodes (docs/gpu.md); never run by test or demo. Two environments, each resolved for linux
+# x86_64 / CPython 3.12 by `make gpu-envs` (and tests/inference/test_environments.py):
+#   make gpu-trainer GPU_PYTHON=<the trainer's python>   AReaL 1.0.4 as AReaL resolves it
+#       (its overrides, requirements/areal-overrides.txt) and cua-rl, with uv: into an
+#       existing AReaL environment it adds cua-rl and keeps what satisfies AReaL's pins
+#   make gpu-stack                                       the inference server's own environment
+#       (.venv-vllm-cuda, requirements/gpu-vllm.txt); never AReaL's
+#   make gpu-stack GPU_BACKEND=sglang GPU_PYTHON=...     AReaL's sglang extra in AReaL's
+#       environment, resolved with AReaL's overrides (inference.environment=areal)
+GPU_PYTHON ?= python3
 GPU_BACKEND ?= vllm
+GPU_VENV := .venv-vllm-cuda
+# The inference environment's Python (vLLM 0.32 wheels: CPython 3.10-3.13).
+GPU_VENV_PYTHON ?= python3.12
+# uv for the installs: it applies AReaL's overrides, which pip cannot.
+GPU_UV = $(GPU_PYTHON) -m uv
+
+gpu-uv:
+	@$(GPU_UV) --version >/dev/null 2>&1 || $(GPU_PYTHON) -m pip install $(PIP_QUIET) uv==0.13.9
+
+gpu-trainer: gpu-uv
+	$(GPU_UV) pip install --python $(GPU_PYTHON) "areal==1.0.4" -e . --override requirements/areal-overrides.txt
+
 gpu-stack:
-	$(GPU_PYTHON) -m pip install -r requirements/gpu-$(GPU_BACKEND).txt
+ifeq ($(GPU_BACKEND),vllm)
+	@test -x $(GPU_VENV)/bin/python || $(GPU_VENV_PYTHON) -m venv $(GPU_VENV)
+	$(GPU_VENV)/bin/python -m pip install $(PIP_QUIET) -r requirements/gpu-vllm.txt
+	$(GPU_VENV)/bin/python -c "import vllm; print('vllm', vllm.__version__, 'in $(GPU_VENV)')"
+else ifeq ($(GPU_BACKEND),sglang)
+	$(MAKE) gpu-uv GPU_PYTHON=$(GPU_PYTHON)
+	$(GPU_UV) pip install --python $(GPU_PYTHON) -r requirements/gpu-sglang.txt --override requirements/areal-overrides.txt
+else
+	@echo "GPU_BACKEND=$(GPU_BACKEND): use vllm (the server's own environment) or sglang (AReaL's)"; exit 2
+endif
+
+# For a lent GPU machine with no network: the wheels bench/gpu_device.sh installs there (docs/gpu.md).
+gpu-wheels:
+	$(PYTHON) -m pip download $(PIP_QUIET) --no-deps --only-binary=:all: --python-version 3.12 \
+	  --implementation cp --platform manylinux_2_28_x86_64 --platform manylinux_2_17_x86_64 \
+	  --platform manylinux2014_x86_64 --platform manylinux1_x86_64 -d .whl \
+	  -r requirements/gpu-device-wheels.txt
+
+# The documented GPU environments, resolved here without installing (needs the package registry).
+gpu-envs: venv
+	$(PY) -m cua_rl.inference.environments
 
 clean-envs:
 	rm -rf $(VENV) $(VENV_VLLM)

@@ -34,7 +34,7 @@ FAULT_SECONDS = {
 AFTERMATH_S = 60.0
 
 ROLE_MARKS = (
-    ("vllm", "cua_rl.cpu.vllm_server"),
+    ("vllm", "cua_rl.inference.vllm_server"),
     ("actor", "--role actor"),
     ("rollout", "--role rollout"),
     ("eval-rollout", "--role eval-rollout"),

@@ -41,11 +41,11 @@ def _actors(mb_tokens: int):
     from areal.engine.fsdp_engine import FSDPPPOActor
 
     from cua_rl.areal.actor import CuaPPOActor
-    from cua_rl.cpu.training import patch_packed_attention
+    from cua_rl.areal.attention import keep_packed_sequences_apart
     from cua_rl.testing.actor import actor_config, make_actor
     from cua_rl.testing.cache import ensure_model
 
-    patch_packed_attention()
+    keep_packed_sequences_apart()
     model_dir = ensure_model("qwen2-vl-byte")
     config = actor_config(model_dir)
     config.mb_spec.max_tokens_per_mb = mb_tokens

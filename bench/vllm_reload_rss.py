@@ -3,7 +3,7 @@
 The training's model server reloads the whole checkpoint from disk after every step (AReaL's
 disk mode, ``POST /areal_update_weights``), and in a 60-minute soak its anonymous memory rose
 2479 -> 3000 MiB, steeply at first, then levelling off (docs/soak.md). This bench starts the
-server as the rollout worker does (``cua_rl.cpu.vllm_server`` with AReaL's arguments and the
+server as the rollout worker does (``cua_rl.inference.vllm_server`` with AReaL's arguments and the
 worker's environment, the tiny Qwen2-VL of ``configs/local.yaml``), then repeats ``--rounds``
 times: ``--requests`` concurrent chat completions of varied length with 0 to 4 screenshots
 (360x640, as the local gym's), and a reload from a freshly written checkpoint folder

@@ -12,7 +12,8 @@ seed (cua_rl/areal/ports.py): before that, trainings of one config drew the same
 trainings per family (tests/app/test_families_train.py) ride with the learning group, the
 trainings per context policy (tests/app/test_context_train.py) and the training through a model
 outage (tests/app/test_model_outage.py) ride with the run-end group; so do the PPO smoke steps
-(learning) and the evaluation-only run (run-end), which kept the main process the longest
+and the GPU environments' resolutions, which wait on the package registry (learning), and the
+evaluation-only run (run-end), which kept the main process the longest
 (main 2,098 s, learning 1,823 s, run-end 1,842 s in a fresh-clone CI run).
 
     python scripts/test_shards.py [--log-dir DIR] [-- extra pytest args for every process]
@@ -38,6 +39,7 @@ BESIDE = {
         "tests/cluster",
         "tests/app/test_families_train.py",
         "tests/cpu/test_ppo_smoke.py",
+        "tests/inference/test_environments.py",
     ),
     "run-end": (
         "tests/app/test_run_end.py",

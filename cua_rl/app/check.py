@@ -182,12 +182,15 @@ def workflow_check(config: CUAConfig) -> CheckResult:
 def run_check(config: CUAConfig) -> int:
     print(f"ok   config   {config.experiment_name}/{config.trial_name} is valid")
     from cua_rl.app.check_cluster import cluster_checks
+    from cua_rl.app.check_gpu import gpu_check
+    from cua_rl.app.harness import cuda_available
     from cua_rl.app.stack import stack_check
 
     results = [
         family_check(config),
         workflow_check(config),
         stack_check(config),
+        *gpu_check(config, cuda=cuda_available()),
         *cluster_checks(config, dict(os.environ)),
         *asyncio.run(check_services(config)),
     ]

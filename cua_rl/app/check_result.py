@@ -1,11 +1,14 @@
 """One line of ``--check``'s report: a service or setting, whether it passed, and the detail.
 
-Its own module so that the checks living beside ``check.py`` (cluster paths, the GPU stack)
-share it without importing the module that imports them.
+Its own module so that the checks living beside ``check.py`` (cluster paths, the inference
+environment, the GPU step) share it without importing the module that imports them;
+``tool_report`` runs the helper processes of the last two.
 """
 
 from __future__ import annotations
 
+import json
+import subprocess
 from dataclasses import dataclass
 
 
@@ -17,3 +20,14 @@ class CheckResult:
 
     def line(self) -> str:
         return f"{'ok  ' if self.ok else 'FAIL'} {self.name:<8} {self.detail}"
+
+
+def tool_report(cmd: list[str], *, env: dict[str, str], timeout_s: float, prefix: str):
+    """Run a check's helper process; its report is the JSON after ``prefix`` on its last such
+    line. Returns (report, "") or (None, why there is none: the exit code and the last line)."""
+    proc = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=timeout_s)
+    for line in reversed(proc.stdout.splitlines()):
+        if line.startswith(prefix):
+            return json.loads(line[len(prefix) :]), ""
+    tail = (proc.stderr or proc.stdout).strip().splitlines()[-1:] or ["no output"]
+    return None, f"exited with code {proc.returncode}: {tail[0][:300]}"

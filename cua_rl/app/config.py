@@ -34,6 +34,7 @@ from cua_rl.gateway.config import (
     outage_warning,
     pause_warning,
 )
+from cua_rl.inference.config import InferenceSection
 from cua_rl.logs import get_logger
 from cua_rl.reward import RewardConfig
 from cua_rl.rollout.drain import DrainConfig
@@ -220,6 +221,10 @@ class CUAConfig(GRPOConfig):
         "(each episode counted once, however many rows it has); actor.reward_norm stays null",
         factory=GroupNormConfig,
     )
+    inference: InferenceSection = doc(
+        help="Where the rollout workers start the inference server from (docs/gpu.md)",
+        factory=InferenceSection,
+    )
     cpu: bool = doc(
         False,
         "Train on this machine's CPU with the harness in cua_rl/cpu (make demo, make learn, "
@@ -297,6 +302,7 @@ class CUAConfig(GRPOConfig):
                 "monitor.db_path is set: point it at a monitor, give an SQLite path for the "
                 "embedded one, or set monitor.enabled=false"
             )
+        self.inference.check(self)
         if not self.cpu:
             check_placement(self)
 

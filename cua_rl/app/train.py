@@ -87,10 +87,22 @@ def total_steps(config: CUAConfig, n_train: int) -> int:
 
 def configure_platform(config: CUAConfig) -> None:
     """With ``cpu: true``, make the config and this process fit AReaL's CPU path
-    (docs/areal-cpu.md). Before the monitor records the config: the record is the config that
-    runs. The config decides, not this machine's CUDA: a Ray or Slurm trainer usually has none
-    (cua_rl/app/harness.py)."""
+    (docs/areal-cpu.md); on GPUs with ``inference.environment: own``, make the rollout workers
+    start vLLM from its own environment (docs/gpu.md). Before the monitor records the config:
+    the record is the config that runs. The config decides, not this machine's CUDA: a Ray or
+    Slurm trainer usually has none (cua_rl/app/harness.py)."""
     if not config.cpu:
+        if config.inference.own(config):
+            from cua_rl.inference.config import use_own_environment
+
+            python = config.inference.interpreter(cpu=False)
+            if not Path(python).exists():
+                raise ConfigError(
+                    f"the inference environment's interpreter {python} does not exist: run "
+                    "`make gpu-stack` on this node (docs/gpu.md), or set inference.python"
+                )
+            for line in use_own_environment(config, python):
+                log.info("[inference] %s", line)
         return
     from cua_rl.cpu.training import enable_cpu_training
 
@@ -114,6 +126,10 @@ def connect_cluster(config: CUAConfig) -> None:
         import ray
 
         pin_host_ip(ray.util.get_node_ip_address())
+    elif config.inference.own(config):
+        from cua_rl.areal.worker import RAY_SETUP_HOOK
+
+        connect(RAY_SETUP_HOOK)
     else:
         connect()
 

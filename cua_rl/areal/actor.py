@@ -1,20 +1,21 @@
 """The FSDP actor every cua-rl training runs, selective logits or not, and the trainer factory.
 
 AReaL's controller sends each training worker its engine class by dotted path; the worker imports
-that module and nothing else of cua-rl. A correctness fix the worker needs (transformers'
-Qwen2.5-VL image positions, ``cua_rl.areal.positions``) is therefore applied by importing this
-module, and every fsdp train engine (actor, reference, teacher) is made from a class defined here
-or in a module that imports it: ``CuaPPOActor`` (AReaL's ``FSDPPPOActor`` with the vision
-deduplication of ``cua_rl.areal.vision_dedup``, switched by ``actor.vision.dedup``) when
-``logits.selective`` is off, ``logits_engine.SelectiveLogitsPPOActor`` (its subclass) when on.
-So an optimisation switch never decides whether a fix applies. ``CuaPPOActor.ppo_update`` returns
-the heap's free pages after each update (``cua_rl.heap``); ``compute_advantages`` keeps each row's
-own images (AReaL's would hand every row a copy of the whole batch's).
+that module and nothing else of cua-rl. The correctness fixes the worker needs (transformers'
+Qwen2.5-VL image positions, ``cua_rl.areal.positions``; SDPA within each packed sequence,
+``cua_rl.areal.attention``) are therefore applied by importing this module, and every fsdp train
+engine (actor, reference, teacher) is made from a class defined here or in a module that imports
+it: ``CuaPPOActor`` (AReaL's ``FSDPPPOActor`` with the vision deduplication of
+``cua_rl.areal.vision_dedup``, switched by ``actor.vision.dedup``) when ``logits.selective`` is
+off, ``logits_engine.SelectiveLogitsPPOActor`` (its subclass) when on. So an optimisation switch
+never decides whether a fix applies. ``CuaPPOActor.ppo_update`` returns the heap's free pages after
+each update (``cua_rl.heap``); ``compute_advantages`` keeps each row's own images (AReaL's would
+hand every row a copy of the whole batch's).
 
-``ActorMixin`` overrides ``PPOTrainer._create_train_engine`` (declared in
-``cua_rl.areal.support``) with AReaL's fsdp branch and ``actor_class``; other backends
-(megatron, archon) are AReaL's own, whose models are not transformers' and get no fix. It also
-gives the scheduler the config's ``worker_startup_s`` (``_init_scheduler``).
+``ActorMixin`` overrides ``PPOTrainer._create_train_engine`` (declared in ``cua_rl.areal.support``)
+with AReaL's fsdp branch and ``actor_class``; other backends (megatron, archon) are AReaL's own,
+whose models are not transformers' and get no fix. It also gives the scheduler the config's
+``worker_startup_s`` (``_init_scheduler``).
 """
 
 from __future__ import annotations
@@ -26,6 +27,7 @@ from areal import PPOTrainer
 from areal.engine.fsdp_engine import FSDPPPOActor
 from areal.utils.environ import is_single_controller
 
+from cua_rl.areal.attention import keep_packed_sequences_apart
 from cua_rl.areal.positions import fix_qwen2_5_vl_image_positions
 from cua_rl.areal.vision_dedup import VisionDedupMixin
 from cua_rl.heap import hold_mmap_threshold, release_free_memory
@@ -33,6 +35,8 @@ from cua_rl.heap import hold_mmap_threshold, release_free_memory
 # Workers import this module by the engine's dotted path: the trainer's Qwen2.5-VL positions
 # then match vLLM's.
 fix_qwen2_5_vl_image_positions()
+# actor.attn_impl: sdpa attends within each packed sequence only (cua_rl/areal/attention.py).
+keep_packed_sequences_apart()
 # Each update's tensors keep their own mappings, returned when freed (cua_rl/heap.py).
 hold_mmap_threshold()
 

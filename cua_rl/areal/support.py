@@ -119,6 +119,12 @@ RELIANCES: tuple[Reliance, ...] = (
         _FSDP, "FSDPEngine.parallel_helper", _VISION + " reads", set_by="create_process_group"
     ),
     Reliance(_FSDP, "FSDPEngine.enable_tree_training", _VISION + " reads", set_by="__init__"),
+    Reliance(
+        _FSDP,
+        "FSDPEngine.device",
+        _VISION + " makes its statistics there (NCCL reduces no CPU tensor)",
+        set_by="_create_device_model",
+    ),
     Reliance("areal.utils.data", "MicroBatchList.forward_indices", _VISION + " reads"),
     Reliance(
         "areal.utils.data",
@@ -212,23 +218,26 @@ RELIANCES: tuple[Reliance, ...] = (
     # The free-port draw made independent of the seed (a module global replaced).
     Reliance("areal.utils.network", "random", "cua_rl/areal/ports.py replaces"),
     Reliance("areal.utils.network", "find_free_ports", "cua_rl/areal/ports.py changes the draw of"),
-    # The no-GPU harness: the vLLM server's launch and start-up wait replaced in the workers.
+    # vLLM from its own environment (GPU and CPU): the launch and start-up wait replaced in the
+    # rollout workers.
     Reliance(
-        "areal.engine.vllm_remote", "VLLMBackend.launch_server", "cua_rl/cpu/training.py replaces"
+        "areal.engine.vllm_remote",
+        "VLLMBackend.launch_server",
+        "cua_rl/inference/launch.py replaces",
     ),
-    Reliance("areal.engine.vllm_remote", "TRITON_CACHE_PATH", "cua_rl/cpu/training.py reads"),
+    Reliance("areal.engine.vllm_remote", "TRITON_CACHE_PATH", "cua_rl/inference/launch.py reads"),
     Reliance(
         "areal.infra.remote_inf_engine",
         "RemoteInfEngine._wait_for_server",
-        "cua_rl/cpu/training.py replaces",
+        "cua_rl/inference/launch.py replaces",
     ),
     Reliance(
         "areal.infra.remote_inf_engine",
         "RemoteInfEngine.check_health",
-        "cua_rl/cpu/training.py calls",
+        "cua_rl/inference/launch.py calls",
     ),
-    Reliance("areal.api.cli_args", "get_py_cmd", "cua_rl/cpu/training.py calls"),
-    Reliance("areal.infra.rpc.rpc_server", "main", "cua_rl/cpu/rpc_worker.py calls"),
+    Reliance("areal.api.cli_args", "get_py_cmd", "cua_rl/inference/launch.py calls"),
+    Reliance("areal.infra.rpc.rpc_server", "main", "cua_rl/areal/worker.py calls"),
     Reliance(
         "areal.infra.async_task_runner",
         "AsyncTaskRunner.destroy",
@@ -283,7 +292,7 @@ RELIANCES: tuple[Reliance, ...] = (
         "cua_rl/cpu/training.py wraps it, defaulting container_type and container_mounts",
         params=("container_type", "container_mounts"),
     ),
-    Reliance("areal.engine.vllm_remote", "logger", "cua_rl/cpu/training.py logs to"),
+    Reliance("areal.engine.vllm_remote", "logger", "cua_rl/inference/launch.py logs to"),
     Reliance("areal.utils.data", "concat_padded_tensors", "cua_rl/trajectory/row.py calls"),
     # Outside AReaL, at the versions it pins: a correctness fix and the loopback store.
     Reliance(
@@ -291,6 +300,17 @@ RELIANCES: tuple[Reliance, ...] = (
         "Qwen2_5_VLModel.get_vision_position_ids",
         "cua_rl/areal/positions.py wraps (the trainer's Qwen2.5-VL image positions)",
         params=("start_position", "grid_thw", "time_interval"),
+    ),
+    Reliance(
+        "transformers.modeling_utils",
+        "ALL_ATTENTION_FUNCTIONS",
+        "cua_rl/areal/attention.py replaces its sdpa entry",
+    ),
+    Reliance(
+        "transformers.integrations.sdpa_attention",
+        "sdpa_attention_forward",
+        "cua_rl/areal/attention.py calls it once per packed sequence",
+        params=("module", "query", "key", "value", "attention_mask"),
     ),
     Reliance("torch.distributed.rendezvous", "_create_c10d_store", "cua_rl/cpu/loopback.py wraps"),
     Reliance(

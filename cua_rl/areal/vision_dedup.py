@@ -21,7 +21,8 @@ gets one tower call per micro-batch that holds an image, on every rank, as with 
 require gradients before FSDP wraps the model. The tower hook counts what it encodes; each
 batch records ``cua_vision/row_images`` (images its rows hold), ``cua_vision/distinct_images``
 (distinct per micro-batch) and ``cua_vision/encoded_images`` (what the tower ran on), summed over
-the step's forward passes and ranks. Where deduplication cannot apply the batch takes AReaL's
+the step's forward passes and ranks, made on the engine's device (NCCL reduces nothing else).
+Where deduplication cannot apply the batch takes AReaL's
 path, and the reason is logged once. docs/vision.md has the design and the measurements.
 """
 
@@ -136,11 +137,17 @@ def _distinct_images(media: Sequence[Mapping[str, Any]]) -> int:
     return len(keys)
 
 
-def _count(name: str, n: int) -> None:
-    # A SUM-reduced statistic (AReaL's denominators sum their booleans): a step's total over
-    # its forward passes and ranks.
+def count(name: str, n: int, device: torch.device | str) -> None:
+    """Record ``cua_vision/<name>`` += ``n``: a SUM-reduced statistic (AReaL's denominators
+    sum their booleans), a step's total over its forward passes and ranks.
+
+    The tensor is made on ``device``, the engine's: ``export_stats`` all-reduces it over the
+    data-parallel group, and NCCL refuses a CPU tensor ("No backend type associated with device
+    type cpu") where gloo, the only backend a CPU run has, takes it.
+    """
     with stats_tracker.DEFAULT_TRACKER.disable_scope():
-        stats_tracker.denominator(**{f"cua_vision/{name}": torch.arange(max(n, 1)) < n})
+        flags = torch.arange(max(n, 1), device=device) < n
+        stats_tracker.denominator(**{f"cua_vision/{name}": flags})
 
 
 @dataclass
@@ -277,8 +284,8 @@ class VisionDedupMixin:
             self._fall_back(reason)
             mb_list = super()._prepare_mb_list(input_)
             distinct = sum(_distinct_images([media[r] for r in g]) for g in _mb_rows(mb_list))
-            _count("row_images", images)
-            _count("distinct_images", distinct)
+            count("row_images", images, self.device)
+            count("distinct_images", distinct, self.device)
             return mb_list
         # AReaL concatenates each micro-batch's pixel_values: give it none, then the distinct ones.
         stripped = [{k: v for k, v in m.items() if k != "pixel_values"} for m in media]
@@ -294,8 +301,8 @@ class VisionDedupMixin:
             padded[GRID_KEY] = plan.grid
             padded[INDEX_KEY] = plan.token_index
             distinct += plan.distinct
-        _count("row_images", images)
-        _count("distinct_images", distinct)
+        count("row_images", images, self.device)
+        count("distinct_images", distinct, self.device)
         return mb_list
 
     def _prepare_mb_inputs(self, mb_item):
@@ -315,4 +322,4 @@ class VisionDedupMixin:
         finally:
             self._image_plan = None
             if self._tower_hooked:
-                _count("encoded_images", self._encoded)
+                count("encoded_images", self._encoded, self.device)

@@ -18,7 +18,7 @@ with a growing backoff (capped at ``OUTAGE_BACKOFF_CAP_S``) until ``gateway.mode
 it is held across a weight update; an answer cut on the wire was never received, so the re-send
 samples what the agent gets and what is trained, once.
 
-Versions: ``cua_rl.cpu.vllm_server`` labels each weight load with its AReaL version, so the
+Versions: ``cua_rl.inference.vllm_server`` labels each weight load with its AReaL version, so the
 server's spans are exact; a server that does not (label ``default``) gets AReaL's own rule, the
 engine's version when the answer came back.
 """

@@ -214,6 +214,11 @@ def window_rows(
     ]
 
 
+def group_rows(turns: int, *, window: int | None, seeds=(1, 2), **kwargs: Any) -> list[dict]:
+    """A GRPO group's rows: one episode of ``window_rows`` per seed, in order."""
+    return [row for seed in seeds for row in window_rows(turns, window=window, seed=seed, **kwargs)]
+
+
 def pixel_key(pixels: torch.Tensor) -> int:
     """A screenshot's content key (the row's ``image_keys``) from its pixel values."""
     from cua_rl.trajectory.row import image_key_of

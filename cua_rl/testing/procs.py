@@ -95,10 +95,10 @@ def pss_bytes(pids: list[int]) -> int:
 
 
 def vllm_port(root: int) -> int | None:
-    """The port of the vLLM server started below ``root`` (``cua_rl.cpu.vllm_server ... --port
+    """The port of the vLLM server started below ``root`` (``cua_rl.inference.vllm_server ... --port
     N``, as train.py starts it), read from its command line; None until it runs."""
     for pid in descendants(root):
         cmd = _cmdline(pid)
-        if "cua_rl.cpu.vllm_server" in cmd and (m := re.search(r"--port (\d+)", cmd)):
+        if "cua_rl.inference.vllm_server" in cmd and (m := re.search(r"--port (\d+)", cmd)):
             return int(m.group(1))
     return None

@@ -73,7 +73,7 @@ class VLLMServer:
         return [
             str(vllm_python()),
             "-m",
-            "cua_rl.cpu.vllm_server",
+            "cua_rl.inference.vllm_server",
             "--enable-scale-out",
             "--logprobs-mode", "processed_logprobs",
             "--model", str(self.model_dir),

@@ -78,17 +78,62 @@ def test_cpu_true_selects_the_harness_whatever_the_machine(tmp_path, scheduler):
 
 
 def test_the_slurm_start_up_leaves_areal_as_it_is(tmp_path):
-    """configure_platform on a slurm GPU config: no disk weight updates, no CPU worker command, no
-    native (container-less) Slurm patch."""
+    """configure_platform on a slurm GPU config: vLLM from its own environment (the worker
+    command and the interpreter), disk weight updates, no CPU worker command, no native
+    (container-less) Slurm patch."""
     from areal.infra.scheduler.slurm import SlurmScheduler
 
-    cfg = load(tmp_path, "slurm")
+    python = tmp_path / "vllm-cuda" / "bin" / "python"
+    python.parent.mkdir(parents=True)
+    python.write_text("")
+    cfg = load(tmp_path, "slurm", f"inference.python={python}")
     init = SlurmScheduler.__init__
     configure_platform(cfg)
     assert SlurmScheduler.__init__ is init
-    assert cfg.actor.weight_update_mode == "xccl"
+    assert cfg.actor.weight_update_mode == "disk"
+    assert cfg.vllm.worker_extension_cls == "cua_rl.inference.vllm_worker.DiskWeightReloadExtension"
     for spec in (cfg.actor.scheduling_spec[0], cfg.rollout.scheduling_spec[0]):
-        assert spec.gpu == 1 and spec.cmd == "python -m areal.infra.rpc.rpc_server"
+        assert spec.gpu == 1 and spec.cmd == "python -m cua_rl.areal.worker"
+        assert spec.env_vars["CUA_VLLM_PYTHON"] == str(python)
+
+
+def test_a_gpu_start_without_the_inference_environment_says_how_to_make_it(tmp_path):
+    cfg = load(tmp_path, "local", f"inference.python={tmp_path / 'none' / 'python'}")
+    with pytest.raises(ConfigError, match="does not exist: run `make gpu-stack`"):
+        configure_platform(cfg)
+
+
+@pytest.mark.parametrize(
+    "overrides",
+    [
+        ["rollout.backend=sglang:d4"],  # environment auto: SGLang runs from AReaL's
+        ["inference.environment=areal", "actor.weight_update_mode=xccl"],
+    ],
+)
+def test_areals_own_launch_is_left_as_it_is(tmp_path, overrides):
+    cfg = load(tmp_path, "local", *overrides)
+    assert not cfg.inference.own(cfg)
+    configure_platform(cfg)
+    assert cfg.rollout.scheduling_spec[0].cmd == "python -m cua_rl.areal.worker"
+    assert "CUA_VLLM_PYTHON" not in cfg.rollout.scheduling_spec[0].env_vars
+
+
+@pytest.mark.parametrize(
+    ("overrides", "needle"),
+    [
+        (
+            ["inference.environment=own", "rollout.backend=sglang:d4"],
+            "only vLLM runs from an environment of its own",
+        ),
+        (
+            ["actor.weight_update_mode=xccl"],
+            "no NCCL weight routes; set actor.weight_update_mode=disk",
+        ),
+    ],
+)
+def test_what_an_own_environment_cannot_serve_is_refused(tmp_path, overrides, needle):
+    with pytest.raises(ConfigError, match=needle):
+        load(tmp_path, "local", *overrides)
 
 
 def _train(tmp_path: Path, scheduler: str) -> subprocess.CompletedProcess:

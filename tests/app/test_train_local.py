@@ -98,7 +98,7 @@ def test_a_running_demo_listens_on_loopback_only_and_talks_to_nothing_else(demo_
         "cua_rl.cpu.rpc_worker",
         "--role actor",
         "--role rollout",
-        "cua_rl.cpu.vllm_server",
+        "cua_rl.inference.vllm_server",
     ):
         assert any(who in e.cmd for e in listeners), (who, sorted(map(str, listeners)))
     assert off_loopback(list(demo_run.sockets)) == []
@@ -195,7 +195,7 @@ def _recorded_config_is_the_config_that_ran(db: Path) -> None:
     vllm_python = os.environ.get("CUA_VLLM_PYTHON") or str(ROOT / ".venv-vllm" / "bin" / "python")
     cpu = {
         "vllm.block_size": 32,
-        "vllm.worker_extension_cls": "cua_rl.cpu.vllm_worker.DiskWeightReloadExtension",
+        "vllm.worker_extension_cls": "cua_rl.inference.vllm_worker.DiskWeightReloadExtension",
     }
     for role in ("actor", "rollout"):
         spec = f"{role}.scheduling_spec.0"

@@ -141,12 +141,12 @@ def actors(tiny_vl_model_dir):
     from areal.utils import stats_tracker
     from transformers.modeling_utils import ALL_ATTENTION_FUNCTIONS
 
-    from cua_rl.cpu.training import patch_packed_attention
+    from cua_rl.areal.attention import keep_packed_sequences_apart
     from cua_rl.testing.actor import actor_config, make_actor
 
     # As in a CPU worker: SDPA that keeps packed rows apart.
     original_sdpa = ALL_ATTENTION_FUNCTIONS["sdpa"]
-    patch_packed_attention()
+    keep_packed_sequences_apart()
     # ~450 tokens per micro-batch: the six rows (about 1,000 tokens) pack into three
     # micro-batches of several rows each.
     config = actor_config(tiny_vl_model_dir, temperature=TEMPERATURE)

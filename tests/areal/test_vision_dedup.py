@@ -162,13 +162,13 @@ def actors(request):
     from transformers.modeling_utils import ALL_ATTENTION_FUNCTIONS
 
     from cua_rl.areal.actor import CuaPPOActor
+    from cua_rl.areal.attention import keep_packed_sequences_apart
     from cua_rl.areal.logits_engine import SelectiveLogitsPPOActor
-    from cua_rl.cpu.training import patch_packed_attention
     from cua_rl.testing.actor import actor_config, make_actor
     from cua_rl.testing.cache import ensure_model
 
     original_sdpa = ALL_ATTENTION_FUNCTIONS["sdpa"]
-    patch_packed_attention()
+    keep_packed_sequences_apart()
     model_dir = ensure_model(request.param)
     config = actor_config(model_dir, temperature=TEMPERATURE)
     areal = make_actor(FSDPPPOActor, copy.deepcopy(config))
@@ -192,18 +192,12 @@ def actors(request):
 
 def _rows(actors) -> list[dict]:
     """Two episodes of 4 calls, MAI-UI's window (3 screenshots): 8 rows, 18 images (1 + 2 + 3 + 3 each), 8 distinct."""
-    from cua_rl.testing.actor import vision_geometry, window_rows
+    from cua_rl.testing.actor import group_rows, vision_geometry
 
     areal, _, model_dir, *_ = actors
     vocab = areal.model.get_output_embeddings().weight.shape[0]
     patch_dim, merge = vision_geometry(model_dir)
-    return [
-        row
-        for seed in (1, 2)
-        for row in window_rows(
-            4, window=3, vocab_size=vocab, patch_dim=patch_dim, merge=merge, seed=seed
-        )
-    ]
+    return group_rows(4, window=3, vocab_size=vocab, patch_dim=patch_dim, merge=merge)
 
 
 def _set_mb_tokens(actors, tokens: int) -> None:

@@ -28,12 +28,12 @@ from areal.api.io_struct import FinetuneSpec
 from cua_rl.areal.actor import CuaPPOActor
 from cua_rl.areal.vision_dedup import vision_tower
 from cua_rl.cpu.loopback import torch_on_loopback
-from cua_rl.cpu.training import patch_packed_attention
+from cua_rl.areal.attention import keep_packed_sequences_apart
 from cua_rl.testing.actor import actor_config, vision_geometry, window_rows
 
 rank, model_dir = int(sys.argv[1]), sys.argv[2]
 torch_on_loopback()
-patch_packed_attention()
+keep_packed_sequences_apart()
 config = actor_config(model_dir, backend="fsdp:d2")
 config.mb_spec.max_tokens_per_mb = 260
 actor = CuaPPOActor(config)

@@ -23,12 +23,12 @@ def actors():
     from transformers.modeling_utils import ALL_ATTENTION_FUNCTIONS
 
     from cua_rl.areal.actor import CuaPPOActor
-    from cua_rl.cpu.training import patch_packed_attention
+    from cua_rl.areal.attention import keep_packed_sequences_apart
     from cua_rl.testing.actor import actor_config, make_actor
     from cua_rl.testing.cache import ensure_model
 
     original_sdpa = ALL_ATTENTION_FUNCTIONS["sdpa"]
-    patch_packed_attention()
+    keep_packed_sequences_apart()
     model_dir = ensure_model("qwen3-vl")
     optimizer = OptimizerConfig(
         lr=1e-2,

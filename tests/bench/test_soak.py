@@ -105,7 +105,7 @@ def test_worker_view_reads_rejections_and_surplus_episodes(soak):
 
 def test_roles_come_from_the_nearest_marked_command_line(soak):
     engine = "python -m vllm.v1.engine.core"
-    server = "python -m cua_rl.cpu.vllm_server --port 1"
+    server = "python -m cua_rl.inference.vllm_server --port 1"
     worker = "python -m cua_rl.cpu.rpc_worker --role rollout --port 2"
     trainer = "python -m examples.cua_agent.train --config configs/local.yaml"
     assert soak.role_of([engine, server, worker, trainer]) == "vllm"

@@ -3,9 +3,7 @@
 from __future__ import annotations
 
 import copy
-import os
 import re
-import sys
 from pathlib import Path
 
 import pytest
@@ -83,7 +81,9 @@ def test_defaults_are_rewritten_for_cpu(config, fake_vllm_python):
 
     assert config.actor.weight_update_mode == "disk"
     assert config.actor.attn_impl == "sdpa"
-    assert config.vllm.worker_extension_cls == "cua_rl.cpu.vllm_worker.DiskWeightReloadExtension"
+    assert (
+        config.vllm.worker_extension_cls == "cua_rl.inference.vllm_worker.DiskWeightReloadExtension"
+    )
     assert config.vllm.block_size == 32
     for section in (config.actor, config.rollout):
         spec = section.scheduling_spec[0]
@@ -166,123 +166,3 @@ def test_a_custom_worker_command_is_refused(config, fake_vllm_python):
 def test_missing_vllm_interpreter_says_how_to_fix(config, tmp_path):
     with pytest.raises(ConfigError, match="make venv-vllm"):
         cpu.enable_cpu_training(config, vllm_python=str(tmp_path / "nope" / "python"))
-
-
-def test_server_command_uses_vllm_python_and_our_module(config, fake_vllm_python):
-    from areal.api.cli_args import vLLMConfig
-
-    cpu.enable_cpu_training(config, vllm_python=fake_vllm_python)
-    args = vLLMConfig.build_args(config.vllm, tp_size=1, pp_size=1, host="127.0.0.1", port=1234)
-    cmd = cpu.server_command(args, vllm_python=fake_vllm_python)
-    areal_cmd = vLLMConfig.build_cmd_from_args(args)
-    assert areal_cmd[:3] == ["python3", "-m", "areal.engine.vllm_ext.areal_vllm_server"]
-    assert cmd[:3] == [fake_vllm_python, "-m", "cua_rl.cpu.vllm_server"]
-    # Everything after the module is AReaL's own argument list, unchanged.
-    assert cmd[3:] == areal_cmd[3:]
-    i = cmd.index("--worker-extension-cls")
-    assert cmd[i + 1] == "cua_rl.cpu.vllm_worker.DiskWeightReloadExtension"
-
-
-def test_server_env_drops_the_trainer_site_packages(monkeypatch):
-    trainer_site = next(p for p in sys.path if p.endswith("site-packages"))
-    base = {
-        "PYTHONPATH": os.pathsep.join([os.getcwd(), trainer_site]),
-        "VIRTUAL_ENV": "x",
-        "KEEP": "1",
-    }
-    env = cpu.server_env(base)
-    assert trainer_site not in env["PYTHONPATH"].split(os.pathsep)
-    assert (Path(env["PYTHONPATH"]) / "cua_rl" / "cpu" / "vllm_server.py").exists()
-    assert "VIRTUAL_ENV" not in env and env["KEEP"] == "1"
-    assert base["VIRTUAL_ENV"] == "x"  # the caller's dict is not modified
-
-
-def test_server_env_holds_the_server_s_memory_settings_unless_the_worker_sets_them():
-    env = cpu.server_env({"MALLOC_MMAP_THRESHOLD_": "65536"})
-    assert env["ONEDNN_PRIMITIVE_CACHE_CAPACITY"] == "0"
-    assert env["MALLOC_MMAP_THRESHOLD_"] == "65536"
-    assert cpu.server_env({})["MALLOC_MMAP_THRESHOLD_"] == "131072"
-
-
-def test_patch_worker_replaces_areal_launch(monkeypatch, tmp_path):
-    import subprocess
-
-    from areal.engine import vllm_remote
-    from areal.infra import remote_inf_engine
-    from transformers.modeling_utils import ALL_ATTENTION_FUNCTIONS
-
-    # Everything patch_worker replaces is put back after the test.
-    original = vllm_remote.VLLMBackend.launch_server
-    monkeypatch.setattr(vllm_remote.VLLMBackend, "launch_server", original)
-    wait = remote_inf_engine.RemoteInfEngine._wait_for_server
-    monkeypatch.setattr(remote_inf_engine.RemoteInfEngine, "_wait_for_server", wait)
-    monkeypatch.setitem(ALL_ATTENTION_FUNCTIONS, "sdpa", ALL_ATTENTION_FUNCTIONS["sdpa"])
-    launched = []
-
-    class _Popen:
-        def __init__(self, cmd, env, **kwargs):
-            launched.append((cmd, env))
-
-    monkeypatch.setattr(subprocess, "Popen", _Popen)
-    script = tmp_path / "py"
-    script.write_text("")
-    monkeypatch.setenv("CUA_VLLM_PYTHON", str(script))
-    cpu.patch_worker()
-    assert vllm_remote.VLLMBackend.launch_server is not original
-    assert remote_inf_engine.RemoteInfEngine._wait_for_server is not wait
-    assert ALL_ATTENTION_FUNCTIONS["sdpa"] is cpu.packed_sdpa_attention
-
-    # RemoteInfEngine.launch_server fills host with the machine's address and reads it back
-    # from the same dict after the call.
-    server_args = {"model": "m", "port": 1, "host": "192.0.2.7"}
-    vllm_remote.VLLMBackend().launch_server(server_args)
-    ((cmd, env),) = launched
-    assert cmd[:3] == [str(script), "-m", "cua_rl.cpu.vllm_server"]
-    assert cmd[3:] == ["--model", "m", "--port", "1", "--host", "127.0.0.1"]
-    assert server_args["host"] == "127.0.0.1"
-    assert env["PYTHONPATH"] == str(Path(cpu.__file__).resolve().parents[2])
-
-
-class _DeadProcess:
-    returncode = 3
-
-    def poll(self):
-        return 3
-
-
-class _Config:
-    # Far beyond any machine's time to notice a dead process: only waiting for it is caught.
-    setup_timeout = 600.0
-
-
-def test_wait_for_server_fails_fast_when_the_server_dies(monkeypatch):
-    import time
-
-    from areal.infra import remote_inf_engine
-
-    monkeypatch.setattr(
-        remote_inf_engine.RemoteInfEngine,
-        "_wait_for_server",
-        remote_inf_engine.RemoteInfEngine._wait_for_server,
-    )
-    from areal.engine import vllm_remote
-    from transformers.modeling_utils import ALL_ATTENTION_FUNCTIONS
-
-    monkeypatch.setattr(
-        vllm_remote.VLLMBackend, "launch_server", vllm_remote.VLLMBackend.launch_server
-    )
-    monkeypatch.setitem(ALL_ATTENTION_FUNCTIONS, "sdpa", ALL_ATTENTION_FUNCTIONS["sdpa"])
-    cpu.patch_worker()
-
-    class _Engine:
-        config = _Config()
-
-        def check_health(self, base_url):
-            return False
-
-    t0 = time.monotonic()
-    with pytest.raises(RuntimeError, match="exited with code 3"):
-        remote_inf_engine.RemoteInfEngine._wait_for_server(
-            _Engine(), "127.0.0.1:9", process=_DeadProcess()
-        )
-    assert time.monotonic() - t0 < 60  # not the setup_timeout: the dead process was noticed

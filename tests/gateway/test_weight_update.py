@@ -10,8 +10,8 @@ import httpx
 import pytest
 from safetensors.torch import load_file, save_file
 
-from cua_rl.cpu.vllm_server import OUR_EXTENSION
 from cua_rl.gateway import Gateway, GatewayConfig, Sampling, SessionSpec
+from cua_rl.inference.vllm_server import OUR_EXTENSION
 from cua_rl.testing.forward import load_vl_model, next_token_logprobs
 from cua_rl.testing.hold import Hold
 from cua_rl.testing.vllm_server import VLLMServer

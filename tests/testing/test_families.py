@@ -147,7 +147,7 @@ def test_a_trainer_saved_moe_is_rewritten_in_the_released_layout(tmp_path):
     from safetensors import safe_open
     from transformers import Qwen3VLMoeForConditionalGeneration
 
-    from cua_rl.cpu.vllm_worker import experts_in_released_layout
+    from cua_rl.inference.vllm_worker import experts_in_released_layout
 
     released = ensure_model("qwen3-vl-moe")
     model = Qwen3VLMoeForConditionalGeneration.from_pretrained(released, dtype=torch.float32)

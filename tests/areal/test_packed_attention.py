@@ -1,4 +1,9 @@
-"""Packed micro-batches (AReaL's FSDP layout) give each sequence its own logprobs under SDPA."""
+"""Packed micro-batches (AReaL's FSDP layout) give each sequence its own logprobs under SDPA.
+
+``cua_rl.areal.attention`` runs SDPA once per packed sequence: exact against each sequence's
+unpacked forward (fp32, CPU), with no attention mask handed to torch (a dense mask would be
+L x L per layer call on a GPU's 49k-token micro-batches).
+"""
 
 from __future__ import annotations
 
@@ -7,7 +12,7 @@ import torch
 from transformers import AutoModelForCausalLM
 from transformers.modeling_utils import ALL_ATTENTION_FUNCTIONS
 
-from cua_rl.cpu.training import packed_sdpa_attention, patch_packed_attention
+from cua_rl.areal.attention import keep_packed_sequences_apart, packed_sdpa, sequence_bounds
 
 SEQS = [[5, 17, 33, 64, 101, 7, 9], [40, 41, 42, 43, 44], [3, 90, 12]]
 
@@ -24,6 +29,20 @@ def restore_sdpa():
     original = ALL_ATTENTION_FUNCTIONS["sdpa"]
     yield
     ALL_ATTENTION_FUNCTIONS["sdpa"] = original
+
+
+class SdpaCalls:
+    """Every call of torch's scaled_dot_product_attention: its query length and its mask."""
+
+    def __init__(self, monkeypatch):
+        self.calls: list[tuple[int, object]] = []
+        original = torch.nn.functional.scaled_dot_product_attention
+
+        def record(query, key, value, attn_mask=None, *args, **kwargs):
+            self.calls.append((query.shape[-2], attn_mask))
+            return original(query, key, value, attn_mask, *args, **kwargs)
+
+        monkeypatch.setattr(torch.nn.functional, "scaled_dot_product_attention", record)
 
 
 def _logprobs(ids: torch.Tensor, logits: torch.Tensor) -> torch.Tensor:
@@ -72,16 +91,39 @@ def test_plain_sdpa_mixes_packed_sequences(model, restore_sdpa):
 
 
 @pytest.mark.parametrize("pad", [0, 4])
-def test_patched_sdpa_keeps_sequences_apart(model, restore_sdpa, pad):
-    patch_packed_attention()
-    assert ALL_ATTENTION_FUNCTIONS["sdpa"] is packed_sdpa_attention
-    assert max(_max_error(model, _packed_forward(model, pad=pad))) < 1e-5
+def test_sdpa_per_sequence_equals_the_unpacked_forward_with_no_mask(
+    model, restore_sdpa, monkeypatch, pad
+):
+    keep_packed_sequences_apart()
+    assert ALL_ATTENTION_FUNCTIONS["sdpa"] is packed_sdpa
+    calls = SdpaCalls(monkeypatch)
+    packed = _packed_forward(model, pad=pad)
+    in_packed = list(calls.calls)
+    assert max(_max_error(model, packed)) < 1e-5
+    layers = model.config.num_hidden_layers
+    lengths = [len(s) for s in SEQS] + ([pad] if pad else [])
+    # One call per sequence (the padding its own) in every layer, never a mask.
+    assert [q for q, _ in in_packed] == lengths * layers
+    assert all(mask is None for _, mask in in_packed)
 
 
 def test_unpacked_calls_are_unchanged(model, restore_sdpa):
     ids = torch.tensor([SEQS[0]])
     with torch.no_grad():
         before = model(ids).logits
-        patch_packed_attention()
+        keep_packed_sequences_apart()
         after = model(ids).logits
     assert torch.equal(before, after)
+
+
+@pytest.mark.parametrize(
+    ("cuts", "length", "bounds"),
+    [
+        ([0, 3, 5], 5, [(0, 3), (3, 5)]),
+        ([0, 3, 5], 8, [(0, 3), (3, 5), (5, 8)]),  # tail padding: a block of its own
+        ([0, 3, 3, 5], 5, [(0, 3), (3, 5)]),  # an empty sequence is left out
+        ([0], 4, [(0, 4)]),
+    ],
+)
+def test_sequence_bounds(cuts, length, bounds):
+    assert sequence_bounds(torch.tensor(cuts, dtype=torch.int32), length) == bounds

@@ -12,10 +12,10 @@ This module is a drop-in replacement for the disk weight-update path: the same r
 same JSON answers, the same pause gate on ``POST /v1/completions``. Run it with the vLLM
 interpreter and the same arguments as ``vllm serve``:
 
-    python -m cua_rl.cpu.vllm_server --model DIR --port 8000 ...
+    python -m cua_rl.inference.vllm_server --model DIR --port 8000 ...
 
 If ``--worker-extension-cls`` names AReaL's extension, it is replaced by
-``cua_rl.cpu.vllm_worker.DiskWeightReloadExtension`` (AReaL's default config sends it).
+``cua_rl.inference.vllm_worker.DiskWeightReloadExtension`` (AReaL's default config sends it).
 """
 
 # No `from __future__ import annotations`: FastAPI resolves handler annotations at route
@@ -32,10 +32,10 @@ from pydantic import BaseModel
 from cua_rl.logs import get_logger
 
 # Its module name spelt out: run as ``python -m``, ``__name__`` would be ``__main__``.
-log = get_logger("cua_rl.cpu.vllm_server")
+log = get_logger("cua_rl.inference.vllm_server")
 
 AREAL_EXTENSION = "areal.engine.vllm_ext.vllm_worker_extension.VLLMWorkerExtension"
-OUR_EXTENSION = "cua_rl.cpu.vllm_worker.DiskWeightReloadExtension"
+OUR_EXTENSION = "cua_rl.inference.vllm_worker.DiskWeightReloadExtension"
 _VERSIONED_PATH = re.compile(r"weight_update_v(\d+)$")
 
 router = APIRouter()
@@ -108,7 +108,7 @@ def _unsupported(name: str):
     async def handler():
         return _answer(
             False,
-            f"{name} is not supported by cua_rl.cpu.vllm_server: "
+            f"{name} is not supported by cua_rl.inference.vllm_server: "
             "set actor.weight_update_mode=disk and actor.use_lora=false",
         )
 

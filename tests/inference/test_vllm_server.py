@@ -1,4 +1,4 @@
-"""cua_rl.cpu.vllm_server against AReaL's own vLLM client payloads (real vLLM CPU)."""
+"""cua_rl.inference.vllm_server against AReaL's own vLLM client payloads (real vLLM CPU)."""
 
 from __future__ import annotations
 

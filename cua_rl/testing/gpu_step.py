@@ -1,0 +1,158 @@
+"""One PPO step of a tiny random model of the policy's family, as the training's actor runs it.
+
+``--check`` on a machine with CUDA runs this module in a process of its own on the first GPU
+(``cua_rl.app.check_gpu``): a tiny random model of ``actor.path``'s family is built in a
+temporary folder, the production actor (``SelectiveLogitsPPOActor`` or ``CuaPPOActor``, as
+``logits.selective`` says) is created as an AReaL worker creates it, with the configured dtype,
+``attn_impl``, vision settings and gradient checkpointing, in a one-process group of the
+platform's backend (NCCL on a GPU), and it takes one step on two episodes of MAI-UI-style rows:
+``compute_logp``, ``compute_advantages``, ``ppo_update``, each followed by ``export_stats``,
+which all-reduces every statistic over that group (NCCL refuses CPU tensors; gloo, the only
+backend of a CPU run, does not). With ``attn_impl: flash_attention_2`` and no flash-attn the step
+runs with ``sdpa`` and the result says what is missing. Nothing is written outside the
+temporary folder.
+
+    python -m cua_rl.testing.gpu_step '{"family": "qwen3-vl", "dtype": "bfloat16", ...}'
+
+prints one line ``gpu-step-result {json}`` last (``STEP_KEYS`` for the keys of the spec). On a
+machine without CUDA it runs on the CPU with gloo: the tests drive it so.
+"""
+
+from __future__ import annotations
+
+import json
+import sys
+import tempfile
+import time
+import traceback
+from typing import Any
+
+RESULT_PREFIX = "gpu-step-result "
+# The spec: what --check takes from the config.
+STEP_KEYS = ("family", "dtype", "attn_impl", "vision", "selective", "gradient_checkpointing")
+# Tiny models by family (cua_rl.testing.cache.BUILDERS), BPE tokenizer.
+TINY_KIND = {
+    "qwen2-vl": "qwen2-vl-bpe",
+    "qwen2.5-vl": "qwen2.5-vl",
+    "qwen3-vl": "qwen3-vl",
+    "qwen3-vl-moe": "qwen3-vl-moe",
+}
+
+
+def attention_problem(attn_impl: str) -> str:
+    """Why ``attn_impl`` cannot run in this environment, or ""."""
+    if not attn_impl.startswith("flash_attention"):
+        return ""
+    module = "flash_attn_interface" if attn_impl == "flash_attention_3" else "flash_attn"
+    try:
+        __import__(module)
+    except ImportError as exc:
+        return f"{attn_impl} needs the {module} module, which does not import ({exc})"
+    return ""
+
+
+def _rows(actor, model_dir) -> list[dict[str, Any]]:
+    from cua_rl.testing.actor import group_rows, vision_geometry
+
+    vocab = actor.model.get_output_embeddings().weight.shape[0]
+    patch_dim, merge = vision_geometry(model_dir)
+    # Two episodes (a GRPO group of 2) of 4 calls with a 3-screenshot window: 18 images in the
+    # rows, 8 distinct.
+    return group_rows(4, window=3, vocab_size=vocab, patch_dim=patch_dim, merge=merge)
+
+
+def _step(actor, rows) -> dict[str, float]:
+    logps = actor.compute_logp(rows)
+    for row, lp in zip(rows, logps, strict=True):
+        row["prox_logp"] = lp
+    stats = actor.export_stats()
+    rows = actor.compute_advantages(rows)
+    stats.update(actor.export_stats())
+    actor.ppo_update(rows)
+    stats.update(actor.export_stats())
+    return stats
+
+
+def run(spec: dict[str, Any]) -> dict[str, Any]:
+    import torch
+    import torch.distributed as dist
+    from areal.api.cli_args import MicroBatchSpec, OptimizerConfig
+
+    from cua_rl.areal.actor import CuaPPOActor
+    from cua_rl.areal.logits_engine import SelectiveLogitsPPOActor
+    from cua_rl.areal.vision import VisionSection
+    from cua_rl.testing.actor import actor_config, make_actor
+    from cua_rl.testing.cache import BUILDERS
+
+    cuda = torch.cuda.is_available()
+    result: dict[str, Any] = {
+        "device": torch.cuda.get_device_name(0) if cuda else "cpu",
+        "attention_problem": attention_problem(spec["attn_impl"]),
+    }
+    attn_impl = "sdpa" if result["attention_problem"] else spec["attn_impl"]
+    result["attn_impl"] = attn_impl
+    with tempfile.TemporaryDirectory(prefix="cua-gpu-step-") as tmp:
+        t0 = time.perf_counter()
+        BUILDERS[TINY_KIND[spec["family"]]](tmp, 0)
+        config = actor_config(
+            tmp,
+            dtype=spec["dtype"],
+            attn_impl=attn_impl,
+            gradient_checkpointing=spec["gradient_checkpointing"],
+            vision=VisionSection(**spec["vision"]),
+            optimizer=OptimizerConfig(lr=1e-6, weight_decay=0.0),
+            mb_spec=MicroBatchSpec(max_tokens_per_mb=1 << 16),
+        )
+        cls = SelectiveLogitsPPOActor if spec["selective"] else CuaPPOActor
+        actor = make_actor(cls, config)
+        try:
+            result["backend"] = str(dist.get_backend())
+            rows = _rows(actor, tmp)
+            if cuda:
+                torch.cuda.reset_peak_memory_stats()
+            started = time.perf_counter()
+            stats = _step(actor, rows)
+            result["step_s"] = round(time.perf_counter() - started, 2)
+            result["setup_s"] = round(started - t0, 2)
+            result["peak_gib"] = (
+                round(torch.cuda.max_memory_allocated() / 2**30, 2) if cuda else None
+            )
+        finally:
+            actor.destroy()
+            if dist.is_initialized():
+                dist.destroy_process_group()
+    result["stats"] = {k: v for k, v in stats.items() if _reported(k)}
+    result["loss_finite"] = all(
+        v == v and abs(v) != float("inf") for k, v in stats.items() if "loss" in k
+    )
+    result["selective"] = bool(spec["selective"]) and actor._fallback == ""
+    result["ok"] = result["loss_finite"]
+    return result
+
+
+def _reported(key: str) -> bool:
+    return key.startswith("cua_vision/") or key in (
+        "ppo_actor/update/actor_loss/avg",
+        "ppo_actor/update/grad_norm",
+        "ppo_actor/update/num_micro_batches",
+    )
+
+
+def main(argv: list[str] | None = None) -> int:
+    argv = sys.argv[1:] if argv is None else argv
+    spec = json.loads(argv[0])
+    missing = [k for k in STEP_KEYS if k not in spec]
+    if missing:
+        print(f"gpu_step: the spec lacks {', '.join(missing)}", file=sys.stderr)
+        return 2
+    try:
+        result = run(spec)
+    except Exception as exc:  # the check reports it as one line; the traceback goes to stderr
+        traceback.print_exc()
+        result = {"ok": False, "error": f"{type(exc).__name__}: {str(exc)[:500]}"}
+    print(RESULT_PREFIX + json.dumps(result), flush=True)
+    return 0 if result.get("ok") else 1
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

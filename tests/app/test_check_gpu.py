@@ -1,0 +1,108 @@
+"""``--check``'s GPU step: skipped and named where there is no CUDA; the step itself, run here.
+
+This machine has no GPU, so the step module runs on its CPU (gloo), with the production actor
+and a tiny model of each family built in a temporary folder: the same code ``--check`` runs in
+a process of its own on a GPU node's first GPU.
+"""
+
+from __future__ import annotations
+
+import os
+from pathlib import Path
+
+import pytest
+
+from cua_rl.app.check_gpu import describe, gpu_check, run_step, step_lines, step_spec
+from cua_rl.app.train import load_config
+
+ROOT = Path(__file__).resolve().parents[2]
+CUA = str(ROOT / "configs" / "cua.yaml")
+SERVICES = [
+    "gym.base_url=http://gym:8800", "gym.gym_id=android-world", "agent.base_url=http://agent:3000",
+    "monitor.base_url=http://monitor:8000",
+]  # fmt: skip
+
+
+def _cua(*overrides):
+    return load_config(["--config", CUA, *SERVICES, *overrides])
+
+
+def _spec(**overrides):
+    spec = {
+        "family": "qwen2-vl",
+        "dtype": "float32",
+        "attn_impl": "sdpa",
+        "vision": {"dedup": True, "pack_episodes": True, "freeze": False},
+        "selective": True,
+        "gradient_checkpointing": False,
+    }
+    return {**spec, **overrides}
+
+
+def test_without_cuda_it_says_it_skipped_and_names_the_step(tmp_path):
+    from cua_rl.testing.cache import ensure_model
+
+    config = _cua(f"actor.path={ensure_model('qwen3-vl')}")
+    (line,) = gpu_check(config, cuda=False)
+    assert line.ok
+    assert line.detail == (
+        "skipped: no CUDA on this machine; on a GPU node --check runs one PPO step of a tiny "
+        "random qwen3-vl (bfloat16, attn_impl sdpa, vision dedup on, selective logits on, "
+        "gradient checkpointing) on the first GPU under NCCL"
+    )
+
+
+def test_a_cpu_config_skips_it():
+    config = load_config(["--config", str(ROOT / "configs" / "local.yaml"), "actor.path=/m"])
+    (line,) = gpu_check(config, cuda=True)
+    assert line.ok and line.detail == "skipped: cpu=true trains on the CPU harness"
+
+
+def test_without_a_checkpoint_there_is_no_family_to_step():
+    (line,) = gpu_check(_cua("actor.path=/models/absent"), cuda=True)
+    assert not line.ok and line.detail.startswith("actor.path has no config.json: nothing to step")
+
+
+def test_the_spec_follows_the_config():
+    config = _cua(
+        "actor.path=/m", "actor.vision.freeze=true", "logits.selective=false",
+        "actor.attn_impl=flash_attention_2",
+    )  # fmt: skip
+    spec = step_spec(config, "qwen2.5-vl")
+    assert spec == _spec(
+        family="qwen2.5-vl",
+        dtype="bfloat16",
+        attn_impl="flash_attention_2",
+        vision={"dedup": True, "pack_episodes": True, "freeze": True},
+        selective=False,
+        gradient_checkpointing=True,
+    )
+    assert "tower frozen, selective logits off" in describe(spec)
+
+
+def test_a_failed_step_is_one_line_with_the_command_to_see_why():
+    (line,) = step_lines(_spec(), {"ok": False, "error": "RuntimeError: No backend type"})
+    assert not line.ok and line.name == "gpu-step"
+    assert "failed on this node: RuntimeError: No backend type" in line.detail
+    assert "python -m cua_rl.testing.gpu_step '{" in line.detail
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("family", ["qwen2-vl", "qwen3-vl"])
+def test_the_step_runs_the_production_actor_and_reports_it(family):
+    # flash_attention_2 where flash-attn does not import: reported, and the step runs with sdpa.
+    spec = _spec(family=family, attn_impl="flash_attention_2", gradient_checkpointing=True)
+    result = run_step(spec, dict(os.environ))
+    assert result["ok"], result
+    assert result["backend"] == "gloo" and result["attn_impl"] == "sdpa"
+    assert "flash_attn" in result["attention_problem"]
+    assert result["selective"] is True
+    # Two episodes of 4 calls with a 3-screenshot window: 18 images in the rows, 8 distinct,
+    # each encoded once in the update's one micro-batch.
+    stats = result["stats"]
+    assert stats["cua_vision/row_images"] == 18
+    assert stats["cua_vision/encoded_images"] == stats["cua_vision/distinct_images"] == 8
+    assert stats["ppo_actor/update/grad_norm"] > 0
+    attention, step = step_lines(spec, result)
+    assert not attention.ok and "set actor.attn_impl=sdpa" in attention.detail
+    assert step.ok and f"tiny random {family}" in step.detail and "with sdpa on cpu" in step.detail

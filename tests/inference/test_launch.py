@@ -1,0 +1,224 @@
+"""The rollout worker starts vLLM from the server's own environment (cua_rl.inference.launch),
+and the trainer's side sets the workers up for it (cua_rl.inference.config): the same on a GPU
+node as in the CPU harness."""
+
+from __future__ import annotations
+
+import os
+import sys
+from pathlib import Path
+
+import pytest
+
+from cua_rl.cpu import training as cpu
+from cua_rl.errors import ConfigError
+from cua_rl.inference import launch
+
+
+def test_server_command_uses_vllm_python_and_our_module():
+    from areal.api.cli_args import vLLMConfig
+
+    config = vLLMConfig(model="/m", worker_extension_cls=launch.WORKER_EXTENSION)
+    args = vLLMConfig.build_args(config, tp_size=1, pp_size=1, host="127.0.0.1", port=1234)
+    cmd = launch.server_command(args, vllm_python="/envs/vllm/bin/python")
+    areal_cmd = vLLMConfig.build_cmd_from_args(args)
+    assert areal_cmd[:3] == ["python3", "-m", "areal.engine.vllm_ext.areal_vllm_server"]
+    assert cmd[:3] == ["/envs/vllm/bin/python", "-m", "cua_rl.inference.vllm_server"]
+    # Everything after the module is AReaL's own argument list, unchanged.
+    assert cmd[3:] == areal_cmd[3:]
+    i = cmd.index("--worker-extension-cls")
+    assert cmd[i + 1] == "cua_rl.inference.vllm_worker.DiskWeightReloadExtension"
+
+
+def test_server_env_drops_the_trainer_site_packages(monkeypatch):
+    trainer_site = next(p for p in sys.path if p.endswith("site-packages"))
+    base = {
+        "PYTHONPATH": os.pathsep.join([os.getcwd(), trainer_site]),
+        "VIRTUAL_ENV": "x",
+        "KEEP": "1",
+    }
+    env = launch.server_env(base)
+    assert trainer_site not in env["PYTHONPATH"].split(os.pathsep)
+    assert (Path(env["PYTHONPATH"]) / "cua_rl" / "inference" / "vllm_server.py").exists()
+    assert "VIRTUAL_ENV" not in env and env["KEEP"] == "1"
+    assert base["VIRTUAL_ENV"] == "x"  # the caller's dict is not modified
+
+
+def test_server_env_holds_the_server_s_memory_settings_unless_the_worker_sets_them():
+    env = launch.server_env({"MALLOC_MMAP_THRESHOLD_": "65536"})
+    assert env["ONEDNN_PRIMITIVE_CACHE_CAPACITY"] == "0"
+    assert env["MALLOC_MMAP_THRESHOLD_"] == "65536"
+    assert launch.server_env({})["MALLOC_MMAP_THRESHOLD_"] == "131072"
+
+
+def test_patch_worker_replaces_areal_launch(monkeypatch, tmp_path):
+    import subprocess
+
+    from areal.engine import vllm_remote
+    from areal.infra import remote_inf_engine
+    from transformers.modeling_utils import ALL_ATTENTION_FUNCTIONS
+
+    from cua_rl.areal.attention import packed_sdpa
+
+    # Everything patch_worker replaces is put back after the test.
+    original = vllm_remote.VLLMBackend.launch_server
+    monkeypatch.setattr(vllm_remote.VLLMBackend, "launch_server", original)
+    wait = remote_inf_engine.RemoteInfEngine._wait_for_server
+    monkeypatch.setattr(remote_inf_engine.RemoteInfEngine, "_wait_for_server", wait)
+    monkeypatch.setitem(ALL_ATTENTION_FUNCTIONS, "sdpa", ALL_ATTENTION_FUNCTIONS["sdpa"])
+    launched = []
+
+    class _Popen:
+        def __init__(self, cmd, env, **kwargs):
+            launched.append((cmd, env))
+
+    monkeypatch.setattr(subprocess, "Popen", _Popen)
+    script = tmp_path / "py"
+    script.write_text("")
+    monkeypatch.setenv("CUA_VLLM_PYTHON", str(script))
+    cpu.patch_worker()
+    assert vllm_remote.VLLMBackend.launch_server is not original
+    assert remote_inf_engine.RemoteInfEngine._wait_for_server is not wait
+    assert ALL_ATTENTION_FUNCTIONS["sdpa"] is packed_sdpa
+
+    # RemoteInfEngine.launch_server fills host with the machine's address and reads it back
+    # from the same dict after the call.
+    server_args = {"model": "m", "port": 1, "host": "192.0.2.7"}
+    vllm_remote.VLLMBackend().launch_server(server_args)
+    ((cmd, env),) = launched
+    assert cmd[:3] == [str(script), "-m", "cua_rl.inference.vllm_server"]
+    assert cmd[3:] == ["--model", "m", "--port", "1", "--host", "127.0.0.1"]
+    assert server_args["host"] == "127.0.0.1"
+    assert env["PYTHONPATH"] == launch.PACKAGE_ROOT
+
+
+class _DeadProcess:
+    returncode = 3
+
+    def poll(self):
+        return 3
+
+
+class _Config:
+    # Far beyond any machine's time to notice a dead process: only waiting for it is caught.
+    setup_timeout = 600.0
+
+
+def test_wait_for_server_fails_fast_when_the_server_dies(monkeypatch):
+    import time
+
+    from areal.infra import remote_inf_engine
+
+    monkeypatch.setattr(
+        remote_inf_engine.RemoteInfEngine,
+        "_wait_for_server",
+        remote_inf_engine.RemoteInfEngine._wait_for_server,
+    )
+    from areal.engine import vllm_remote
+    from transformers.modeling_utils import ALL_ATTENTION_FUNCTIONS
+
+    monkeypatch.setattr(
+        vllm_remote.VLLMBackend, "launch_server", vllm_remote.VLLMBackend.launch_server
+    )
+    monkeypatch.setitem(ALL_ATTENTION_FUNCTIONS, "sdpa", ALL_ATTENTION_FUNCTIONS["sdpa"])
+    cpu.patch_worker()
+
+    class _Engine:
+        config = _Config()
+
+        def check_health(self, base_url):
+            return False
+
+    t0 = time.monotonic()
+    with pytest.raises(RuntimeError, match="exited with code 3"):
+        remote_inf_engine.RemoteInfEngine._wait_for_server(
+            _Engine(), "127.0.0.1:9", process=_DeadProcess()
+        )
+    assert time.monotonic() - t0 < 60  # not the setup_timeout: the dead process was noticed
+
+
+@pytest.fixture
+def areal_launch(monkeypatch):
+    """AReaL's launch, start-up wait and sdpa entry, put back after the test; Popen recorded."""
+    import subprocess
+
+    from areal.engine import vllm_remote
+    from areal.infra import remote_inf_engine
+    from transformers.modeling_utils import ALL_ATTENTION_FUNCTIONS
+
+    original = vllm_remote.VLLMBackend.launch_server
+    monkeypatch.setattr(vllm_remote.VLLMBackend, "launch_server", original)
+    wait = remote_inf_engine.RemoteInfEngine._wait_for_server
+    monkeypatch.setattr(remote_inf_engine.RemoteInfEngine, "_wait_for_server", wait)
+    monkeypatch.setitem(ALL_ATTENTION_FUNCTIONS, "sdpa", ALL_ATTENTION_FUNCTIONS["sdpa"])
+    launched: list[tuple[list[str], dict]] = []
+
+    class _Popen:
+        def __init__(self, cmd, env, **kwargs):
+            launched.append((cmd, env))
+
+    monkeypatch.setattr(subprocess, "Popen", _Popen)
+    return vllm_remote.VLLMBackend, original, launched
+
+
+def test_the_gpu_worker_starts_vllm_from_its_environment_where_areal_says(
+    areal_launch, monkeypatch, tmp_path
+):
+    from cua_rl.areal import worker
+
+    backend, original, launched = areal_launch
+    monkeypatch.setenv("CUA_VLLM_PYTHON", "/envs/vllm-cuda/bin/python")
+    worker.apply()
+    assert backend.launch_server is not original
+    server_args = {"model": "m", "port": 1, "host": "10.1.2.3"}
+    backend().launch_server(server_args)
+    ((cmd, env),) = launched
+    assert cmd[:3] == ["/envs/vllm-cuda/bin/python", "-m", "cua_rl.inference.vllm_server"]
+    # A GPU node's server listens on the node's address, which the other nodes reach.
+    assert cmd[3:] == ["--model", "m", "--port", "1", "--host", "10.1.2.3"]
+    assert env["PYTHONPATH"] == launch.PACKAGE_ROOT
+
+
+def test_without_an_interpreter_the_worker_keeps_areals_launch(areal_launch, monkeypatch):
+    from transformers.modeling_utils import ALL_ATTENTION_FUNCTIONS
+
+    from cua_rl.areal import worker
+    from cua_rl.areal.attention import packed_sdpa
+
+    backend, original, _ = areal_launch
+    monkeypatch.delenv("CUA_VLLM_PYTHON", raising=False)
+    worker.apply()
+    assert backend.launch_server is original
+    assert ALL_ATTENTION_FUNCTIONS["sdpa"] is packed_sdpa
+
+
+@pytest.mark.parametrize(
+    ("python", "cpu", "expected"),
+    [
+        ("", True, ".venv-vllm/bin/python"),
+        ("", False, ".venv-vllm-cuda/bin/python"),
+        ("envs/vllm/bin/python", False, "envs/vllm/bin/python"),
+    ],
+)
+def test_the_interpreter_defaults_to_the_repository_s_environment(
+    monkeypatch, python, cpu, expected
+):
+    monkeypatch.delenv("CUA_VLLM_PYTHON", raising=False)
+    assert launch.resolve_python(python, cpu) == os.path.join(launch.PACKAGE_ROOT, expected)
+    assert launch.resolve_python("/abs/python", cpu) == "/abs/python"
+    monkeypatch.setenv("CUA_VLLM_PYTHON", "/from/env/python")
+    assert launch.resolve_python("", cpu) == "/from/env/python"
+
+
+def test_an_interpreter_path_areal_cannot_pass_is_refused():
+    from cua_rl.inference.config import InferenceSection
+
+    with pytest.raises(ConfigError, match="contains ',' or '='"):
+        InferenceSection(python="/envs/a=b/bin/python").check(object())
+
+
+def test_an_unknown_environment_is_refused():
+    from cua_rl.inference.config import InferenceSection
+
+    with pytest.raises(ConfigError, match="inference.environment='docker'; use auto"):
+        InferenceSection(environment="docker").check(object())
