@@ -75,12 +75,13 @@ def run_probe(python: str, argv: list[str]) -> dict:
     return report if report is not None else {"problems": {"python": why}}
 
 
-def own_environment_check(config: Any, *, trainer_cuda: bool) -> CheckResult:
+def own_environment_check(config: Any, *, trainer_cuda: bool, probe=None) -> CheckResult:
+    """``probe(python, argv)``: the environment's report (default ``run_probe``)."""
     python = config.inference.interpreter(cpu=config.cpu)
     make = "make venv-vllm" if config.cpu else STACKS["vllm"].install
     if not os.path.exists(python):
         return CheckResult("stack", False, f"no inference environment at {python}: {make}")
-    report = run_probe(python, server_arguments(config))
+    report = (probe or run_probe)(python, server_arguments(config))
     problems = report.get("problems", {})
     version = report.get("vllm", "?")
     where = f"vllm {version} in {python}"

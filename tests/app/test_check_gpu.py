@@ -88,8 +88,8 @@ def test_a_failed_step_is_one_line_with_the_command_to_see_why():
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("family", ["qwen2-vl", "qwen3-vl"])
-def test_the_step_runs_the_production_actor_and_reports_it(family):
+def test_the_step_runs_the_production_actor_and_reports_it():
+    family = "qwen3-vl"  # MAI-UI's; a lent GPU machine steps the others (docs/gpu.md)
     # flash_attention_2 where flash-attn does not import: reported, and the step runs with sdpa.
     spec = _spec(family=family, attn_impl="flash_attention_2", gradient_checkpointing=True)
     result = run_step(spec, dict(os.environ))

@@ -58,10 +58,24 @@ def engine_path(tmp_path, monkeypatch):
         del sys.modules[name]
 
 
+@pytest.fixture(scope="module")
+def probe():
+    """The real probe, run once per (interpreter, arguments): each run imports vLLM (~30 s)."""
+    reports: dict[tuple, dict] = {}
+
+    def once(python: str, argv: list[str]) -> dict:
+        key = (python, tuple(argv))
+        if key not in reports:
+            reports[key] = run_probe(python, argv)
+        return reports[key]
+
+    return once
+
+
 @pytest.mark.slow
-def test_the_cpu_build_in_its_own_environment_passes(tmp_path):
+def test_the_cpu_build_in_its_own_environment_passes(tmp_path, probe):
     config = load_config(["--config", LOCAL, f"cluster.fileroot={tmp_path}", "actor.path=/m"])
-    result = stack_check(config)
+    result = own_environment_check(config, trainer_cuda=False, probe=probe)
     assert result.ok, result.detail
     assert result.detail.startswith(f"vllm 0.32.0 in {VLLM_CPU} (torch 2.13.0")
     assert re.search(r"takes the \d+ flags of the vllm: section", result.detail)
@@ -89,11 +103,11 @@ def test_a_flag_the_server_does_not_take_is_named():
 
 
 @pytest.mark.slow
-def test_a_server_environment_that_sees_no_gpu_fails_where_the_trainer_sees_one():
+def test_a_server_environment_that_sees_no_gpu_fails_where_the_trainer_sees_one(probe):
     config = _cua(f"inference.python={VLLM_CPU}")
-    result = own_environment_check(config, trainer_cuda=True)
+    result = own_environment_check(config, trainer_cuda=True, probe=probe)
     assert not result.ok and "sees no GPU while the trainer's does" in result.detail
-    assert own_environment_check(config, trainer_cuda=False).ok
+    assert own_environment_check(config, trainer_cuda=False, probe=probe).ok
 
 
 @pytest.mark.skipif(importlib.util.find_spec("sglang"), reason="SGLang is installed here")

@@ -85,6 +85,10 @@ def _max_error(model, packed_logits) -> list[float]:
 
 def test_plain_sdpa_mixes_packed_sequences(model, restore_sdpa):
     # The failure the patch exists for; if transformers ever fixes it this test says so.
+    # Transformers' own function: importing cua_rl.areal.actor installs ours process-wide.
+    from transformers.integrations.sdpa_attention import sdpa_attention_forward
+
+    ALL_ATTENTION_FUNCTIONS["sdpa"] = sdpa_attention_forward
     errors = _max_error(model, _packed_forward(model))
     assert errors[0] < 1e-5
     assert max(errors[1:]) > 1e-2
@@ -108,6 +112,9 @@ def test_sdpa_per_sequence_equals_the_unpacked_forward_with_no_mask(
 
 
 def test_unpacked_calls_are_unchanged(model, restore_sdpa):
+    from transformers.integrations.sdpa_attention import sdpa_attention_forward
+
+    ALL_ATTENTION_FUNCTIONS["sdpa"] = sdpa_attention_forward
     ids = torch.tensor([SEQS[0]])
     with torch.no_grad():
         before = model(ids).logits
