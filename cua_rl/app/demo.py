@@ -284,7 +284,12 @@ def train(
     print(f"[demo] training (output in {_shown(train_log)}): {' '.join(cmd[1:3])} ...", flush=True)
     # The trainer's and AReaL's workers' output stays in the log; the terminal shows
     # progress read from the monitor's database.
-    progress = DemoProgress(db_path, io.StringIO() if args.quiet else None, prefix="[demo] ")
+    progress = DemoProgress(
+        db_path,
+        io.StringIO() if args.quiet else None,
+        prefix="[demo] ",
+        log_path=log_dir / "progress.log",
+    )
     rc = run_trainer(cmd, train_log, progress, train_env)
     if rc != 0:
         tail = train_log.read_text(errors="replace").splitlines()[-40:]

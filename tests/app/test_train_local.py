@@ -164,6 +164,20 @@ def test_demo_trains_and_records_everything(demo_run):
     _recorded_config_is_the_config_that_ran(db)
 
 
+@pytest.mark.timeout(1800)
+def test_the_progress_line_names_the_phase_of_its_step(demo_run):
+    """Every change of the live line the demo read (logs/progress.log): a step's line names the
+    step's own phase, never the "evaluation" the baseline left on the training's record, and the
+    steps were seen rolling out."""
+    assert demo_run.returncode == 0, demo_run.output[-3000:]
+    lines = (demo_run.run_dir / "logs" / "progress.log").read_text().splitlines()
+    step_lines = [ln.split(" ", 1)[1] for ln in lines if re.match(r"\S+ step \d+/\d+ · ", ln)]
+    phases = {ln.split(" · ")[1] for ln in step_lines}
+    assert "rollout" in phases and phases <= {"rollout", "training", "weight update"}, step_lines
+    passes = [ln for ln in lines if " baseline (before step 1) · " in ln or " eval after " in ln]
+    assert passes and all(ln.split(" · ")[1] in ("rollout", "aggregation") for ln in passes)
+
+
 def _flat(value, prefix: str = "") -> dict:
     """A config as dotted keys (list items by index), JSON's types."""
     if isinstance(value, dict):
