@@ -24,6 +24,7 @@ from datetime import datetime
 from pathlib import Path
 
 from cua_rl.app.progress import DemoProgress
+from cua_rl.monitor.server.migrations import write_back
 from cua_rl.monitor.server.read import MonitorReader
 from cua_rl.serving import bind_free_port
 from cua_rl.testing.cache import FAMILY_KINDS
@@ -322,6 +323,9 @@ def print_end(rc: int, seconds: float, run_dir: Path, log_dir: Path, db_path: Pa
     for line in summary(db_path):
         print(f"[demo] {line}", flush=True)
     if db_path.exists():
+        # The monitor wrote its WAL back when it stopped; the summary's read-only connection
+        # left an empty one: the run's database is one file again, whole when copied alone.
+        write_back(db_path)
         print(
             "[demo] browse this run again: python -m cua_rl.monitor serve --db "
             f"{_shown(db_path)} --port 8765   (then open http://127.0.0.1:8765/)",

@@ -178,6 +178,18 @@ def test_the_progress_line_names_the_phase_of_its_step(demo_run):
     assert passes and all(ln.split(" · ")[1] in ("rollout", "aggregation") for ln in passes)
 
 
+@pytest.mark.timeout(1800)
+def test_the_finished_demo_leaves_its_database_whole_in_one_file(demo_run, tmp_path):
+    import shutil
+
+    assert demo_run.returncode == 0, demo_run.output[-3000:]
+    assert not demo_run.db.with_name("monitor.db-wal").exists()
+    copy = tmp_path / "monitor.db"
+    shutil.copy(demo_run.db, copy)  # the file alone, as a user copies it
+    steps = _rows(copy, "SELECT status FROM step")
+    assert steps == [("completed",)] * DEMO_STEPS, steps
+
+
 def _flat(value, prefix: str = "") -> dict:
     """A config as dotted keys (list items by index), JSON's types."""
     if isinstance(value, dict):
