@@ -18,10 +18,20 @@ help:
 	@echo "make demo       create/reuse both environments and run the main job on the embedded default"
 	@echo "make demo-ray   the demo under AReaL's Ray scheduler on a two-node Ray cluster on loopback"
 	@echo "make learn      proof of learning: train the tiny model on the learn tasks, plot success per step"
-	@echo "make test       create/reuse both environments and run the whole suite (slow tests included)"
-	@echo "make test-fast  the suite without tests marked slow"
+	@echo "make test       create/reuse both environments and run the whole suite (slow tests included);"
+	@echo "                installs Debian's chromium first when it is missing (make browser)"
+	@echo "make test-fast  the suite without tests marked slow (also needs chromium: make browser)"
 	@echo "make lint       ruff check + format check"
+	@echo "make format     ruff's fixes and formatting, applied"
 	@echo "make models     build the tiny local models into .cache/models"
+	@echo "make envs       create/reuse both environments (.venv, .venv-vllm), side by side"
+	@echo "make venv       create/reuse the project environment alone (.venv)"
+	@echo "make venv-vllm  create/reuse the model server's environment alone (.venv-vllm)"
+	@echo "make clean-envs delete both environments"
+	@echo "make browser    install Debian's chromium (with apt-get, as root or with sudo) for the"
+	@echo "                dashboard's browser tests, when it is missing; says what apt-get will do first"
+	@echo "make freeze-vllm  write .venv-vllm's pins to requirements/vllm-constraints.txt.new, for review"
+	@echo "make help       this list"
 	@echo "make gpu-stack  GPU node only: the inference engine for rollout.backend (GPU_BACKEND=vllm|sglang, GPU_PYTHON=AReaL's python); never run here"
 
 venv: $(VENV)/.stamp
@@ -72,9 +82,15 @@ demo-ray: envs
 
 # The dashboard's browser tests drive Debian's chromium through Playwright's Python API
 # (Playwright's own browser download cannot run here); installed once when missing.
+# What apt-get will do is said before it does it: chromium brings about a hundred packages, and
+# may upgrade installed ones (115 new and 15 upgraded on a Debian 12 image).
 browser:
-	@command -v chromium >/dev/null 2>&1 || { echo "== installing chromium (Debian package)"; \
-	  $(SUDO) apt-get update -q && DEBIAN_FRONTEND=noninteractive $(SUDO) apt-get install -y -q chromium; }
+	@command -v chromium >/dev/null 2>&1 || { \
+	  echo "== the dashboard's browser tests need Debian's chromium, which is missing: installing it with apt-get"; \
+	  $(SUDO) apt-get update -q >/dev/null && \
+	  $(SUDO) apt-get install -s -q chromium | awk '/^Inst / {n++; if (/^Inst [^ ]+ \[/) u++} \
+	    END {printf "== apt-get install chromium: %d packages, %d of them upgrades of installed ones (apt-get install -s chromium lists them)\n", n, u}' && \
+	  DEBIAN_FRONTEND=noninteractive $(SUDO) apt-get install -y -q chromium; }
 
 # Proof of learning: the tiny model learns the sim gym's "learn" tasks on CPU in minutes; prints the
 # success rate per step and writes success.png under runs/learn-<time> (docs/learning.md).

@@ -35,6 +35,7 @@ from cua_rl.app.harness import cuda_available, use_cpu_harness
 from cua_rl.app.run_record import claim_run_name, record_fields
 from cua_rl.app.signals import SystematicRejection, Terminated, stop_systematic, stopping
 from cua_rl.app.signals import install as install_signals
+from cua_rl.app.usage import exit_with_help_if_asked
 from cua_rl.areal.hooks import TrainerHooks
 from cua_rl.areal.support import check_areal
 from cua_rl.errors import ConfigError, ServiceError
@@ -50,21 +51,12 @@ log = get_logger("cua_rl.app.train")
 
 
 def split_argv(argv: list[str]) -> tuple[bool, list[str]]:
-    """Our own flags out, AReaL's (``--config`` and overrides) through."""
-    parser = argparse.ArgumentParser(
-        prog="python -m examples.cua_agent.train",
-        description=__doc__.split("\n\n")[0],
-        add_help=False,
-    )
+    """Our own flags out, AReaL's (``--config`` and overrides) through; ``--help`` answered
+    (``usage.py``)."""
+    exit_with_help_if_asked(argv)
+    parser = argparse.ArgumentParser(add_help=False)
     parser.add_argument("--check", action="store_true")
-    parser.add_argument("-h", "--help", action="store_true")
     known, rest = parser.parse_known_args(argv)
-    if known.help:
-        print(__doc__)
-        print(
-            "usage: python -m examples.cua_agent.train --config FILE.yaml [--check] [key=value ...]"
-        )
-        raise SystemExit(0)
     return known.check, rest
 
 
