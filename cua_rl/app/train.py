@@ -38,7 +38,7 @@ from cua_rl.app.signals import install as install_signals
 from cua_rl.app.usage import exit_with_help_if_asked
 from cua_rl.areal.hooks import TrainerHooks
 from cua_rl.areal.support import check_areal
-from cua_rl.errors import ConfigError, ServiceError
+from cua_rl.errors import ConfigError, ServiceError, problem_lines
 from cua_rl.logs import get_logger
 from cua_rl.monitor.worker.training import TrainingMonitor
 from cua_rl.tasks import build_datasets
@@ -60,10 +60,17 @@ def split_argv(argv: list[str]) -> tuple[bool, list[str]]:
     return known.check, rest
 
 
-def load_config(argv: list[str]) -> CUAConfig:
+def load_config(argv: list[str], *, write: bool = True) -> CUAConfig:
     # AReaL's load_expr_config, with known fields settable without "+" and every mistake one
-    # line (config_load.py).
-    return config_load.load_config(argv, CUAConfig)
+    # line (config_load.py); write=False for --check, which writes nothing.
+    return config_load.load_config(argv, CUAConfig, write=write)
+
+
+def config_errors(exc: ConfigError) -> int:
+    """Each problem on its own ``config error:`` line; the exit status for them (2)."""
+    for line in problem_lines(exc):
+        print(f"config error: {line}", file=sys.stderr)
+    return 2
 
 
 # ---------------------------------------------------------------------------- training
@@ -343,11 +350,13 @@ def main(argv: list[str] | None = None) -> int:
             lambda r: not (r.name.startswith("httpx") and r.levelno < logging.WARNING)
         )
     check, rest = split_argv(list(sys.argv[1:] if argv is None else argv))
+    if check:
+        # --check writes nothing, the workflow module's bytecode cache included.
+        sys.dont_write_bytecode = True
     try:
-        config = load_config(rest)
+        config = load_config(rest, write=not check)
     except ConfigError as exc:
-        print(f"config error: {exc}", file=sys.stderr)
-        return 2
+        return config_errors(exc)
     if check:
         return run_check(config)
     try:
@@ -357,8 +366,7 @@ def main(argv: list[str] | None = None) -> int:
 
         check_family(config)
     except ConfigError as exc:
-        print(f"config error: {exc}", file=sys.stderr)
-        return 2
+        return config_errors(exc)
     try:
         # Every AReaL internal the run will override or wrap, looked up before it starts.
         check_areal()
@@ -372,8 +380,7 @@ def main(argv: list[str] | None = None) -> int:
         print(f"training failed: {exc}", file=sys.stderr)
         return 3
     except ConfigError as exc:
-        print(f"config error: {exc}", file=sys.stderr)
-        return 2
+        return config_errors(exc)
     except ServiceError as exc:
         # A gym, agent or monitor that cannot be reached is the operator's to fix, not a bug.
         print(f"service error: {exc} (--check tests every service)", file=sys.stderr)
