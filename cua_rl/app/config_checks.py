@@ -53,7 +53,6 @@ class Rule:
     bad: tuple = ()
     # Whether the row applies to this config (a field only one mode reads); None: always.
     when: Callable[[Any], bool] | None = None
-
     # A missing value (None) fails the row instead of passing it.
     required: bool = False
 
@@ -69,7 +68,7 @@ class Rule:
             good = False
         if good:
             return None
-        shown = "unset" if value is None else repr(value)
+        shown = "null" if value is None else repr(value)
         return FieldError(self.key, f"{self.key}={shown} must be {self.must}; {self.fix}")
 
 

@@ -339,8 +339,9 @@ def _structured(config_cls: type, cfg: Any, where: _Where, lines: list[ConfigErr
             key = getattr(exc, "full_key", None)
             lines.append(where.line(exc, "; fix that value"))
             if not key or not _drop(cfg, [str(key)]):
-                raise ConfigProblems(lines) from None
-    raise ConfigProblems(lines)
+                break
+    ConfigProblems.raise_for(lines)
+    raise AssertionError("not reached: lines holds the error just caught")
 
 
 def _build(config_cls: type, cfg: Any, where: _Where, lines: list, *, write: bool) -> Any:
