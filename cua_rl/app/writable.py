@@ -2,10 +2,10 @@
 
 ``--check`` must write nothing, and without a check the training's first write (AReaL's
 ``config.yaml`` under ``cluster.fileroot``) failed as a traceback. A path's nearest existing
-ancestor decides, in three looks, none of which writes: it is a folder this user may write into
-(``os.access``, which root passes everywhere); its file system is mounted read-write (``statvfs``);
-and it is not a kernel pseudo file system (proc, sysfs, ...), which refuses new entries to root
-as well (``mkdir /proc/cua``: "No such file or directory"). What remains unseen (a quota, a full
+ancestor decides, in three looks, none of which writes: it is not on a kernel pseudo file system
+(proc, sysfs, ...), which refuses new entries to root as well (``mkdir /proc/cua``: "No such file
+or directory"); its file system is mounted read-write (``statvfs``); and it is a folder this user
+may write into (``os.access``, which root passes everywhere). What remains unseen (a quota, a full
 disk, an ACL root ignores) fails at the write itself.
 """
 
@@ -72,11 +72,12 @@ def why_unwritable(path: str | Path, *, is_file: bool = False) -> str | None:
             existing = target
     elif not existing.is_dir():
         return f"{existing} is a file, so nothing can be created below it"
-    if not os.access(existing, os.W_OK | (0 if existing.is_file() else os.X_OK)):
-        return f"{existing} is not writable by this user"
-    if os.statvfs(existing).f_flag & os.ST_RDONLY:
-        return f"{existing} is on a read-only file system"
+    # What holds for every user first, so that root and others read the same reason.
     kind = file_system_type(existing)
     if kind in PSEUDO_FILE_SYSTEMS:
         return f"{existing} is on a {kind} file system, which takes no new files or folders"
+    if os.statvfs(existing).f_flag & os.ST_RDONLY:
+        return f"{existing} is on a read-only file system"
+    if not os.access(existing, os.W_OK | (0 if existing.is_file() else os.X_OK)):
+        return f"{existing} is not writable by this user"
     return None
