@@ -17,6 +17,7 @@ import io
 import os
 import shlex
 import signal
+import sqlite3
 import subprocess
 import sys
 import time
@@ -333,7 +334,10 @@ def print_end(rc: int, seconds: float, run_dir: Path, log_dir: Path, db_path: Pa
     if db_path.exists():
         # The monitor wrote its WAL back when it stopped; the summary's read-only connection
         # left an empty one: the run's database is one file again, whole when copied alone.
-        write_back(db_path)
+        try:
+            write_back(db_path)
+        except sqlite3.Error as exc:
+            print(f"[demo] {_shown(db_path)}-wal not written back ({exc}): copy it too", flush=True)
         serve = [sys.executable, "-m", "cua_rl.monitor", "serve", "--db", str(db_path)]
         print("[demo] browse this run again at http://127.0.0.1:8765/ with:", flush=True)
         print(f"[demo]   {shown_command([*serve, '--port', '8765'])}", flush=True)
