@@ -184,7 +184,7 @@ TRAINING_RULES: tuple[Rule, ...] = (
     positive("rollout.queue_size", "e.g. rollout.queue_size=64, or null for AReaL's default"),
     positive("cluster.n_nodes", "e.g. cluster.n_nodes=1"),
     positive("cluster.n_gpus_per_node", "e.g. cluster.n_gpus_per_node=8"),
-    non_negative("seed", "is a seed like any other", "e.g. seed=1"),
+    Rule("seed", lambda v: v >= 0, ">= 0 (numpy takes no negative seed)", "e.g. seed=1", bad=(-1,)),
     non_negative("train_dataset.num_workers", "loads in the trainer", "e.g. 0"),
     positive("saver.freq_epochs", "e.g. saver.freq_epochs=1, or null for no checkpoints"),
     positive("saver.freq_steps", "e.g. saver.freq_steps=10, or null"),
@@ -197,7 +197,7 @@ TRAINING_RULES: tuple[Rule, ...] = (
 # The sections of this project whose own ``__post_init__`` also checks these (one at a time).
 SECTION_RULES: tuple[Rule, ...] = (
     within("gym.selection.train_ratio", 0, 1, "the share of tasks that train, e.g. 0.9"),
-    non_negative("agent.history_n", "keeps no history", "e.g. agent.history_n=0"),
+    non_negative("agent.history_n", "takes the agent's default, 3", "e.g. agent.history_n=3"),
     non_negative("curriculum.exploration", "never explores", "e.g. 0.2"),
     within("curriculum.floor", 0, 1, "each task's least chance, e.g. 0.05"),
     within("curriculum.decay", 0, 1, "1 keeps every outcome, e.g. 0.9", open_lo=True),
