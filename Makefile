@@ -11,17 +11,27 @@ PY_VLLM := $(VENV_VLLM)/bin/python
 PIP_QUIET ?= -q
 export CUA_VLLM_PYTHON ?= $(abspath $(PY_VLLM))
 
-.PHONY: help envs venv venv-vllm test test-fast lint format demo demo-ray clean-envs freeze-vllm models browser learn gpu-stack gpu-trainer gpu-uv gpu-envs gpu-wheels
+.PHONY: help envs venv venv-vllm test test-fast lint format demo demo-ray clean-envs freeze-vllm models browser learn gpu-stack gpu-trainer gpu-envs gpu-wheels
 SUDO := $(shell [ "$$(id -u)" = 0 ] || echo sudo)
 
 help:
 	@echo "make demo       create/reuse both environments and run the main job on the embedded default"
 	@echo "make demo-ray   the demo under AReaL's Ray scheduler on a two-node Ray cluster on loopback"
 	@echo "make learn      proof of learning: train the tiny model on the learn tasks, plot success per step"
-	@echo "make test       create/reuse both environments and run the whole suite (slow tests included)"
-	@echo "make test-fast  the suite without tests marked slow"
+	@echo "make test       create/reuse both environments and run the whole suite (slow tests included);"
+	@echo "                installs Debian's chromium first when it is missing (make browser)"
+	@echo "make test-fast  the suite without tests marked slow (also needs chromium: make browser)"
 	@echo "make lint       ruff check + format check"
+	@echo "make format     ruff's fixes and formatting, applied"
 	@echo "make models     build the tiny local models into .cache/models"
+	@echo "make envs       create/reuse both environments (.venv, .venv-vllm), side by side"
+	@echo "make venv       create/reuse the project environment alone (.venv)"
+	@echo "make venv-vllm  create/reuse the model server's environment alone (.venv-vllm)"
+	@echo "make clean-envs delete both environments"
+	@echo "make browser    install Debian's chromium (with apt-get, as root or with sudo) for the"
+	@echo "                dashboard's browser tests, when it is missing; says what apt-get will do first"
+	@echo "make freeze-vllm  write .venv-vllm's pins to requirements/vllm-constraints.txt.new, for review"
+	@echo "make help       this list"
 	@echo "make gpu-envs   resolve the GPU environments (trainer, vllm, sglang) for linux x86_64 / Python 3.12, no install"
 	@echo "make gpu-trainer GPU node: AReaL 1.0.4 (its overrides) and cua-rl into GPU_PYTHON's environment"
 	@echo "make gpu-stack  GPU node: vLLM's own environment .venv-vllm-cuda (GPU_BACKEND=sglang: SGLang into GPU_PYTHON's)"
@@ -75,9 +85,15 @@ demo-ray: envs
 
 # The dashboard's browser tests drive Debian's chromium through Playwright's Python API
 # (Playwright's own browser download cannot run here); installed once when missing.
+# What apt-get will do is said before it does it: chromium brings about a hundred packages, and
+# may upgrade installed ones (115 new and 15 upgraded on a Debian 12 image).
 browser:
-	@command -v chromium >/dev/null 2>&1 || { echo "== installing chromium (Debian package)"; \
-	  $(SUDO) apt-get update -q && DEBIAN_FRONTEND=noninteractive $(SUDO) apt-get install -y -q chromium; }
+	@command -v chromium >/dev/null 2>&1 || { \
+	  echo "== the dashboard's browser tests need Debian's chromium, which is missing: installing it with apt-get"; \
+	  $(SUDO) apt-get update -q >/dev/null && \
+	  $(SUDO) apt-get install -s -q chromium | awk '/^Inst / {n++; if (/^Inst [^ ]+ \[/) u++} \
+	    END {printf "== apt-get install chromium: %d packages, %d of them upgrades of installed ones (apt-get install -s chromium lists them)\n", n, u}' && \
+	  DEBIAN_FRONTEND=noninteractive $(SUDO) apt-get install -y -q chromium; }
 
 # Proof of learning: the tiny model learns the sim gym's "learn" tasks on CPU in minutes; prints the
 # success rate per step and writes success.png under runs/learn-<time> (docs/learning.md).
@@ -124,10 +140,10 @@ GPU_VENV_PYTHON ?= python3.12
 # uv for the installs: it applies AReaL's overrides, which pip cannot.
 GPU_UV = $(GPU_PYTHON) -m uv
 
-gpu-uv:
-	@$(GPU_UV) --version >/dev/null 2>&1 || $(GPU_PYTHON) -m pip install $(PIP_QUIET) uv==0.13.9
+GPU_UV_READY = $(GPU_UV) --version >/dev/null 2>&1 || $(GPU_PYTHON) -m pip install $(PIP_QUIET) uv==0.13.9
 
-gpu-trainer: gpu-uv
+gpu-trainer:
+	@$(GPU_UV_READY)
 	$(GPU_UV) pip install --python $(GPU_PYTHON) "areal==1.0.4" -e . --override requirements/areal-overrides.txt
 
 gpu-stack:
@@ -136,7 +152,7 @@ ifeq ($(GPU_BACKEND),vllm)
 	$(GPU_VENV)/bin/python -m pip install $(PIP_QUIET) -r requirements/gpu-vllm.txt
 	$(GPU_VENV)/bin/python -c "import vllm; print('vllm', vllm.__version__, 'in $(GPU_VENV)')"
 else ifeq ($(GPU_BACKEND),sglang)
-	$(MAKE) gpu-uv GPU_PYTHON=$(GPU_PYTHON)
+	@$(GPU_UV_READY)
 	$(GPU_UV) pip install --python $(GPU_PYTHON) -r requirements/gpu-sglang.txt --override requirements/areal-overrides.txt
 else
 	@echo "GPU_BACKEND=$(GPU_BACKEND): use vllm (the server's own environment) or sglang (AReaL's)"; exit 2

@@ -16,6 +16,29 @@ class ConfigError(CuaRlError, ValueError):
     """A configuration value is missing or inconsistent; the message says how to fix it."""
 
 
+class ConfigProblems(ConfigError):
+    """Several configuration problems found in one pass (``--check`` reports them all at once);
+    ``problems`` holds each as its own ConfigError."""
+
+    def __init__(self, problems: list[ConfigError]):
+        self.problems = list(problems)
+        super().__init__("; ".join(str(p) for p in self.problems))
+
+    @classmethod
+    def raise_for(cls, problems: list[ConfigError]) -> None:
+        """Nothing for none, the problem itself for one, all of them together for more."""
+        if len(problems) == 1:
+            raise problems[0]
+        if problems:
+            raise cls(problems)
+
+
+def problem_lines(exc: ConfigError) -> list[str]:
+    """One line per problem: what the launcher prints, each after ``config error:``."""
+    problems = exc.problems if isinstance(exc, ConfigProblems) else [exc]
+    return [" ".join(str(p).split("\n")) for p in problems]
+
+
 class TaskSelectionError(ConfigError):
     """A task selection is empty or names unknown tasks; the message lists what exists."""
 

@@ -1,17 +1,22 @@
 """``train.py --check``: the config is valid and every service it names answers, one line each.
 
-Nothing trains: the gym lists and selects its tasks (so a bad selection shows here too), the
-agent answers a run lookup, the policy's folder holds a config.json and weights (and an external
-endpoint serves the model), the monitor accepts the token or its embedded database opens, the
-gateway's address is one the agent can reach, the ``workflow:`` class imports, the GPU inference stack (``stack``) and under ray or
-slurm the lines of ``check_cluster`` (Ray address, sbatch, shared paths). The exit status is 1
-when any check fails.
+Nothing trains and nothing is written: the config is loaded whole first, and every problem it has
+(missing keys, values out of range, folders that cannot be created: config_load.py) is one
+``config error:`` line of the same run, exit 2. Then the gym lists and selects its tasks (so a
+bad selection shows here too), the agent answers a run lookup, the policy's folder holds a
+config.json and weights (and an external endpoint serves the model), the monitor accepts the
+token or its embedded database is a monitor's (read, never created), the gateway's address is
+one the agent can reach, the ``workflow:`` class imports, the GPU inference stack (``stack``) and
+under ray or slurm the lines of ``check_cluster`` (Ray address, sbatch, shared paths). A line
+says ``skip`` for what it did not look at; the exit status is 1 when any check fails.
 """
 
 from __future__ import annotations
 
 import asyncio
 import os
+import sqlite3
+from contextlib import closing
 from pathlib import Path
 from urllib.parse import urlsplit
 
@@ -74,7 +79,7 @@ async def check_agent(config: CUAConfig, http: httpx.AsyncClient) -> CheckResult
 
 async def check_model(config: CUAConfig, http: httpx.AsyncClient) -> CheckResult:
     # An external endpoint must serve the model; the engine's own servers are started later.
-    from cua_rl.app.check_cluster import model_folder_problem
+    from cua_rl.app.check_cluster import is_local_model, model_folder_problem
 
     path = config.model_path()
     # The trainer loads the policy from its folder even when an external endpoint serves it.
@@ -82,6 +87,10 @@ async def check_model(config: CUAConfig, http: httpx.AsyncClient) -> CheckResult
     if problem:
         return CheckResult("model", False, f"{problem}: point actor.path at the checkpoint folder")
     if not config.endpoint.base_url:
+        if not is_local_model(path):
+            return CheckResult.skip(
+                "model", f"{path!r} is a hub id: the workers download it, not looked up here"
+            )
         return CheckResult("model", True, f"engine servers started by the trainer from {path!r}")
     url = config.endpoint.base_url.rstrip("/")
     try:
@@ -109,14 +118,24 @@ async def check_monitor(config: CUAConfig, http: httpx.AsyncClient) -> CheckResu
         ok = resp.status_code == 200
         why = "token refused" if resp.status_code == 401 else f"HTTP {resp.status_code}"
         return CheckResult("monitor", ok, f"{base}: {'ok' if ok else why}")
-    try:
-        from cua_rl.monitor.server.store import MonitorStore
+    return embedded_monitor_check(Path(config.monitor.db_path))
 
-        Path(config.monitor.db_path).parent.mkdir(parents=True, exist_ok=True)
-        MonitorStore(config.monitor.db_path).close()
-    except Exception as exc:
-        return CheckResult("monitor", False, f"{config.monitor.db_path}: {_reason(exc)}")
-    return CheckResult("monitor", True, f"embedded, database {config.monitor.db_path}")
+
+def embedded_monitor_check(db: Path) -> CheckResult:
+    """An existing database must be a monitor's; a missing one is created when the training
+    starts (the loader found its folder writable). Read-only and ``immutable``: opening a WAL
+    database read-only would otherwise create its -shm and -wal files."""
+    if not db.exists():
+        return CheckResult("monitor", True, f"embedded, database {db} (created at the start)")
+    try:
+        with closing(sqlite3.connect(f"file:{db}?mode=ro&immutable=1", uri=True)) as conn:
+            version = conn.execute("SELECT MAX(version) FROM schema_migrations").fetchone()[0]
+    except sqlite3.Error as exc:
+        return CheckResult(
+            "monitor", False,
+            f"{db}: not a monitor database ({exc}): point monitor.db_path at another file",
+        )  # fmt: skip
+    return CheckResult("monitor", True, f"embedded, database {db} (schema version {version})")
 
 
 def gateway_check(config: CUAConfig) -> CheckResult:
@@ -163,7 +182,9 @@ def family_check(config: CUAConfig) -> CheckResult:
         return CheckResult("family", False, str(exc))
     if family is None:
         # The model line says whether the path exists; there is nothing to read the family from.
-        return CheckResult("family", True, f"not checked: no config.json in {config.actor.path!r}")
+        return CheckResult.skip(
+            "family", f"no config.json in {config.actor.path!r} to read it from"
+        )
     problems = family_problems(family, config)
     return CheckResult("family", not problems, "; ".join([family.describe(), *problems]))
 

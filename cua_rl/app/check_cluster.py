@@ -101,14 +101,17 @@ def shared_paths_check(config: Any) -> CheckResult:
     return CheckResult("paths", True, f"absolute: {shown}")
 
 
+def is_local_model(path: str) -> bool:
+    """Whether ``path`` names a folder here rather than a hub id (``org/name``)."""
+    return path.startswith(("/", ".", "~")) or Path(path).exists()
+
+
 def model_folder_problem(path: str) -> str | None:
     """Why ``path`` is not a usable local checkpoint, or None. A hub id (``org/name``, no such
     folder here) is left to the workers, which download it."""
-    p = Path(path)
-    local = path.startswith(("/", ".", "~")) or p.exists()
-    if not local:
+    if not is_local_model(path):
         return None
-    p = p.expanduser()
+    p = Path(path).expanduser()
     if not p.is_dir():
         return f"actor.path={path}: no such folder"
     if not (p / "config.json").is_file():

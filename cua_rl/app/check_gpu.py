@@ -55,7 +55,8 @@ def first_gpu(environ: dict[str, str]) -> str:
 def run_step(spec: dict[str, Any], environ: dict[str, str]) -> dict[str, Any]:
     from cua_rl.testing.gpu_step import RESULT_PREFIX
 
-    env = {**environ, "CUDA_VISIBLE_DEVICES": first_gpu(environ)}
+    # --check writes nothing: no bytecode either.
+    env = {**environ, "CUDA_VISIBLE_DEVICES": first_gpu(environ), "PYTHONDONTWRITEBYTECODE": "1"}
     cmd = [sys.executable, "-m", "cua_rl.testing.gpu_step", json.dumps(spec)]
     report, why = tool_report(cmd, env=env, timeout_s=STEP_TIMEOUT_S, prefix=RESULT_PREFIX)
     return report if report is not None else {"ok": False, "error": why}
@@ -118,15 +119,14 @@ def gpu_check(
     name = family.name if family is not None else ""
     spec = step_spec(config, name)
     if config.cpu:
-        return [CheckResult("gpu-step", True, "skipped: cpu=true trains on the CPU harness")]
+        return [CheckResult.skip("gpu-step", "cpu=true trains on the CPU harness")]
     if not cuda:
         return [
-            CheckResult(
+            CheckResult.skip(
                 "gpu-step",
-                True,
-                f"skipped: no CUDA on this machine; on a GPU node --check runs {describe(spec)} "
-                "on the first GPU under NCCL",
-            )  # fmt: skip
+                f"no CUDA on this machine; on a GPU node --check runs {describe(spec)} on the "
+                "first GPU under NCCL",
+            )
         ]
     from cua_rl.testing.gpu_step import TINY_KIND
 

@@ -18,7 +18,7 @@ from urllib.parse import urlsplit
 from areal.api.cli_args import GRPOConfig, vLLMConfig
 
 from cua_rl.agent_loop.builtin import check_model_options
-from cua_rl.app.config_checks import check_fields
+from cua_rl.app.config_checks import FieldError, check_fields
 from cua_rl.app.failfast import FailFastConfig
 from cua_rl.app.placement import check_placement
 from cua_rl.areal.logits import LogitsConfig
@@ -26,7 +26,7 @@ from cua_rl.areal.support import check_areal_version
 from cua_rl.areal.vision import CuaActorConfig, vision_packing_warning
 from cua_rl.core.fields import doc
 from cua_rl.curriculum.selector import CurriculumConfig
-from cua_rl.errors import ConfigError
+from cua_rl.errors import ConfigError, ConfigProblems
 from cua_rl.gateway.config import (
     GatewayConfig,
     Sampling,
@@ -244,18 +244,40 @@ class CUAConfig(GRPOConfig):
         self.validate()
 
     def validate(self) -> None:
-        """Cross-section checks; each message says how to fix the config."""
-        # Ranges and cross-field rules, one table row per field (config_checks.py).
+        """Every check; all that fail are raised together (``ConfigProblems``), each message
+        saying how to fix it. The table's rows (ranges and required keys, config_checks.py)
+        come first; the checks across sections run once those pass, as they read the same
+        values and would only repeat them."""
         check_fields(self)
+        problems = []
+        for check in (
+            self._validate_sampling,
+            self._validate_workflow,
+            self._validate_endpoint,
+            self._validate_model_endpoint,
+            self._validate_normalisation,
+            self.validate_curriculum,
+            self._validate_inference,
+            self._validate_placement,
+        ):
+            try:
+                check()
+            except ConfigError as exc:
+                problems.extend(exc.problems if isinstance(exc, ConfigProblems) else [exc])
+            except (ValueError, TypeError, AssertionError):
+                # A later check tripping over a value an earlier one refused (AReaL's parse of
+                # rollout.backend=trtllm:d4) would only repeat it, less clearly.
+                if not problems:
+                    raise
+        ConfigProblems.raise_for(problems)
+        warning = vision_packing_warning(self.actor)
+        if warning:
+            log.warning(warning)
+
+    def _validate_sampling(self) -> None:
+        """AReaL's version for selective logits, replay against the group, a group's variance."""
         if self.logits.selective:
             check_areal_version()
-        if not self.gym.gym_id:
-            raise ConfigError(
-                "gym.gym_id is missing: set the id of the gym on your gym server "
-                "(e.g. gym.gym_id=android-tasks); there is no default that is safe to assume"
-            )
-        if self.gym.source.kind == "gym" and not self.gym.base_url:
-            raise ConfigError("gym.base_url is missing: set the gym server URL (without /api/v1)")
         self.replay.check_group_size(self.gconfig.n_samples)
         if self.replay.enabled and self.replay.trainings and not self.monitor.enabled:
             raise ConfigError(
@@ -269,40 +291,30 @@ class CUAConfig(GRPOConfig):
                 "member of a group would act the same, so group advantages are all zero; set "
                 "gconfig.temperature (e.g. 1.0) or gconfig.n_samples=1"
             )
-        if self.rollout.max_concurrent_rollouts is None:
-            raise ConfigError(
-                "rollout.max_concurrent_rollouts is unset: each rollout holds a gym box and an "
-                "agent run, so bound it to what your gym can host (e.g. "
-                "rollout.max_concurrent_rollouts=32)"
-            )
         self.failfast.check_concurrency(self.rollout.max_concurrent_rollouts)
+
+    def _validate_workflow(self) -> None:
         parts = self.workflow.split(".")
         if len(parts) < 2 or not all(p.isidentifier() for p in parts) or parts[0] == "__main__":
             raise ConfigError(
                 f"workflow={self.workflow!r} must be an importable dotted path to a class, e.g. "
                 "mypkg.workflows.MyWorkflow (AReaL's workers import it; __main__ is not importable)"
             )
+
+    def _validate_endpoint(self) -> None:
         if self.endpoint.mode not in ENDPOINT_MODES:
             raise ConfigError(
                 f"endpoint.mode={self.endpoint.mode!r}; use gateway (the default) or direct"
             )
         if self.endpoint.mode == "gateway":
             self._validate_gateway()
-        self._validate_model_endpoint()
         if self.agent.mode == "builtin":
             check_model_options(self.agent.model_options, self.agent.action_space)
-        self._validate_normalisation()
-        warning = vision_packing_warning(self.actor)
-        if warning:
-            log.warning(warning)
-        self.validate_curriculum()
-        if self.monitor.enabled and not (self.monitor.resolved().url or self.monitor.db_path):
-            raise ConfigError(
-                "monitor.enabled is true but neither monitor.base_url, $MONITOR_BASE_URL nor "
-                "monitor.db_path is set: point it at a monitor, give an SQLite path for the "
-                "embedded one, or set monitor.enabled=false"
-            )
+
+    def _validate_inference(self) -> None:
         self.inference.check(self)
+
+    def _validate_placement(self) -> None:
         if not self.cpu:
             check_placement(self)
 
@@ -401,21 +413,23 @@ class CUAConfig(GRPOConfig):
     def _validate_normalisation(self) -> None:
         """AReaL normalises fixed chunks of rows; an episode has a variable number of rows."""
         if self.actor.reward_norm is not None:
-            raise ConfigError(
+            raise FieldError(
+                "actor.reward_norm",
                 "actor.reward_norm normalises rewards over fixed chunks of gconfig.n_samples rows "
                 "(or the whole batch of rows), but an episode gives one row per run of "
                 "consistent model calls (one per call for an agent that trims or re-renders "
                 "its history), so groups would mix and long episodes would count more: set "
                 "actor.reward_norm: null. cua-rl's group filter normalises each group's episode "
                 "rewards instead, each episode once (group_norm.mean_level/std_level: group, "
-                "the defaults)"
+                "the defaults)",
             )
         adv = self.actor.adv_norm
         if adv is not None and "group" in (adv.mean_level, adv.std_level):
-            raise ConfigError(
+            raise FieldError(
+                "actor.adv_norm",
                 "actor.adv_norm at group level slices fixed chunks of rows, and an episode's "
                 "rows vary in number: use mean_level/std_level batch (token-weighted, as the "
-                "loss) or null; group-level centring is group_norm's"
+                "loss) or null; group-level centring is group_norm's",
             )
 
     def validate_curriculum(self) -> None:

@@ -3,14 +3,20 @@
 AReaL's ``load_expr_config`` composes the YAML with Hydra, which refuses an override of a key
 the YAML does not list unless it is written ``+key=value``, and reports a typo, a wrong type or
 a bad value as a traceback. ``load_config`` does what it does (compose, merge onto the
-dataclasses, build them, point name_resolve, save ``config.yaml``) with three additions:
+dataclasses, build them, point name_resolve, save ``config.yaml``) with four additions:
 
 * the YAML's own keys are checked against the dataclasses first, so a typo in the file is
   reported against the file, with the closest valid keys;
 * an override ``key=value`` of a known field the YAML leaves out gets Hydra's ``+``; an unknown
   key is an error naming the closest valid keys (so ``+`` is never needed);
 * every failure (unknown key, type, range, AReaL's own checks) becomes one ``ConfigError`` line
-  naming the key and where it came from.
+  naming the key and where it came from;
+* one load finds every mistake it can before reporting: an unknown key or a value of the wrong
+  type is reported and left out (its default stands in), so the rest is still merged and checked
+  row by row (``ConfigProblems`` carries them all). The checks that need the built dataclasses
+  (AReaL's, and those across sections) come once those pass. With ``write=False`` (``--check``)
+  nothing is written; with it, the folders the run writes are looked at first (``writable.py``),
+  so an unwritable ``cluster.fileroot`` is a config error, not a traceback.
 """
 
 from __future__ import annotations
@@ -24,8 +30,8 @@ from dataclasses import fields, is_dataclass
 from pathlib import Path
 from typing import Any
 
-from cua_rl.app.config_checks import FieldError, check_fields
-from cua_rl.errors import ConfigError
+from cua_rl.app.config_checks import FieldError, field_problems, launch_problems
+from cua_rl.errors import ConfigError, ConfigProblems
 
 # A subtree whose keys are free (dict, list or Any fields): anything below it is accepted.
 OPEN = "open"
@@ -98,6 +104,16 @@ def _file_keys(node: Any, prefix: str = ""):
             yield from _file_keys(v, key + ".")
 
 
+def _value(plain: Any, key: str) -> Any:
+    """The file's own value at ``key`` (interpolations unresolved); None when it has none."""
+    node = plain
+    for part in key.split("."):
+        if not isinstance(node, dict) or part not in node:
+            return None
+        node = node[part]
+    return node
+
+
 def _present(plain: dict, key: str) -> bool:
     node: Any = plain
     for part in key.split("."):
@@ -107,21 +123,28 @@ def _present(plain: dict, key: str) -> bool:
     return True
 
 
-def rewrite_overrides(tree: dict, plain: dict, overrides: list[str]) -> list[str]:
-    """``+`` added where the YAML lacks a known key; an unknown key raises with the hint."""
+def rewrite_overrides(
+    tree: dict, plain: dict, overrides: list[str], problems: list[ConfigError] | None = None
+) -> list[str]:
+    """``+`` added where the YAML lacks a known key. An unparsable item or an unknown key raises
+    with the hint, or, given ``problems``, is added there and left out."""
     from hydra.core.override_parser.overrides_parser import OverridesParser
     from hydra.errors import HydraException
 
     parser = OverridesParser.create()
+    found: list[ConfigError] = []
     out = []
     for item in overrides:
         try:
             parser.parse_override(item)
         except HydraException as exc:
-            raise ConfigError(
-                f"command line: {item!r} is not key=value ({_first_line(exc)}); quote a value "
-                "with brackets, commas or spaces, e.g. 'key=\"a, b\"'"
-            ) from None
+            found.append(
+                ConfigError(
+                    f"command line: {item!r} is not key=value ({_first_line(exc)}); quote a "
+                    "value with brackets, commas or spaces, e.g. 'key=\"a, b\"'"
+                )
+            )
+            continue
         head, eq, _ = item.partition("=")
         key = head.lstrip("+~")
         if not eq or head.startswith("~") or key.startswith("hydra."):
@@ -129,9 +152,14 @@ def rewrite_overrides(tree: dict, plain: dict, overrides: list[str]) -> list[str
             continue
         hint = unknown_key(tree, key)
         if hint is not None:
-            raise ConfigError(f"unknown key {key} (command line: {item}); {hint}")
+            found.append(ConfigError(f"unknown key {key} (command line: {item}); {hint}"))
+            continue
         bare = item[len(head) - len(key) :]
         out.append(bare if _present(plain, key) else "+" + bare)
+    if problems is None:
+        ConfigProblems.raise_for(found)
+    else:
+        problems.extend(found)
     return out
 
 
@@ -168,8 +196,11 @@ def _first_line(exc: BaseException) -> str:
 
 
 def _source(key: str, overrides: list[str], config_file: Path) -> str:
+    """Where ``key`` was set: an override of it, of a key inside it (``actor.reward_norm.
+    group_size=3`` sets ``actor.reward_norm``) or of the section holding it; else the file."""
     for item in overrides:
-        if item.partition("=")[0].lstrip("+~") == key:
+        named = item.partition("=")[0].lstrip("+~")
+        if named == key or named.startswith(f"{key}.") or key.startswith(f"{named}."):
             return f"command line: {item.lstrip('+')}"
     return f"in {config_file}"
 
@@ -190,10 +221,12 @@ def _keyed(exc: BaseException, overrides: list[str], config_file: Path, file_key
     return f"{message} ({_source(key, overrides, config_file) if key else f'in {config_file}'})"
 
 
-def load_config(argv: list[str], config_cls: type | None = None) -> Any:
-    """``--config FILE [key=value ...]`` to the config object; any mistake is one ConfigError."""
+def load_config(argv: list[str], config_cls: type | None = None, *, write: bool = True) -> Any:
+    """``--config FILE [key=value ...]`` to the config object. Every mistake found is raised at
+    once: one ConfigError, or ``ConfigProblems`` holding each (unknown keys, wrong types and the
+    table's rows are all looked at before any is reported). ``write=False`` (``--check``) writes
+    nothing: no ``config.yaml``, no name_resolve folders."""
     from omegaconf import OmegaConf
-    from omegaconf.errors import OmegaConfBaseException
 
     if config_cls is None:
         from cua_rl.app.config import CUAConfig
@@ -213,37 +246,139 @@ def load_config(argv: list[str], config_cls: type | None = None) -> Any:
     tree = schema(config_cls)
     plain = OmegaConf.to_container(compose_yaml(config_file, []), resolve=False)
     file_keys = list(_file_keys(plain))
+    problems: list[ConfigError] = []
+    unknown = _unknown_file_keys(tree, file_keys)
+    problems += [ConfigError(f"unknown key {k} in {config_file}; {h}") for k, h in unknown]
+    overrides = rewrite_overrides(tree, plain, overrides, problems)
+    try:
+        composed = compose_yaml(config_file, overrides)
+    except ConfigError as exc:
+        ConfigProblems.raise_for([*problems, exc])
+        raise
+    _drop(composed, [k for k, _ in unknown])
+    where = _Where(overrides, config_file, file_keys, plain)
+    lines = [where.line(p) for p in problems]
+    return _build(config_cls, composed, where, lines, write=write)
+
+
+class _Where:
+    """Turns a problem into its report line, saying whether the file or the command line set
+    its key (``_keyed``)."""
+
+    def __init__(self, overrides: list[str], config_file: Path, file_keys: list[str], plain):
+        self.overrides, self.config_file, self.file_keys = overrides, config_file, file_keys
+        self.plain = plain
+
+    def unrepeated(self, problems: list[FieldError]) -> list[FieldError]:
+        """Without the problems of keys the file sets to another's value (``${key}``) when that
+        key has its own: ``consumer_batch_size: ${train_dataset.batch_size}`` repeats it."""
+        keys = {p.key for p in problems}
+        out = []
+        for p in problems:
+            raw = _value(self.plain, p.key)
+            named = raw[2:-1] if isinstance(raw, str) and raw.startswith("${") else None
+            if named not in keys or p.key in self.overrides_set():
+                out.append(p)
+        return out
+
+    def overrides_set(self) -> set[str]:
+        return {o.partition("=")[0].lstrip("+~") for o in self.overrides}
+
+    def line(self, exc: BaseException, fix: str = "") -> ConfigError:
+        if isinstance(exc, ConfigError) and not isinstance(exc, FieldError):
+            if str(exc).startswith(("unknown key ", "command line: ")):
+                return exc  # already says where
+        return ConfigError(_keyed(exc, self.overrides, self.config_file, self.file_keys) + fix)
+
+
+def _unknown_file_keys(tree: dict, file_keys: list[str]) -> list[tuple[str, str]]:
+    """(key, hint) of each unknown key the file sets, not repeated for the keys below it."""
+    unknown: list[tuple[str, str]] = []
     for key in file_keys:
+        if any(key.startswith(f"{bad}.") for bad, _ in unknown):
+            continue
         hint = unknown_key(tree, key)
         if hint is not None:
-            raise ConfigError(f"unknown key {key} in {config_file}; {hint}")
-    overrides = rewrite_overrides(tree, plain, overrides)
-    composed = compose_yaml(config_file, overrides)
-    try:
-        return _build(config_cls, composed, config_file)
-    except ConfigError as exc:
-        raise ConfigError(_keyed(exc, overrides, config_file, file_keys)) from None
-    except (OmegaConfBaseException, ValueError, TypeError, AssertionError) as exc:
-        raise ConfigError(
-            f"{_keyed(exc, overrides, config_file, file_keys)}; fix that value"
-            + ("" if getattr(exc, "full_key", None) else " (AReaL's own check)")
-        ) from None
+            unknown.append((key, hint))
+    return unknown
 
 
-def _build(config_cls: type, cfg: Any, config_file: Path) -> Any:
+def _drop(cfg: Any, keys: list[str]) -> bool:
+    """Remove ``keys`` from the composed config (so the rest can still be checked); False when
+    one is not there."""
+    from omegaconf import open_dict
+
+    dropped = True
+    for key in keys:
+        *parents, last = key.split(".")
+        node = cfg
+        for part in parents:
+            node = node.get(part) if hasattr(node, "get") else None
+        if node is None or not hasattr(node, "keys") or last not in node:
+            dropped = False
+            continue
+        with open_dict(node):
+            del node[last]
+    return dropped
+
+
+# Wrong types reported in one load before giving up (each costs a merge).
+_MAX_TYPE_ERRORS = 20
+
+
+def _structured(config_cls: type, cfg: Any, where: _Where, lines: list[ConfigError]) -> Any:
+    """AReaL's merge onto the dataclasses' defaults. A value of the wrong type is reported, put
+    back to its default and the merge tried again, so the rest is still checked."""
+    from areal.api.cli_args import to_structured_cfg
+    from omegaconf.errors import OmegaConfBaseException
+
+    for _ in range(_MAX_TYPE_ERRORS):
+        try:
+            return to_structured_cfg(cfg, config_cls=config_cls)
+        except OmegaConfBaseException as exc:
+            key = getattr(exc, "full_key", None)
+            lines.append(where.line(exc, "; fix that value"))
+            if not key or not _drop(cfg, [str(key)]):
+                break
+    ConfigProblems.raise_for(lines)
+    raise AssertionError("not reached: lines holds the error just caught")
+
+
+def _build(config_cls: type, cfg: Any, where: _Where, lines: list, *, write: bool) -> Any:
     """AReaL's ``load_expr_config`` after composition, with the range table run on the merged
-    config first so a bad count is named before AReaL's dataclasses trip over it."""
-    from areal.api.cli_args import save_config, to_structured_cfg
+    config first so a bad count is named before AReaL's dataclasses trip over it, and the
+    paths the run writes looked at before anything is written."""
+    from areal.api.cli_args import save_config
     from areal.utils import name_resolve
     from areal.utils.stats_logger import StatsLogger
     from omegaconf import OmegaConf
+    from omegaconf.errors import OmegaConfBaseException
 
-    cfg = to_structured_cfg(cfg, config_cls=config_cls)
-    check_fields(cfg)
-    config = OmegaConf.to_object(cfg)
-    name_resolve.reconfigure(config.cluster.name_resolve)
-    if os.getenv("RANK", "0") == "0":
-        save_config(config, StatsLogger.get_log_path(config.stats_logger))
+    cfg = _structured(config_cls, cfg, where, lines)
+    found = where.unrepeated([*field_problems(cfg), *launch_problems(cfg)])
+    lines += [where.line(p) for p in found]
+    ConfigProblems.raise_for(lines)
+    try:
+        config = OmegaConf.to_object(cfg)
+    except ConfigError as exc:
+        found = exc.problems if isinstance(exc, ConfigProblems) else [exc]
+        ConfigProblems.raise_for([where.line(p) for p in found])
+        raise
+    except (OmegaConfBaseException, ValueError, TypeError, AssertionError) as exc:
+        own = "" if getattr(exc, "full_key", None) else " (AReaL's own check)"
+        raise where.line(exc, f"; fix that value{own}") from None
+    if not write:
+        return config
+    try:
+        name_resolve.reconfigure(config.cluster.name_resolve)
+        if os.getenv("RANK", "0") == "0":
+            save_config(config, StatsLogger.get_log_path(config.stats_logger))
+    except OSError as exc:
+        raise ConfigError(
+            f"cluster.fileroot={config.cluster.fileroot}: the run's folders could not be "
+            f"written ({type(exc).__name__}: {exc}); set cluster.fileroot (and "
+            "cluster.name_resolve.nfs_record_root) to folders this user can write"
+        ) from None
     return config
 
 

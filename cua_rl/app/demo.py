@@ -17,6 +17,7 @@ import io
 import os
 import shlex
 import signal
+import sqlite3
 import subprocess
 import sys
 import time
@@ -24,6 +25,7 @@ from datetime import datetime
 from pathlib import Path
 
 from cua_rl.app.progress import DemoProgress
+from cua_rl.monitor.server.migrations import write_back
 from cua_rl.monitor.server.read import MonitorReader
 from cua_rl.serving import bind_free_port
 from cua_rl.testing.cache import FAMILY_KINDS
@@ -256,10 +258,18 @@ def run_trainer(cmd: list[str], train_log: Path, progress: DemoProgress, env: di
 def train(
     args, run_dir: Path, log_dir: Path, db_path: Path, children: list[Child], clusters: list
 ) -> int:
-    print(f"[demo] building the tiny {args.model} (cached after the first run)", flush=True)
     from cua_rl.testing.cache import ensure_model
 
+    print(f"[demo] model    tiny {args.model}: ", end="", flush=True)
+    started = time.time()
     model_dir = ensure_model(args.model)
+    # Built by this call when its completion mark is newer than the call (the cache's own key).
+    if (model_dir / ".complete").stat().st_mtime >= started:
+        print(
+            f"built in {time.time() - started:.0f}s into {_shown(model_dir)} (later runs reuse it)"
+        )
+    else:
+        print(f"cached in {_shown(model_dir)}", flush=True)
     urls = start_services(args, db_path, log_dir, children)
     train_env = dict(os.environ)
     clusters.extend(c for c in _start_scheduler(args, run_dir, log_dir, train_env) if c)
@@ -281,10 +291,15 @@ def train(
         *args.overrides,
     ]
     train_log = log_dir / "train.log"
-    print(f"[demo] training (output in {_shown(train_log)}): {' '.join(cmd[1:3])} ...", flush=True)
+    print(f"[demo] training (output in {_shown(train_log)}): {shown_command(cmd)}", flush=True)
     # The trainer's and AReaL's workers' output stays in the log; the terminal shows
     # progress read from the monitor's database.
-    progress = DemoProgress(db_path, io.StringIO() if args.quiet else None, prefix="[demo] ")
+    progress = DemoProgress(
+        db_path,
+        io.StringIO() if args.quiet else None,
+        prefix="[demo] ",
+        log_path=log_dir / "progress.log",
+    )
     rc = run_trainer(cmd, train_log, progress, train_env)
     if rc != 0:
         tail = train_log.read_text(errors="replace").splitlines()[-40:]
@@ -317,11 +332,15 @@ def print_end(rc: int, seconds: float, run_dir: Path, log_dir: Path, db_path: Pa
     for line in summary(db_path):
         print(f"[demo] {line}", flush=True)
     if db_path.exists():
-        print(
-            "[demo] browse this run again: python -m cua_rl.monitor serve --db "
-            f"{_shown(db_path)} --port 8765   (then open http://127.0.0.1:8765/)",
-            flush=True,
-        )
+        # The monitor wrote its WAL back when it stopped; the summary's read-only connection
+        # left an empty one: the run's database is one file again, whole when copied alone.
+        try:
+            write_back(db_path)
+        except sqlite3.Error as exc:
+            print(f"[demo] {_shown(db_path)}-wal not written back ({exc}): copy it too", flush=True)
+        serve = [sys.executable, "-m", "cua_rl.monitor", "serve", "--db", str(db_path)]
+        print("[demo] browse this run again at http://127.0.0.1:8765/ with:", flush=True)
+        print(f"[demo]   {shown_command([*serve, '--port', '8765'])}", flush=True)
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -416,6 +435,14 @@ def _stop_cluster(cluster, log_dir: Path) -> None:
         print(f"[demo] ray      cluster stopped in {cluster.stopped_in_s:.1f}s", flush=True)
     else:
         cluster.stop()
+
+
+def shown_command(argv: list[str]) -> str:
+    """A command as typed from the repository root, where the demo runs it: the interpreter
+    named (``.venv/bin/python``: a bare ``python`` outside the environment lacks its packages)
+    and paths inside the repository relative to it."""
+    inside = f"{ROOT}{os.sep}"
+    return shlex.join(arg.replace(inside, "") for arg in argv)
 
 
 def _shown(path: Path) -> str:

@@ -1,16 +1,18 @@
 """What ``make demo`` shows in the terminal while it trains: progress read from the monitor.
 
 The trainer's and AReaL's workers' output goes to log files; the terminal gets one live line
-(the step of N, the step's episodes finished / running / rejected, the last reward and success)
-and, once a step is recorded completed, one summary line with rounded numbers: the batch it
-trained on (its episodes, their rows and trained tokens), and the training episodes that finished
-since the step before (counts, reward and success; an asynchronous step trains on a batch that
-finished earlier, so the two differ). Everything is
-read from the monitor's SQLite file (read-only, so it never contends with the writer), which
+(the step of N and the phase that step is in, its episodes finished / running / rejected, the
+last reward and success) and, once a step is recorded completed, one summary line with rounded
+numbers: the batch it trained on (its episodes, their rows and trained tokens), and the training
+episodes that finished since the step before (counts, reward and success; an asynchronous step
+trains on a batch that finished earlier, so the two differ). Everything is read from the
+monitor's SQLite file (read-only, so it never contends with the writer), which
 already holds all of it: no change to the trainer's output is needed.
 
 On a terminal the live line is redrawn in place; elsewhere (a pipe, CI) it is printed as a line
-when it changes, at most every ``quiet_s`` seconds.
+when it changes, at most every ``quiet_s`` seconds. Every change of it, unthinned, can also go to
+a log file (``log_path``: the demo's ``logs/progress.log``), each line after the local time it
+was read.
 """
 
 from __future__ import annotations
@@ -54,15 +56,18 @@ class DemoProgress:
         *,
         prefix: str = "",
         quiet_s: float = 15.0,
+        log_path: str | Path | None = None,
     ):
         self.db_path = Path(db_path)
+        self._log = open(log_path, "a", encoding="utf-8") if log_path else None  # noqa: SIM115
+        self._last_logged = ""
         self.prefix = prefix
         self.out = out or sys.stdout
         self.tty = bool(getattr(self.out, "isatty", lambda: False)())
         self.quiet_s = quiet_s
         self.summarised: set[int] = set()
         self._last_line = ""
-        self._last_print = 0.0
+        self._last_print: float | None = None
         self._drawn = False
         self._read: MonitorReader | None = None
 
@@ -75,6 +80,9 @@ class DemoProgress:
 
     def close(self) -> None:
         self._clear()
+        if self._log is not None:
+            self._log.close()
+            self._log = None
         if self._read is not None:
             self._read.close()
             self._read = None
@@ -94,6 +102,10 @@ class DemoProgress:
         self.out.flush()
 
     def _live(self, line: str) -> None:
+        if self._log is not None and line != self._last_logged:
+            self._log.write(f"{time.strftime('%H:%M:%S')} {line}\n")
+            self._log.flush()
+            self._last_logged = line
         line = self.prefix + line
         if self.tty:
             self.out.write("\r\x1b[2K" + line[:200])
@@ -101,7 +113,9 @@ class DemoProgress:
             self._drawn = True
             return
         now = time.monotonic()
-        if line != self._last_line and now - self._last_print >= self.quiet_s:
+        # The first line goes out at once (monotonic time may start near 0, at boot).
+        quiet = self._last_print is not None and now - self._last_print < self.quiet_s
+        if line != self._last_line and not quiet:
             self.out.write(line + "\n")
             self.out.flush()
             self._last_line, self._last_print = line, now
@@ -200,9 +214,8 @@ class DemoProgress:
 
     def live_line(self, db: MonitorReader, training: dict) -> str:
         total = training["total_steps"] or "?"
-        phase = training["current_phase"] or training["status"]
         # The newest open pass: a baseline or eval runs between steps.
-        source = label = None
+        source = label = phase = None
         for kind in ("baseline", "eval"):
             row = db.running_pass(kind, training["id"])
             if row:
@@ -212,12 +225,17 @@ class DemoProgress:
                     if kind == "baseline"
                     else f"eval after step {row['step']}/{total}"
                 )
+                phase = _phase(row["current_phase"], "evaluation")
         if source is None:
             step = db.last_step(training["id"])
             if step is None:
-                return f"starting: AReaL workers and the vLLM server ({phase})"
+                started = training["current_phase"] or training["status"]
+                return f"starting: AReaL workers and the vLLM server ({started})"
             label = f"step {step['step']}/{total}"
             source = ("step", step["id"])
+            # The step's own phase: the training's is whatever was set last, "evaluation" for
+            # the whole of step 1 after the baseline.
+            phase = _phase(step["current_phase"] or step["status"], "rollout")
         counts = self._counts(db, *source)
         last = db.last_completed_rollout(*source)
         text = (
@@ -230,6 +248,19 @@ class DemoProgress:
             )
             text += f" · last reward {_fmt(last['reward'])}, success {success}"
         return text
+
+
+# The monitor's phase words (cua_rl/monitor/worker/training.py) as the line shows them:
+# ``checkpointing`` is the hooks' name for AReaL's update_weights.
+_PHASES = {
+    "rollout_execution": "rollout",
+    "rollout_running": "rollout",
+    "checkpointing": "weight update",
+}
+
+
+def _phase(recorded: str | None, otherwise: str) -> str:
+    return _PHASES.get(recorded or "", recorded or otherwise)
 
 
 def _metrics(text: str | None) -> dict[str, float]:

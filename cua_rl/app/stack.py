@@ -70,7 +70,8 @@ def run_probe(python: str, argv: list[str]) -> dict:
     from cua_rl.inference.probe import RESULT_PREFIX
 
     cmd = [python, "-m", "cua_rl.inference.probe", *argv]
-    env = server_env(dict(os.environ))
+    # --check writes nothing: no bytecode either.
+    env = {**server_env(dict(os.environ)), "PYTHONDONTWRITEBYTECODE": "1"}
     report, why = tool_report(cmd, env=env, timeout_s=PROBE_TIMEOUT_S, prefix=RESULT_PREFIX)
     return report if report is not None else {"problems": {"python": why}}
 

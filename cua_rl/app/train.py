@@ -35,9 +35,10 @@ from cua_rl.app.harness import cuda_available, use_cpu_harness
 from cua_rl.app.run_record import claim_run_name, record_fields
 from cua_rl.app.signals import SystematicRejection, Terminated, stop_systematic, stopping
 from cua_rl.app.signals import install as install_signals
+from cua_rl.app.usage import exit_with_help_if_asked
 from cua_rl.areal.hooks import TrainerHooks
 from cua_rl.areal.support import check_areal
-from cua_rl.errors import ConfigError, ServiceError
+from cua_rl.errors import ConfigError, ServiceError, problem_lines
 from cua_rl.logs import get_logger
 from cua_rl.monitor.worker.training import TrainingMonitor
 from cua_rl.tasks import build_datasets
@@ -50,28 +51,26 @@ log = get_logger("cua_rl.app.train")
 
 
 def split_argv(argv: list[str]) -> tuple[bool, list[str]]:
-    """Our own flags out, AReaL's (``--config`` and overrides) through."""
-    parser = argparse.ArgumentParser(
-        prog="python -m examples.cua_agent.train",
-        description=__doc__.split("\n\n")[0],
-        add_help=False,
-    )
+    """Our own flags out, AReaL's (``--config`` and overrides) through; ``--help`` answered
+    (``usage.py``)."""
+    exit_with_help_if_asked(argv)
+    parser = argparse.ArgumentParser(add_help=False)
     parser.add_argument("--check", action="store_true")
-    parser.add_argument("-h", "--help", action="store_true")
     known, rest = parser.parse_known_args(argv)
-    if known.help:
-        print(__doc__)
-        print(
-            "usage: python -m examples.cua_agent.train --config FILE.yaml [--check] [key=value ...]"
-        )
-        raise SystemExit(0)
     return known.check, rest
 
 
-def load_config(argv: list[str]) -> CUAConfig:
+def load_config(argv: list[str], *, write: bool = True) -> CUAConfig:
     # AReaL's load_expr_config, with known fields settable without "+" and every mistake one
-    # line (config_load.py).
-    return config_load.load_config(argv, CUAConfig)
+    # line (config_load.py); write=False for --check, which writes nothing.
+    return config_load.load_config(argv, CUAConfig, write=write)
+
+
+def config_errors(exc: ConfigError) -> int:
+    """Each problem on its own ``config error:`` line; the exit status for them (2)."""
+    for line in problem_lines(exc):
+        print(f"config error: {line}", file=sys.stderr)
+    return 2
 
 
 # ---------------------------------------------------------------------------- training
@@ -367,11 +366,13 @@ def main(argv: list[str] | None = None) -> int:
             lambda r: not (r.name.startswith("httpx") and r.levelno < logging.WARNING)
         )
     check, rest = split_argv(list(sys.argv[1:] if argv is None else argv))
+    if check:
+        # --check writes nothing, the workflow module's bytecode cache included.
+        sys.dont_write_bytecode = True
     try:
-        config = load_config(rest)
+        config = load_config(rest, write=not check)
     except ConfigError as exc:
-        print(f"config error: {exc}", file=sys.stderr)
-        return 2
+        return config_errors(exc)
     if check:
         return run_check(config)
     try:
@@ -381,8 +382,7 @@ def main(argv: list[str] | None = None) -> int:
 
         check_family(config)
     except ConfigError as exc:
-        print(f"config error: {exc}", file=sys.stderr)
-        return 2
+        return config_errors(exc)
     try:
         # Every AReaL internal the run will override or wrap, looked up before it starts.
         check_areal()
@@ -396,8 +396,7 @@ def main(argv: list[str] | None = None) -> int:
         print(f"training failed: {exc}", file=sys.stderr)
         return 3
     except ConfigError as exc:
-        print(f"config error: {exc}", file=sys.stderr)
-        return 2
+        return config_errors(exc)
     except ServiceError as exc:
         # A gym, agent or monitor that cannot be reached is the operator's to fix, not a bug.
         print(f"service error: {exc} (--check tests every service)", file=sys.stderr)

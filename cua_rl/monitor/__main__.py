@@ -14,6 +14,7 @@ from __future__ import annotations
 import argparse
 import logging
 import os
+import signal
 import sys
 
 from cua_rl.monitor.server.app import DEFAULT_MAX_BODY_BYTES
@@ -165,12 +166,17 @@ def main(argv: list[str] | None = None) -> int:
         flush=True,
     )
     print(f"monitor: dashboard http://{args.host}:{args.port}/", flush=True)
+    # uvicorn shuts down on SIGTERM, then raises the signal again under the handler in place
+    # before it: under the default one the process died there, before the database was closed,
+    # and left its WAL (most of a run's records) beside it. Noted here, it ends as it should.
+    stopped_by: list[int] = []
+    signal.signal(signal.SIGTERM, lambda signum, frame: stopped_by.append(signum))
     try:
         uvicorn.run(app, host=args.host, port=args.port, log_level=args.log_level, access_log=False)
     finally:
         shots.close()
         store.close()
-    return 0
+    return 128 + stopped_by[0] if stopped_by else 0
 
 
 if __name__ == "__main__":

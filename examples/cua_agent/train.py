@@ -1,6 +1,6 @@
 """Train a GUI agent with AReaL's PPOTrainer.
 
-    python -m examples.cua_agent.train --config configs/cua.yaml [--check] [key=value ...]
+    .venv/bin/python -m examples.cua_agent.train --config configs/cua.yaml [--check] [key=value ...]
 
 The launcher (``cua_rl.app.train``) loads the config (``cua_rl.app.config_load``: a YAML plus
 ``key=value`` overrides), selects the tasks into train and eval datasets, opens the run's monitor
@@ -12,7 +12,11 @@ training record ends completed, or failed with the error (cancelled on Ctrl-C or
 
 import sys
 
-from cua_rl.app.train import main
+from cua_rl.app.usage import exit_with_help_if_asked
 
 if __name__ == "__main__":
+    # Before the launcher's imports (AReaL, torch): --help answers at once.
+    exit_with_help_if_asked(sys.argv[1:])
+    from cua_rl.app.train import main
+
     sys.exit(main(sys.argv[1:]))

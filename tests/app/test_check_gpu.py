@@ -44,9 +44,9 @@ def test_without_cuda_it_says_it_skipped_and_names_the_step(tmp_path):
 
     config = _cua(f"actor.path={ensure_model('qwen3-vl')}")
     (line,) = gpu_check(config, cuda=False)
-    assert line.ok
+    assert line.skipped and line.line().startswith("skip gpu-step")
     assert line.detail == (
-        "skipped: no CUDA on this machine; on a GPU node --check runs one PPO step of a tiny "
+        "no CUDA on this machine; on a GPU node --check runs one PPO step of a tiny "
         "random qwen3-vl (bfloat16, attn_impl sdpa, vision dedup on, selective logits on, "
         "gradient checkpointing) on the first GPU under NCCL"
     )
@@ -55,7 +55,7 @@ def test_without_cuda_it_says_it_skipped_and_names_the_step(tmp_path):
 def test_a_cpu_config_skips_it():
     config = load_config(["--config", str(ROOT / "configs" / "local.yaml"), "actor.path=/m"])
     (line,) = gpu_check(config, cuda=True)
-    assert line.ok and line.detail == "skipped: cpu=true trains on the CPU harness"
+    assert line.skipped and line.detail == "cpu=true trains on the CPU harness"
 
 
 def test_without_a_checkpoint_there_is_no_family_to_step():

@@ -56,6 +56,51 @@ def test_a_running_step_shows_one_live_line(tmp_path):
     ]
 
 
+def test_the_live_line_shows_the_phase_the_step_is_in(tmp_path):
+    """After the baseline the training's phase stays "evaluation" while step 1 rolls out (the
+    monitor client sets it per pass); the line shows the step's own phase, as the hooks record
+    it: rollout, then training (ppo_update), then the weight update (update_weights)."""
+    store = MonitorStore(tmp_path / "m.db")
+    batch = _batch("rollout_running", ("running", "running"))
+    batch["training"]["current_phase"] = "evaluation"
+    batch["steps"][0]["current_phase"] = "rollout_execution"
+    store.ingest(batch)
+    out = io.StringIO()
+    progress = DemoProgress(tmp_path / "m.db", out, quiet_s=0)
+    progress.tick()
+    step = {"client_id": f"step-{RUN}-1-0", "status": "training"}
+    store.ingest({"steps": [{**step, "current_phase": "training"}]})
+    progress.tick()
+    store.ingest({"steps": [{**step, "current_phase": "checkpointing"}]})
+    progress.tick()
+    progress.close()
+    store.close()
+    phases = [line.split(" · ")[1] for line in out.getvalue().splitlines()]
+    assert phases == ["rollout", "training", "weight update"], out.getvalue()
+
+
+def test_the_log_keeps_every_change_the_terminal_thins_out(tmp_path):
+    store = MonitorStore(tmp_path / "m.db")
+    store.ingest(_batch("rollout_running", ("running", "running")))
+    out = io.StringIO()
+    log = tmp_path / "progress.log"
+    progress = DemoProgress(tmp_path / "m.db", out, quiet_s=3600, log_path=log)
+    progress.tick()
+    store.ingest({"rollouts": [{"client_id": "r0", "status": "completed", "reward": 0.5}]})
+    progress.tick()
+    progress.tick()  # unchanged: not logged again
+    progress.close()
+    store.close()
+    # The terminal got the first line only (the next came within quiet_s); the log got both.
+    assert len(out.getvalue().splitlines()) == 1
+    logged = [line.split(" ", 1)[1] for line in log.read_text().splitlines()]
+    assert logged == [
+        "step 1/2 · rollout · episodes 0 finished, 2 running, 0 rejected",
+        "step 1/2 · rollout · episodes 1 finished, 1 running, 0 rejected "
+        "· last reward 0.50, success no",
+    ]
+
+
 def test_a_completed_step_gets_one_rounded_summary_line(tmp_path):
     store = MonitorStore(tmp_path / "m.db")
     store.ingest(_batch("completed", ("completed", "completed", "completed", "cancelled")))
@@ -86,7 +131,9 @@ def test_no_database_yet_prints_nothing(tmp_path):
 def test_an_eval_pass_is_named_after_its_step_and_a_finished_run_has_no_live_line(tmp_path):
     store = MonitorStore(tmp_path / "m.db")
     store.ingest(_batch("completed", ("completed",)))
-    store.ingest({"evals": [{"client_id": f"eval-{RUN}-1", "status": "running"}]})
+    store.ingest(
+        {"evals": [{"client_id": f"eval-{RUN}-1", "status": "running", "current_phase": "rollout"}]}
+    )
     out = io.StringIO()
     progress = DemoProgress(tmp_path / "m.db", out, quiet_s=0)
     progress.tick()

@@ -42,7 +42,73 @@ def test_check_reaches_every_service(tmp_path, tiny_vl_model_dir, capsys):
     assert rc == 0, out
     for name in ("gym", "agent", "gateway", "model", "monitor"):
         assert any(line.startswith("ok") and f" {name} " in line for line in out.splitlines()), out
-    assert (tmp_path / "monitor.db").exists()
+    # Nothing written: no monitor database, no AReaL config.yaml or name_resolve folders.
+    assert list(tmp_path.iterdir()) == [], list(tmp_path.rglob("*"))
+
+
+def _tree(root: Path) -> dict[str, int]:
+    return {str(p.relative_to(root)): p.stat().st_size for p in root.rglob("*")}
+
+
+def test_check_reports_every_problem_at_once_and_writes_nothing(tmp_path, capsys):
+    """Three problems, each of which stopped --check on its own before: a missing gym id, a
+    negative learning rate and a fileroot nobody can create (/proc takes no new folders, from
+    root either). All three in one run, as config errors naming the key, the command line
+    and the fix; exit 2; nothing written (the monitor's folder and name_resolve's are here)."""
+    runs = tmp_path / "runs"
+    runs.mkdir()
+    (runs / "kept.txt").write_text("x")
+    before = _tree(tmp_path)
+    rc = train.main(
+        [
+            "--config", str(LOCAL), "--check",
+            "cluster.fileroot=/proc/cua-rl-check",
+            f"cluster.name_resolve.nfs_record_root={runs / 'name_resolve'}",
+            f"monitor.db_path={runs / 'monitor.db'}",
+            "actor.path=/models/tiny",
+            "gym.gym_id=",
+            "actor.optimizer.lr=-1e-6",
+        ]
+    )  # fmt: skip
+    captured = capsys.readouterr()
+    assert rc == 2, captured
+    lines = captured.err.splitlines()
+    assert len(lines) == 3 and all(ln.startswith("config error: ") for ln in lines), lines
+    want = {
+        "gym.gym_id": "gym.gym_id=android-world",
+        "actor.optimizer.lr": "actor.optimizer.lr=1e-6",
+        "cluster.fileroot": "proc file system",
+    }
+    for (key, fix), line in zip(want.items(), sorted(lines, key=_order(want)), strict=True):
+        assert line.startswith(f"config error: {key}="), line
+        assert fix in line and f"(command line: {key}=" in line, line
+    assert "Traceback" not in captured.err and not captured.out.strip(), captured.out
+    assert _tree(tmp_path) == before
+    assert not Path("/proc/cua-rl-check").exists()
+
+
+def _order(keys: dict[str, str]):
+    return lambda line: next(
+        i for i, k in enumerate(keys) if line.startswith(f"config error: {k}=")
+    )
+
+
+def test_check_on_a_template_names_every_missing_key(tmp_path, capsys):
+    """configs/cua.yaml as shipped leaves five keys to the operator: one run names them all."""
+    rc = train.main(
+        [
+            "--config", str(ROOT / "configs" / "cua.yaml"), "--check",
+            f"cluster.fileroot={tmp_path}",
+            f"cluster.name_resolve.nfs_record_root={tmp_path / 'nr'}",
+        ]
+    )  # fmt: skip
+    err = capsys.readouterr().err
+    assert rc == 2
+    named = {line.split()[2].split("=")[0] for line in err.splitlines()}
+    assert named == {
+        "agent.base_url", "actor.path", "gym.gym_id", "gym.base_url", "monitor.enabled"
+    }, err  # fmt: skip
+    assert list(tmp_path.iterdir()) == []
 
 
 def test_check_in_builtin_mode_needs_no_agent_service(tmp_path, tiny_vl_model_dir, capsys):

@@ -164,6 +164,62 @@ def test_demo_trains_and_records_everything(demo_run):
     _recorded_config_is_the_config_that_ran(db)
 
 
+@pytest.mark.timeout(1800)
+def test_the_progress_line_names_the_phase_of_its_step(demo_run):
+    """Every change of the live line the demo read (logs/progress.log): a step's line names the
+    step's own phase (its rollouts, ppo_update, update_weights; the last step, once committed,
+    while the drain closes the episodes beyond it: completed), never the "evaluation" the
+    baseline left on the training's record, and the steps were seen rolling out."""
+    assert demo_run.returncode == 0, demo_run.output[-3000:]
+    lines = (demo_run.run_dir / "logs" / "progress.log").read_text().splitlines()
+    step_lines = [ln.split(" ", 1)[1] for ln in lines if re.match(r"\S+ step \d+/\d+ · ", ln)]
+    phases = {ln.split(" · ")[1] for ln in step_lines}
+    assert "rollout" in phases, step_lines
+    assert phases <= {"rollout", "training", "weight update", "completed"}, step_lines
+    passes = [ln for ln in lines if " baseline (before step 1) · " in ln or " eval after " in ln]
+    assert passes and all(ln.split(" · ")[1] in ("rollout", "aggregation") for ln in passes)
+
+
+@pytest.mark.timeout(1800)
+def test_the_finished_demo_leaves_its_database_whole_in_one_file(demo_run, tmp_path):
+    import shutil
+
+    assert demo_run.returncode == 0, demo_run.output[-3000:]
+    assert not demo_run.db.with_name("monitor.db-wal").exists()
+    copy = tmp_path / "monitor.db"
+    shutil.copy(demo_run.db, copy)  # the file alone, as a user copies it
+    steps = _rows(copy, "SELECT status FROM step")
+    assert steps == [("completed",)] * DEMO_STEPS, steps
+
+
+@pytest.mark.timeout(1800)
+def test_every_command_the_demo_prints_runs_as_printed(demo_run, tmp_path):
+    """The training command and the one that serves the database again, each with the
+    environment's interpreter: --help knows their options, and the serve command, run as
+    printed (on a free port), serves the run's database."""
+    from cua_rl.app.demo import Child, free_port, wait_http
+    from tests.common.commands import help_of, help_problems, printed_commands, problems
+
+    assert demo_run.returncode == 0, demo_run.output[-3000:]
+    commands = printed_commands(demo_run.output)
+    assert [c.target for c in commands] == [
+        ("-m", "examples.cua_agent.train"),
+        ("-m", "cua_rl.monitor", "serve"),
+    ], demo_run.output
+    for cmd in commands:
+        assert not problems(cmd), (cmd.text, problems(cmd))
+        assert not help_problems(cmd, help_of(cmd)), cmd.text
+    serve, port = commands[1], free_port()
+    argv = [str(port) if a == "8765" else a for a in serve.args]
+    child = Child("serve", [str(ROOT / serve.interpreter), "-m", serve.module, *argv], tmp_path)
+    try:
+        wait_http(f"http://127.0.0.1:{port}/healthz", 60)
+        resp = httpx.get(f"http://127.0.0.1:{port}/api/trainings", timeout=10)
+    finally:
+        child.stop()
+    assert resp.status_code == 200 and len(resp.json()["trainings"]) == 1, resp.text[:500]
+
+
 def _flat(value, prefix: str = "") -> dict:
     """A config as dotted keys (list items by index), JSON's types."""
     if isinstance(value, dict):

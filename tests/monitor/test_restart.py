@@ -140,3 +140,37 @@ async def test_monitor_killed_and_restarted_mid_run_keeps_every_record_once(tmp_
         "SELECT status FROM training UNION ALL SELECT status FROM step"
     ).fetchall()
     assert statuses == [("completed",), ("completed",)]
+
+
+@pytest.mark.slow
+def test_a_monitor_stopped_by_sigterm_leaves_its_database_whole_in_one_file(tmp_path):
+    """SIGTERM (what make demo and a batch scheduler send): the WAL goes back into the file,
+    so the .db copied alone, without its -wal, holds every record."""
+    import shutil
+    import signal
+
+    import httpx
+
+    monitor = MonitorProcess(tmp_path / "m.db")
+    monitor.start()
+    try:
+        for n in range(20):
+            batch = {"training": {"client_id": f"t{n}", "run_name": f"t{n}", "log_path": "l",
+                                  "model_name": "m", "status": "running"}}  # fmt: skip
+            resp = httpx.post(
+                f"{monitor.base_url}/api/ingest/batch", json=batch, headers=monitor.headers()
+            )
+            assert resp.status_code == 200, resp.text
+        assert (tmp_path / "m.db-wal").stat().st_size > 0  # the records are in the WAL
+    finally:
+        monitor.stop()
+    assert monitor.proc.returncode == 128 + signal.SIGTERM, monitor.log.read_text()[-2000:]
+    assert not (tmp_path / "m.db-wal").exists()
+    copy = tmp_path / "copy" / "m.db"
+    copy.parent.mkdir()
+    shutil.copy(tmp_path / "m.db", copy)
+    con = sqlite3.connect(copy)
+    try:
+        assert con.execute("SELECT COUNT(*) FROM training").fetchone()[0] == 20
+    finally:
+        con.close()

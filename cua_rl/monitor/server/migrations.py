@@ -2,7 +2,9 @@
 
 Each migration runs in its own transaction together with the row that records it in
 ``schema_migrations``, so a crash mid-migration leaves the database at the previous version.
-Connections get WAL (readers never block the single writer) and foreign keys on.
+Connections get WAL (readers never block the single writer) and foreign keys on; the store
+writes the WAL back into the file when it closes (``checkpoint``), so that a finished run's
+database is one file.
 """
 
 from __future__ import annotations
@@ -13,7 +15,10 @@ from pathlib import Path
 
 import sqlite_utils
 
+from cua_rl.logs import get_logger
 from cua_rl.monitor.server.schema import MIGRATIONS, Migration
+
+log = get_logger(__name__)
 
 BUSY_TIMEOUT_S = 10.0
 _PRAGMAS = (
@@ -35,6 +40,31 @@ def connect(path: str | Path, *, read_only: bool = False) -> sqlite3.Connection:
     if read_only:
         conn.execute("PRAGMA query_only = ON")
     return conn
+
+
+def checkpoint(conn: sqlite3.Connection) -> None:
+    """The WAL's pages written into the database file and the WAL emptied (``TRUNCATE``). A
+    reader in the middle of a read keeps the pages it needs: those stay in the WAL, and the
+    file alone lacks them (logged, as a copy of it would be incomplete)."""
+    busy, logged, done = conn.execute("PRAGMA wal_checkpoint(TRUNCATE)").fetchone()
+    if busy or done < logged:
+        log.warning(
+            "monitor database: %s of %s WAL pages written back (a reader held the rest); copy "
+            "the -wal file with it",
+            done,
+            logged,
+        )
+
+
+def write_back(path: str | Path) -> None:
+    """``checkpoint`` on a connection of its own, closed at once: when it is the file's last,
+    SQLite also removes the (empty) WAL and shared-memory files, which a read-only connection
+    re-creates and leaves."""
+    conn = connect(path)
+    try:
+        checkpoint(conn)
+    finally:
+        conn.close()
 
 
 def current_version(db: sqlite_utils.Database) -> int:

@@ -261,7 +261,8 @@ class MonitorReader:
 
     def last_step(self, training_id: int) -> Row | None:
         return self._one(
-            "SELECT id, step FROM step WHERE training_id = ? ORDER BY step DESC LIMIT 1",
+            "SELECT id, step, status, current_phase FROM step WHERE training_id = ? "
+            "ORDER BY step DESC LIMIT 1",
             (training_id,),
         )
 
@@ -292,7 +293,7 @@ class MonitorReader:
         """The newest running baseline or eval of a training (``step`` is None for a baseline)."""
         step = "step" if kind == "eval" else "NULL AS step"
         return self._one(
-            f"SELECT id, {step} FROM {self._source_table(kind)} "
+            f"SELECT id, {step}, current_phase FROM {self._source_table(kind)} "
             "WHERE training_id = ? AND status = 'running' ORDER BY id DESC LIMIT 1",
             (training_id,),
         )

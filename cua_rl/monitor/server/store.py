@@ -58,7 +58,7 @@ from cua_rl.monitor.server.batch import (
     quote,
     record_errors,
 )
-from cua_rl.monitor.server.migrations import connect, migrate
+from cua_rl.monitor.server.migrations import checkpoint, connect, migrate
 from cua_rl.monitor.server.read import MonitorReader
 
 
@@ -87,8 +87,12 @@ class MonitorStore:
         self._sql: dict[tuple, str] = {}
 
     def close(self) -> None:
+        """Close, with the WAL written back into the database file first, so that the file
+        alone (copied, mailed) holds every record. Closing the last connection would do it too,
+        but any reader still open elsewhere (a dashboard, the demo's progress) prevents that."""
         self.read.close()
         with self._lock:
+            checkpoint(self._write)
             self._write.close()
 
     # ------------------------------------------------------------------ ingest
