@@ -1,22 +1,26 @@
 """``python -m cua_rl.monitor export`` on hand-built episodes: one example per trained row, its
 request as the model received it and the reply it sampled, decoded from the recorded ids; the
 token data rebuilds the trained rows exactly; the filters, the counted and printed skips, the
-errors, Parquet, the dataset card and the command line.
+errors, Parquet, the dataset card, the command line and the dashboard's rollout export link.
 The consumers (the processor, a forward pass, TRL) on real trainings: test_export_consumers.py."""
 
 from __future__ import annotations
 
+import re
 import subprocess
 import sys
 
+import httpx
 import pytest
 
 from cua_rl.monitor.export import ExportError, Filters, export_episodes, export_training
 from cua_rl.monitor.protocol import EPISODE_KIND
+from cua_rl.monitor.server.app import create_app
 from cua_rl.monitor.server.migrations import connect, migrate
 from cua_rl.monitor.server.schema import MIGRATIONS
 from cua_rl.monitor.server.screenshots import ScreenshotStore
 from cua_rl.monitor.server.store import MonitorStore
+from cua_rl.serving import ThreadedServer
 from cua_rl.warehouse import episode_from_examples, rebuild_rows, to_record
 from tests.trajectory.test_convert_unit import _two_turn_log
 
@@ -256,3 +260,33 @@ def test_the_command_line_parquet_and_the_card(images, processor, tiny_vl_model_
     )
     assert bad.returncode == 1
     assert bad.stderr.startswith("export error: no training named 'nope'")
+
+
+def test_the_rollout_page_links_the_same_records(images, processor, tiny_vl_model_dir, tmp_path):
+    """Over real HTTP: the page's one export link answers the CLI's records for that rollout."""
+    ep, _ = stored(images, processor, uuid="r-page")
+    other, _ = stored(images, processor, uuid="r-other")
+    db = tmp_path / "monitor.db"
+    record_in(db, [ep, other], cfg=config(tiny_vl_model_dir, "mai-ui"))
+    export_training(db, RUN, tmp_path / "out", progress=print)
+    cli = [r for r in load(tmp_path / "out")[1] if r["rollout_uuid"] == "r-page"]
+    store = MonitorStore(db)
+    store.ingest(rollout_batch("r-bare"))  # a rollout with no stored episode
+    rid = store.read.find_id("rollout", "r-page")
+    bare = store.read.find_id("rollout", "r-bare")
+    with ThreadedServer(create_app(store), name="monitor") as server, httpx.Client() as http:
+        page = http.get(f"{server.url}/rollouts/{rid}").text
+        links = re.findall(r'href="([^"]*examples\.parquet)"', page)
+        assert links == [f"/rollouts/{rid}/examples.parquet"]
+        got = http.get(f"{server.url}{links[0]}")
+        assert got.status_code == 200 and got.headers["content-type"].endswith("parquet")
+        assert "not stored" in http.get(f"{server.url}/rollouts/{bare}").text
+        missing = http.get(f"{server.url}/rollouts/{bare}/examples.parquet")
+        assert missing.status_code == 404 and "has no stored episode" in missing.text
+    store.close()
+    from datasets import Image, List, load_dataset
+
+    (tmp_path / "linked.parquet").write_bytes(got.content)
+    linked = load_dataset("parquet", data_files=str(tmp_path / "linked.parquet"), split="train")
+    assert linked.features["images"] == List(Image())  # the export's features travel with it
+    _same_records(list(linked.cast_column("images", List(Image(decode=False)))), cli)
