@@ -81,6 +81,11 @@ def _parser() -> argparse.ArgumentParser:
         f"off (default {DEFAULT_HEARTBEAT_TIMEOUT_S:.0f}; the trainer beats every 30 s)",
     )
     serve.add_argument("--log-level", default="warning", help="uvicorn log level")
+    _export_parser(sub)
+    return parser
+
+
+def _export_parser(sub) -> None:
     export = sub.add_parser(
         "export", help="write stored episodes as a dataset, one example per trained row"
     )
@@ -93,7 +98,12 @@ def _parser() -> argparse.ArgumentParser:
         "episodes)",
     )
     export.add_argument("--out", required=True, help="a new folder for the dataset and its card")
-    export.add_argument("--format", choices=FORMATS, default="arrow", help="arrow: save_to_disk")
+    export.add_argument(
+        "--format",
+        choices=FORMATS,
+        default="arrow",
+        help="arrow: datasets' save_to_disk folder (default); parquet: one file under data/",
+    )
     export.add_argument("--success-only", action="store_true", help="successful episodes only")
     export.add_argument("--min-reward", type=float, default=None, help="episodes with reward >= R")
     export.add_argument(
@@ -112,7 +122,6 @@ def _parser() -> argparse.ArgumentParser:
         default=None,
         help="screenshot store folder (default: beside the database, <db name>.screenshots)",
     )
-    return parser
 
 
 def export(args: argparse.Namespace) -> int:
