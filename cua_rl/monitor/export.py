@@ -77,6 +77,7 @@ class ExportReport:
     episodes: int = 0  # episodes that gave at least one example
     examples: int = 0
     images: int = 0
+    image_bytes: int = 0  # the examples' images as received, each time an example holds one
     bytes: int = 0  # the written folder, card included
     skipped_episodes: Counter = field(default_factory=Counter)
     skipped_rows: Counter = field(default_factory=Counter)
@@ -88,6 +89,7 @@ class ExportReport:
             self.episodes += 1
             self.examples += len(records)
             self.images += sum(len(r["images"]) for r in records)
+            self.image_bytes += sum(len(i["bytes"]) for r in records for i in r["images"])
 
     def skip_lines(self) -> list[str]:
         """One line per reason: how many, of what, and why."""
