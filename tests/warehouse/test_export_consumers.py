@@ -15,6 +15,7 @@ as one download: the same records.
 from __future__ import annotations
 
 import shutil
+import sqlite3
 
 import pytest
 
@@ -144,7 +145,12 @@ def test_the_rollout_page_offers_that_rollouts_examples(trained, tmp_path):
     policy, run = trained
     where = tmp_path / "served"
     where.mkdir()
-    shutil.copy(run.db, where / "monitor.db")
+    src, dst = sqlite3.connect(run.db), sqlite3.connect(where / "monitor.db")
+    try:
+        src.backup(dst)  # what the WAL holds too
+    finally:
+        src.close()
+        dst.close()
     shutil.copytree(run.run_dir / "monitor.screenshots", where / "monitor.screenshots")
     rollout, uuid, n_rows = db_rows(
         run.db,
