@@ -11,10 +11,11 @@ once on one machine are safe only because AReaL's port choice no longer follows 
 seed (cua_rl/areal/ports.py): before that, trainings of one config drew the same ports. The
 trainings per family (tests/app/test_families_train.py) ride with the learning group, the
 trainings per context policy (tests/app/test_context_train.py) and the training through a model
-outage (tests/app/test_model_outage.py) ride with the run-end group; so do the PPO smoke steps
-and the GPU environments' resolutions, which wait on the package registry (learning), and the
-evaluation-only run (run-end), which kept the main process the longest
-(main 2,098 s, learning 1,823 s, run-end 1,842 s in a fresh-clone CI run).
+outage (tests/app/test_model_outage.py) ride with the run-end group, and so do the exports of a
+training per context policy (tests/warehouse/test_export_consumers.py, three short trainings);
+so do the PPO smoke steps and the GPU environments' resolutions, which wait on the package
+registry (learning), and the evaluation-only run (run-end), which kept the main process the
+longest (main 2,098 s, learning 1,823 s, run-end 1,842 s in a fresh-clone CI run).
 
     python scripts/test_shards.py [--log-dir DIR] [-- extra pytest args for every process]
 """
@@ -47,6 +48,7 @@ BESIDE = {
         "tests/app/test_context_train.py",
         "tests/app/test_model_outage.py",
         "tests/app/test_eval_only.py",
+        "tests/warehouse/test_export_consumers.py",
     ),
 }
 

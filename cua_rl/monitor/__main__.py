@@ -3,10 +3,10 @@
 Serves the API, the screenshot store and the dashboard (at ``/``). The token also comes from
 ``MONITOR_PROJECT_TOKEN``; without one everything is open (loopback use).
 
-``python -m cua_rl.monitor export --db PATH --training NAME [--success-only] [--min-reward R]
---out DIR`` writes the training's stored episodes as a Hugging Face dataset
-(``cua_rl/monitor/export.py``, docs/warehouse.md); it exits 1 with one ``export error:`` line
-when there is nothing to export.
+``python -m cua_rl.monitor export --db PATH [--training NAME ...] [filters] [--format parquet]
+--out DIR`` writes stored episodes as a Hugging Face dataset, one example per trained row, with a
+dataset card (``cua_rl/monitor/export.py``, docs/warehouse.md); it exits 1 with one
+``export error:`` line when there is nothing to export.
 """
 
 from __future__ import annotations
@@ -17,6 +17,7 @@ import os
 import signal
 import sys
 
+from cua_rl.monitor.export import FORMATS
 from cua_rl.monitor.server.app import DEFAULT_MAX_BODY_BYTES
 from cua_rl.monitor.server.dashboard import DEFAULT_STALE_AFTER_S
 from cua_rl.monitor.server.safety import DEFAULT_HEARTBEAT_TIMEOUT_S
@@ -81,31 +82,68 @@ def _parser() -> argparse.ArgumentParser:
         f"off (default {DEFAULT_HEARTBEAT_TIMEOUT_S:.0f}; the trainer beats every 30 s)",
     )
     serve.add_argument("--log-level", default="warning", help="uvicorn log level")
-    export = sub.add_parser("export", help="write a training's stored episodes as a dataset")
+    _export_parser(sub)
+    return parser
+
+
+def _export_parser(sub) -> None:
+    export = sub.add_parser(
+        "export", help="write stored episodes as a dataset, one example per trained row"
+    )
     export.add_argument("--db", required=True, help="the monitor's SQLite file")
-    export.add_argument("--training", required=True, help="the training's run name")
-    export.add_argument("--out", required=True, help="folder for datasets' save_to_disk")
+    export.add_argument(
+        "--training",
+        action="append",
+        default=[],
+        help="a training's run name (repeat for several; default: every training with stored "
+        "episodes)",
+    )
+    export.add_argument("--out", required=True, help="a new folder for the dataset and its card")
+    export.add_argument(
+        "--format",
+        choices=FORMATS,
+        default="arrow",
+        help="arrow: datasets' save_to_disk folder (default); parquet: one file under data/",
+    )
     export.add_argument("--success-only", action="store_true", help="successful episodes only")
     export.add_argument("--min-reward", type=float, default=None, help="episodes with reward >= R")
+    export.add_argument(
+        "--context", default=None, help="only trainings whose agent ran this context policy"
+    )
+    export.add_argument("--min-step", type=int, default=None, help="training steps from N on")
+    export.add_argument("--max-step", type=int, default=None, help="training steps up to N")
+    export.add_argument(
+        "--tokenizer",
+        default=None,
+        help="a local folder with the model's tokenizer, to decode the sampled turns (default: "
+        "the training's tokenizer_path)",
+    )
     export.add_argument(
         "--screenshots-dir",
         default=None,
         help="screenshot store folder (default: beside the database, <db name>.screenshots)",
     )
-    return parser
 
 
 def export(args: argparse.Namespace) -> int:
-    from cua_rl.monitor.export import ExportError, export_training
+    from cua_rl.monitor.export import ExportError, Filters, export_episodes
 
+    filters = Filters(
+        trainings=tuple(args.training),
+        success_only=args.success_only,
+        min_reward=args.min_reward,
+        context=args.context,
+        min_step=args.min_step,
+        max_step=args.max_step,
+    )
     try:
-        export_training(
+        export_episodes(
             args.db,
-            args.training,
             args.out,
-            success_only=args.success_only,
-            min_reward=args.min_reward,
+            filters,
+            fmt=args.format,
             screenshots=args.screenshots_dir,
+            tokenizer=args.tokenizer,
         )
     except ExportError as exc:
         print(f"export error: {exc}", file=sys.stderr)

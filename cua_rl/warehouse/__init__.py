@@ -5,8 +5,9 @@ default) through its monitor client as an ``episodes`` ingest record (token data
 plus ``episode_images`` records (the bytes the model received, once per hash per client); the
 monitor keeps the first in its ``episode_store`` table and the images in its screenshot store.
 ``MonitorClient.successes`` asks the monitor for a task's recorded successes (replay);
-``rebuild_rows`` turns one back into the rows the workflow trained; ``python -m cua_rl.monitor
-export`` writes a training's episodes as a Hugging Face dataset (docs/warehouse.md).
+``rebuild_rows`` turns one back into the rows the workflow trained; ``examples_of`` turns one into
+supervised examples, one per trained row, which ``python -m cua_rl.monitor export`` writes as a
+Hugging Face dataset (docs/warehouse.md).
 """
 
 from __future__ import annotations
@@ -21,6 +22,7 @@ from cua_rl.warehouse.episode import (
     from_parts,
     to_record,
 )
+from cua_rl.warehouse.examples import episode_from_examples, examples_of
 from cua_rl.warehouse.rebuild import (
     RebuildError,
     model_messages,
@@ -36,7 +38,9 @@ __all__ = [
     "StoredEpisodeError",
     "StoredRow",
     "check_record",
+    "episode_from_examples",
     "episode_from_json",
+    "examples_of",
     "from_parts",
     "model_messages",
     "rebuild_rows",

@@ -61,20 +61,26 @@ def assert_rows_equal(got: list[dict], want: list[dict]) -> None:
                 assert torch.equal(a[key], b[key]), key
 
 
-def rollout_batch(uuid: str, task: str = TASK, step: int = 1) -> dict:
-    """The training, its step, the task and a rollout under it: what a stored episode names."""
+def rollout_batch(
+    uuid: str, task: str = TASK, step: int = 1, *, run: str = RUN, config: dict | None = None
+) -> dict:
+    """The training (with its recorded ``config``, when given), its step, the task and a
+    rollout under it: what a stored episode names."""
+    training = {"run_name": run, "log_path": "logs", "model_name": "tiny-vl"}
+    if config is not None:
+        training["config_json"] = config
     return {
-        "training": {"run_name": RUN, "log_path": "logs", "model_name": "tiny-vl"},
+        "training": training,
         "tasks": [{"client_id": task, "task_id": task, "name": task, "description": ""}],
         "steps": [
-            {"client_id": step_client_id(RUN, step), "training_client_id": RUN, "step": step}
+            {"client_id": step_client_id(run, step), "training_client_id": run, "step": step}
         ],
         "rollouts": [
             {
                 "client_id": uuid,
                 "rollout_id": uuid,
                 "source_type": "step",
-                "step_client_id": step_client_id(RUN, step),
+                "step_client_id": step_client_id(run, step),
                 "task_client_id": task,
                 "model_path": "m",
                 "status": "completed",

@@ -120,7 +120,9 @@ def create_app(
     _install_screenshots(app, screenshots, auth, max_body_bytes)
     _install_episodes(app, store.read, auth)
     if dashboard:
-        install_dashboard(app, store.path, auth, stale_after_s=stale_after_s)
+        install_dashboard(
+            app, store.path, auth, stale_after_s=stale_after_s, screenshots_root=screenshots.root
+        )
     return app
 
 

@@ -32,12 +32,19 @@ from urllib.parse import parse_qs, quote, urlsplit
 
 import anyio
 from fastapi import FastAPI, Request
-from fastapi.responses import FileResponse, HTMLResponse, RedirectResponse, Response
+from fastapi.responses import (
+    FileResponse,
+    HTMLResponse,
+    PlainTextResponse,
+    RedirectResponse,
+    Response,
+)
 from jinja2 import Environment, FileSystemLoader, select_autoescape
 
 from cua_rl.monitor.protocol import SOURCE_TYPES
 from cua_rl.monitor.server import views
 from cua_rl.monitor.server.read import MonitorReader
+from cua_rl.monitor.server.screenshots import default_root
 
 HERE = Path(__file__).parent
 STATIC = HERE / "static"
@@ -229,14 +236,18 @@ def install_dashboard(
     *,
     stale_after_s: float = DEFAULT_STALE_AFTER_S,
     refresh_s: float = DEFAULT_REFRESH_S,
+    screenshots_root: str | Path | None = None,
 ) -> None:
-    """Add the login, page and static routes to ``app`` (the API's app)."""
+    """Add the login, page and static routes to ``app`` (the API's app); the rollout page's
+    export reads the images from ``screenshots_root`` (default: beside the database)."""
     pages = _Pages(auth, refresh_s)
     read = MonitorReader(Path(db_path))
     app.router.on_shutdown.append(read.close)
     _install_login(app, pages)
     _install_training_pages(app, pages, read, stale_after_s)
     _install_rollout_pages(app, pages, read)
+    shots = Path(screenshots_root) if screenshots_root else default_root(Path(db_path))
+    _install_rollout_export(app, pages, read, shots)
     _install_static(app, pages)
 
 
@@ -329,6 +340,35 @@ def _install_rollout_pages(app: FastAPI, pages: _Pages, read: MonitorReader) -> 
         return await pages.render(
             request, "rollout.html", lambda: views.rollout_page(read, rollout_id), "Rollout"
         )
+
+
+def _install_rollout_export(app: FastAPI, pages: _Pages, read: MonitorReader, shots: Path) -> None:
+    """The rollout page's export link: the records ``python -m cua_rl.monitor export`` writes
+    for that rollout's stored episode, as one Parquet file."""
+
+    @app.get("/rollouts/{rollout_id}/examples.parquet")
+    async def rollout_examples(request: Request, rollout_id: int):
+        denied = pages.guard(request)
+        if denied is not None:
+            return denied
+
+        def build() -> tuple[bytes | None, str]:
+            try:
+                from cua_rl.monitor.export import ExportError, parquet_bytes, rollout_examples
+            except ImportError as exc:  # a monitor installed without the datasets package
+                return None, f"the export needs the datasets package: {exc}"
+            try:
+                return parquet_bytes(rollout_examples(read.conn(), shots, rollout_id)), ""
+            except ExportError as exc:
+                return None, str(exc)
+
+        data, why = await anyio.to_thread.run_sync(build)
+        headers = {"Cache-Control": "no-store", "X-Content-Type-Options": "nosniff"}
+        if data is None:
+            return PlainTextResponse(f"no export: {why}\n", status_code=404, headers=headers)
+        name = f"rollout-{rollout_id}-examples.parquet"
+        headers["Content-Disposition"] = f'attachment; filename="{name}"'
+        return Response(data, media_type="application/vnd.apache.parquet", headers=headers)
 
 
 def _install_static(app: FastAPI, pages: _Pages) -> None:

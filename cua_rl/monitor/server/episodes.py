@@ -5,9 +5,9 @@ other kind (a record names its rollout by client id, the rollout uuid): each is 
 (``cua_rl.warehouse.check_record``: fields, blob lengths) and refused as the record at its index
 otherwise, so the client drops that one and counts it. A record sent again (a spool replay) is a
 no-op. ``put_images`` stores ``episode_images`` in the screenshot store before the batch is
-applied. The reads (``successes``, ``training_episodes``) return records in the form the API
-answers and ``cua_rl.warehouse.episode_from_json`` reads; an episode whose images the screenshot
-store lacks is left out and counted (``skipped``).
+applied. The reads (``successes``, ``training_episodes``, the export's ``export_episodes``) return
+records in the form the API answers and ``cua_rl.warehouse.episode_from_json`` reads; replay's
+query leaves out an episode whose images the screenshot store lacks and counts it (``skipped``).
 """
 
 from __future__ import annotations
@@ -246,3 +246,51 @@ def training_episodes(
         where.append("es.reward >= ?")
         params.append(float(min_reward))
     yield from conn.execute(f"{_SELECT} WHERE {' AND '.join(where)} ORDER BY es.id", params)
+
+
+# The export's reads: stored episodes with the training step their rollout was sampled for.
+_EXPORT_FROM = """
+FROM episode_store es
+JOIN rollout r ON r.id = es.rollout_id
+LEFT JOIN step s ON s.id = r.step_id
+LEFT JOIN training t ON t.id = es.training_id
+"""
+
+
+def export_filter(
+    training_ids: Sequence[int],
+    *,
+    success_only: bool = False,
+    min_reward: float | None = None,
+    min_step: int | None = None,
+    max_step: int | None = None,
+) -> tuple[str, list[Any]]:
+    """The WHERE clause (and its parameters) of the export's filters."""
+    where = [f"es.training_id IN ({', '.join('?' * len(training_ids))})"]
+    params: list[Any] = list(training_ids)
+    if success_only:
+        where.append("es.success = 1")
+    for clause, value in (
+        ("es.reward >= ?", min_reward),
+        ("s.step >= ?", min_step),
+        ("s.step <= ?", max_step),
+    ):
+        if value is not None:
+            where.append(clause)
+            params.append(value)
+    return " AND ".join(where), params
+
+
+def count_episodes(conn: sqlite3.Connection, where: str, params: Sequence[Any]) -> int:
+    return conn.execute(f"SELECT COUNT(*) {_EXPORT_FROM} WHERE {where}", list(params)).fetchone()[0]
+
+
+def export_episodes(
+    conn: sqlite3.Connection, where: str, params: Sequence[Any]
+) -> Iterator[sqlite3.Row]:
+    """The stored episodes ``export_filter`` selects, oldest first, with ``training_step``."""
+    sql = (
+        "SELECT es.*, t.run_name AS training, r.rollout_id AS rollout_uuid, "
+        f"s.step AS training_step {_EXPORT_FROM} WHERE {where} ORDER BY es.id"
+    )
+    yield from conn.execute(sql, list(params))

@@ -446,6 +446,13 @@ class MonitorReader:
             "SELECT id, task_id, name, description FROM task WHERE id = ?", (task_row,)
         )
 
+    def stored_episode(self, rollout_id: int) -> Row | None:
+        """The rollout's episode in the trajectory warehouse (``id``, ``n_rows``), if stored
+        (None too for a database before the warehouse's migration)."""
+        if not self._one("SELECT 1 AS x FROM sqlite_master WHERE name = 'episode_store'"):
+            return None
+        return self._one("SELECT id, n_rows FROM episode_store WHERE rollout_id = ?", (rollout_id,))
+
     def turns(self, rollout_id: int) -> list[Row]:
         return self._rows(
             "SELECT * FROM turn WHERE rollout_id = ? ORDER BY turn, id", (rollout_id,)

@@ -376,6 +376,7 @@ def rollout_page(read: MonitorReader, rollout_id: int) -> dict | None:
         "validations": validations,
         "environments": environments,
         "history": history,
+        "stored_episode": read.stored_episode(rollout_id),
         "live": rollout["status"] not in FINISHED,
     }
 
