@@ -145,6 +145,40 @@ def train_command(
     ]  # fmt: skip
 
 
+# The context-policy trainings: 3 steps (2 of staleness, so updates land while later episodes run).
+CONTEXT_STEPS = 3
+
+
+@pytest.fixture(scope="session")
+def context_runs(tmp_path_factory):
+    """``get(mode, policy, steps)``: a real asynchronous training of the local agent with that
+    context policy (``agent.mode`` service or builtin), every episode stored, run once per
+    session and shared by the tests that read it (every call trains: tests/app/
+    test_context_train.py; the export proven by its consumers: tests/warehouse/
+    test_export_consumers.py, which ride in one pytest process, scripts/test_shards.py)."""
+    runs: dict[tuple[str, str, int], DemoRun] = {}
+
+    def get(mode: str, policy: str, steps: int) -> DemoRun:
+        key = (mode, policy, steps)
+        if key not in runs:
+            run_dir = tmp_path_factory.mktemp(f"context-{mode}-{policy}") / "run"
+            runs[key] = run_demo(
+                run_dir,
+                f"--agent-mode={mode}",
+                "rollout.max_head_offpolicyness=2",
+                f"total_train_epochs={steps}",
+                f"total_train_steps={steps}",
+                "rollout.max_concurrent_rollouts=8",
+                f"agent.context={policy}",
+                "monitor.store_episodes=all",
+                *NO_EVAL,
+                timeout=1500,
+            )
+        return runs[key]
+
+    return get
+
+
 def run_demo(run_dir: Path, *args: str, timeout: float) -> DemoRun:
     """``python -m cua_rl.app.demo --run-dir RUN_DIR ARGS`` in its own process group, killed
     whole if it outlives ``timeout``. While a training episode runs (the monitor's database

@@ -22,11 +22,11 @@ import json
 
 import pytest
 
-from tests.conftest import DEMO_STEPS, NO_EVAL, db_rows, run_demo
+from tests.conftest import CONTEXT_STEPS, DEMO_STEPS, db_rows
 
 pytestmark = pytest.mark.slow
 
-STEPS = 3
+STEPS = CONTEXT_STEPS
 TOL = 1e-3
 
 
@@ -44,20 +44,10 @@ RUNS = [
 
 
 @pytest.fixture(scope="module", params=RUNS, ids=[f"{m}-{p}" for m, p, _ in RUNS])
-def trained(request, tmp_path_factory):
+def trained(request, context_runs):
     mode, policy, steps = request.param
-    run_dir = tmp_path_factory.mktemp(f"context-{mode}-{policy}") / "run"
-    run = run_demo(
-        run_dir,
-        f"--agent-mode={mode}",
-        "rollout.max_head_offpolicyness=2",
-        f"total_train_epochs={steps}",
-        f"total_train_steps={steps}",
-        "rollout.max_concurrent_rollouts=8",
-        f"agent.context={policy}",
-        *NO_EVAL,
-        timeout=1500,
-    )
+    run = context_runs(mode, policy, steps)
+    run_dir = run.run_dir
     if mode == "builtin":
         # No agent service was started: the rollout workers ran every episode's loop.
         assert "[demo] agent    builtin" in run.output, run.output[-3000:]

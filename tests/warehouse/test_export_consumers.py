@@ -1,8 +1,9 @@
 """The export proven by the libraries that consume it, on real local trainings.
 
 One training per context policy of the local agent (the full conversation, MAI-UI's window, the
-current screenshot only): ``make demo``'s launcher, a real asynchronous PPO step with every
-episode stored (``monitor.store_episodes=all``). Each export loads with
+current screenshot only): ``make demo``'s launcher, real asynchronous PPO steps with every episode
+stored (``monitor.store_episodes=all``), the very trainings tests/app/test_context_train.py
+checks (``context_runs``: run once per session). Each export loads with
 ``datasets.load_from_disk``; the tiny model's processor and a forward pass take every example (an
 example whose images do not match its placeholders fails there: "Image features and image tokens
 do not match", as MAI-UI's records did when the export wrote one record per episode with the
@@ -20,32 +21,28 @@ import sqlite3
 import pytest
 
 from cua_rl.monitor.export import Filters, export_episodes
-from tests.conftest import NO_EVAL, db_rows, run_demo
+from tests.conftest import CONTEXT_STEPS, DEMO_STEPS, db_rows
 from tests.monitor.conftest import MonitorProcess
 from tests.monitor.test_dashboard_browser import Browser
 
 pytestmark = [pytest.mark.slow, pytest.mark.timeout(1800)]
 
-POLICIES = ("full", "mai-ui", "current")
+# The context-policy trainings of tests/app/test_context_train.py, shared within the session
+# (every episode stored): the append-only conversation from the builtin loop, the windowed and
+# current-only agents from the agent service.
+RUNS = {
+    "full": ("builtin", "full", DEMO_STEPS),
+    "mai-ui": ("service", "mai-ui", CONTEXT_STEPS),
+    "current": ("service", "current", CONTEXT_STEPS),
+}
 
 
-@pytest.fixture(scope="module", params=POLICIES)
-def trained(request, tmp_path_factory):
+@pytest.fixture(scope="module", params=list(RUNS))
+def trained(request, context_runs):
     """(the context policy, the run) of one real training with every episode stored."""
-    policy = request.param
-    run_dir = tmp_path_factory.mktemp(f"export-{policy}") / "run"
-    run = run_demo(
-        run_dir,
-        f"agent.context={policy}",
-        "agent.max_steps=4",
-        "monitor.store_episodes=all",
-        "total_train_epochs=1",
-        "total_train_steps=1",
-        *NO_EVAL,
-        timeout=1200,
-    )
+    run = context_runs(*RUNS[request.param])
     assert run.returncode == 0, run.output[-6000:]
-    return policy, run
+    return request.param, run
 
 
 def _model(folder):
