@@ -22,6 +22,7 @@ def test_the_scheduler_waits_the_configured_time(tmp_path, kind):
             "--config",
             str(ROOT / "configs" / "local.yaml"),
             f"cluster.fileroot={tmp_path}",
+            "actor.path=/models/unused",  # required at launch; nothing here loads it
             f"scheduler.type={kind}",
             "worker_startup_s=123",
         ],
@@ -37,7 +38,12 @@ def test_the_scheduler_waits_the_configured_time(tmp_path, kind):
 
 def test_the_default_is_longer_than_areals(tmp_path):
     config = load_config(
-        ["--config", str(ROOT / "configs" / "local.yaml"), f"cluster.fileroot={tmp_path}"],
+        [
+            "--config",
+            str(ROOT / "configs" / "local.yaml"),
+            f"cluster.fileroot={tmp_path}",
+            "actor.path=/models/unused",
+        ],
         CUAConfig,
     )
     assert config.worker_startup_s == 300

@@ -21,9 +21,10 @@ from cua_rl.monitor.server.store import MonitorStore
 from .conftest import MonitorProcess, uid
 
 OPEN_ROLLOUT = ("pending", "env_creation", "agent_init", "running")
-# The trainer's clock in these tests: an hour ahead of the monitor's receipt times, so the
-# heartbeat it stamps is always the last sign of life the reaper reads.
-T0 = datetime.now(UTC).replace(microsecond=0) + timedelta(hours=1)
+# The trainer's clock in these tests: ahead of the monitor's receipt times, so the heartbeat it
+# stamps is always the last sign of life the reaper reads. Set when the module is collected, so a
+# week ahead: an hour was overtaken by a suite that ran over an hour on a loaded machine.
+T0 = datetime.now(UTC).replace(microsecond=0) + timedelta(days=7)
 LONG_AGO = "2020-01-01 00:00:00.000000"
 
 
