@@ -165,7 +165,10 @@ def context_runs(tmp_path_factory):
             runs[key] = run_demo(
                 run_dir,
                 f"--agent-mode={mode}",
-                "rollout.max_head_offpolicyness=2",
+                # One step of staleness: at most two steps' episodes can start before the first
+                # weight update, so a third step's were sampled by a later version, whatever the
+                # machine's speed (with two, all three steps' could finish at version 0).
+                "rollout.max_head_offpolicyness=1",
                 f"total_train_epochs={steps}",
                 f"total_train_steps={steps}",
                 "rollout.max_concurrent_rollouts=8",

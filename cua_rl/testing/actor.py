@@ -99,6 +99,23 @@ def make_actor(engine_class: type, config: Any, *, dataset_size: int = 8):
     return actor
 
 
+def delivered(rows: Any) -> Any:
+    """``rows`` as AReaL's RPC server hands them to an engine method: every tensor on the
+    worker's current device (``engine_blueprint`` moves the arguments there before each call).
+    A step driven in-process must do the same, or AReaL's own all-reduces (the advantage
+    normalisation's) meet CPU tensors, which NCCL refuses."""
+    from areal.utils.data import tensor_container_to
+
+    return tensor_container_to(rows, worker_device())
+
+
+def worker_device() -> Any:
+    """The device AReaL's RPC server moves a call's arguments to."""
+    from areal.infra.platforms import current_platform
+
+    return current_platform.current_device()
+
+
 def screenshot_row(
     turns: int,
     *,

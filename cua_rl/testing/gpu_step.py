@@ -62,13 +62,15 @@ def _rows(actor, model_dir) -> list[dict[str, Any]]:
 
 
 def _step(actor, rows) -> dict[str, float]:
-    logps = actor.compute_logp(rows)
+    from cua_rl.testing.actor import delivered
+
+    logps = actor.compute_logp(delivered(rows))
     for row, lp in zip(rows, logps, strict=True):
         row["prox_logp"] = lp
     stats = actor.export_stats()
-    rows = actor.compute_advantages(rows)
+    rows = actor.compute_advantages(delivered(rows))
     stats.update(actor.export_stats())
-    actor.ppo_update(rows)
+    actor.ppo_update(delivered(rows))
     stats.update(actor.export_stats())
     return stats
 

@@ -4,9 +4,10 @@ service and in the rollout workers themselves (``agent.mode: builtin``, no agent
 
 ``make demo``'s launcher with the local agent building its requests as MAI-UI's agent does (a
 window of 3 screenshots, history re-rendered from the parsed action) or with the current
-screenshot only; two steps of staleness, so the trainer updates while episodes of later steps
-run (whether an update lands inside an episode is the machine's timing: the gateway's handling of
-that is tested with the append-only demo and tests/gateway/test_weight_update.py). The
+screenshot only; one step of staleness, so at most two steps' episodes start before the first
+weight update and the third step's are sampled by a later version (whether an update lands inside
+an episode is the machine's timing: the gateway's handling of that is tested with the append-only
+demo and tests/gateway/test_weight_update.py). The
 append-only policy (``full``) is the demo's own (tests/app/test_train_local.py) and each family's
 (tests/app/test_families_train.py). Expected values come from the run's own records of what was
 sampled (the step stats AReaL logged, the monitor's turns) and from the trainer's transformers
@@ -32,8 +33,7 @@ TOL = 1e-3
 
 # (agent mode, context policy, steps): the service's append-only run is the demo's own
 # (tests/app/test_train_local.py); the builtin one has the demo's steps, enough for episodes of
-# later steps to be in flight when the weights update (in three, every episode can be submitted
-# before the first update).
+# later steps to be in flight when the weights update.
 RUNS = [
     ("service", "mai-ui", STEPS),
     ("service", "current", STEPS),

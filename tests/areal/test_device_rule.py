@@ -75,3 +75,61 @@ def test_the_actor_counts_its_images_on_its_own_device(tracker):
         }
     finally:
         actor.destroy()
+
+
+class _RecordingActor:
+    """The four actor methods ``--check``'s GPU step calls, recording where each call's tensors
+    are (AReaL's own all-reduces, the advantage normalisation's, run on them under NCCL)."""
+
+    def __init__(self):
+        self.devices: dict[str, set[str]] = {}
+
+    def _record(self, name, rows):
+        found = self.devices.setdefault(name, set())
+        stack = list(rows)
+        while stack:
+            item = stack.pop()
+            if isinstance(item, torch.Tensor):
+                found.add(item.device.type)
+            elif isinstance(item, dict):
+                stack.extend(item.values())
+            elif isinstance(item, list | tuple):
+                stack.extend(item)
+
+    def compute_logp(self, rows):
+        self._record("compute_logp", rows)
+        return [torch.zeros(r["input_ids"].shape[1]) for r in rows]
+
+    def compute_advantages(self, rows):
+        self._record("compute_advantages", rows)
+        return rows
+
+    def ppo_update(self, rows):
+        self._record("ppo_update", rows)
+
+    def export_stats(self):
+        return {}
+
+
+def test_the_gpu_step_hands_the_actor_its_rows_on_the_workers_device(monkeypatch):
+    """In a training AReaL's RPC server moves each call's arguments to the worker's device; the
+    step, which calls the actor in-process, must do the same (on an H200 it handed CPU rows to
+    ``compute_advantages``, whose all-reduce NCCL refused)."""
+    from cua_rl.testing import actor as testing_actor
+    from cua_rl.testing import gpu_step
+
+    monkeypatch.setattr(testing_actor, "worker_device", lambda: torch.device("meta"))
+    rows = [
+        {
+            "input_ids": torch.ones(1, 6, dtype=torch.long),
+            "multi_modal_input": [{"pixel_values": torch.zeros(4, 8)}],
+        }
+        for _ in range(2)
+    ]
+    actor = _RecordingActor()
+    gpu_step._step(actor, rows)
+    assert actor.devices == {
+        "compute_logp": {"meta"},
+        "compute_advantages": {"meta"},
+        "ppo_update": {"meta"},
+    }
