@@ -5,8 +5,8 @@ through the gateway (the sim gym, the sim agent and the monitor as processes of 
 CPU with the tiny Qwen2-VL), traced with ``sys.setprofile`` in this process's every thread (the
 episode's loop, the gateway's server thread, the pool threads the conversion runs in). A first
 episode runs untraced, so lazy set-up (the gateway's start, the processor, imports) is not
-counted; the second is traced. Only calls into ``cua_rl`` and ``areal`` modules count; the
-engine stand-in lives in this script and is not counted.
+counted; the second is traced. Only calls into ``cua_rl`` and ``areal`` modules count, not the
+harness's (``cua_rl.sim``, ``testing``, ``cpu``: the engine stand-in is ``testing``'s).
 
 - **modules visited**: modules whose functions ran during the traced episode, in first-visit
   order, with the threads they ran on.
@@ -55,7 +55,7 @@ RUN = "episode-path"
 
 
 def _in_scope(module: str) -> bool:
-    return module.split(".", 1)[0] in SCOPE
+    return module.split(".", 1)[0] in SCOPE and not module.startswith(HARNESS)
 
 
 def package(module: str) -> str:
@@ -142,23 +142,6 @@ def _monitor(db: Path, log: Path) -> tuple[subprocess.Popen, str]:
         threading.Event().wait(0.2)
     proc.kill()
     raise RuntimeError(f"the monitor did not start (log {log})")
-
-
-class Engine:
-    """What the workflow and the gateway use of AReaL's engine; never paused."""
-
-    def __init__(self, address: str):
-        self.address = address
-        self.workflow_executor = self
-
-    def get_version(self) -> int:
-        return 0
-
-    def is_paused(self) -> bool:
-        return False
-
-    def choose_server(self) -> str:
-        return self.address
 
 
 def _settings(gym_url: str, agent_url: str, monitor_url: str, vllm, model_dir: Path):
@@ -353,6 +336,7 @@ def singletons() -> list[str]:
 
 def trace(logs: Path) -> tuple[Tracer, list]:
     from cua_rl.testing.cache import ensure_model
+    from cua_rl.testing.model_standin import StaticEngine
     from cua_rl.testing.vllm_server import VLLMServer
 
     tracer = Tracer()
@@ -374,7 +358,8 @@ def trace(logs: Path) -> tuple[Tracer, list]:
             data, training, steps = asyncio.run(_task(gym_url))
             _ingest_training(monitor_url, training, steps)
             settings = _settings(gym_url, agent_url, monitor_url, vllm, model_dir)
-            engine = Engine(vllm.base_url.removesuffix("/v1").removeprefix("http://"))
+            engine = StaticEngine(vllm.base_url.removesuffix("/v1").removeprefix("http://"))
+            engine.workflow_executor = engine  # what AReaL's engine is paused by: never here
             rows = asyncio.run(_episodes(tracer, settings, engine, data))
     finally:
         sys.setprofile(None)
