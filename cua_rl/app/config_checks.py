@@ -16,7 +16,7 @@ from dataclasses import dataclass
 from typing import Any
 from urllib.parse import urlsplit
 
-from cua_rl.agent_loop.loop import IMAGE_MODES
+from cua_rl.agent.loop import IMAGE_MODES
 from cua_rl.errors import ConfigError
 from cua_rl.rollout.settings import AGENT_MODES
 

@@ -12,10 +12,10 @@ import time
 from dataclasses import dataclass, field, replace
 from typing import Any
 
+from cua_rl.agent.service_driver import RunResult
+from cua_rl.clients.genv import EvaluationResult
 from cua_rl.core import reasons
 from cua_rl.gateway.capture import EpisodeCapture
-from cua_rl.genv import EvaluationResult
-from cua_rl.mini_agent import RunResult
 from cua_rl.reward import RewardOutcome
 from cua_rl.trajectory import ConversionResult
 from cua_rl.trajectory.events import ParsedEvents

@@ -27,13 +27,13 @@ from typing import Any
 from areal import workflow_context
 from areal.api.workflow_api import RolloutWorkflow
 
-from cua_rl.agent_loop.builtin import run_builtin
+from cua_rl.agent.builtin import run_builtin
+from cua_rl.agent.service_driver import RunDriver, RunResult, RunSpec
 from cua_rl.core.reasons import AGENT_PREFIX, Reason, agent_reason
 from cua_rl.errors import ConfigError, CuaRlError, GymError, MonitorError, RejectedEpisode
 from cua_rl.gateway import AReaLEngineView, SessionSpec, gateway_for
 from cua_rl.heap import hold_mmap_threshold, release_free_memory
 from cua_rl.logs import get_logger
-from cua_rl.mini_agent import RunDriver, RunResult, RunSpec
 from cua_rl.monitor.worker.context import MonitorContext
 from cua_rl.monitor.worker.recorder import RolloutRecorder
 from cua_rl.monitor.worker.uploader import http_fetcher

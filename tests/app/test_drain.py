@@ -16,9 +16,9 @@ import pytest
 from areal.infra import workflow_context
 from fastapi import FastAPI
 
+from cua_rl.agent.service_driver import DriverConfig
+from cua_rl.clients.genv import GenvTimeouts
 from cua_rl.errors import ConfigError
-from cua_rl.genv import GenvTimeouts
-from cua_rl.mini_agent import DriverConfig
 from cua_rl.monitor.protocol import step_client_id
 from cua_rl.monitor.server.app import create_app
 from cua_rl.monitor.server.store import MonitorStore
@@ -248,7 +248,7 @@ def test_a_group_is_drained_whole_before_the_runner_stops(stack, monkeypatch):
     from areal.infra.async_task_runner import AsyncTaskRunner
     from areal.infra.remote_inf_engine import GroupedRolloutWorkflow
 
-    from cua_rl.genv import GenvClient
+    from cua_rl.clients.genv import GenvClient
 
     gym, agent, monitor, model, db = stack
     wf = _workflow(gym, agent, monitor, model, drain_s=20)

@@ -12,14 +12,14 @@ import sqlite3
 import httpx
 import pytest
 
+from cua_rl.agent.service_driver import MiniAgentClient
 from cua_rl.aio import within
 from cua_rl.app.failfast import ADVICE, FailFastConfig, RejectionWatch, advice_for
+from cua_rl.clients.genv import GenvClient, GenvTimeouts
 from cua_rl.core.reasons import Reason
 from cua_rl.errors import ConfigError, GymError, RejectedEpisode
 from cua_rl.gateway import Gateway, GatewayConfig, Sampling, SessionSpec
 from cua_rl.gateway.outages import OUTAGES
-from cua_rl.genv import GenvClient, GenvTimeouts
-from cua_rl.mini_agent import MiniAgentClient
 from cua_rl.monitor.worker.client import MonitorClient, MonitorClientConfig
 from cua_rl.rollout.outcomes import OutcomeLog
 from cua_rl.rollout.pause import (

@@ -21,9 +21,9 @@ import torch
 from areal.infra import workflow_context
 from areal.utils import stats_tracker
 
+from cua_rl.agent.service_driver import DriverConfig
+from cua_rl.clients.genv import GenvClient
 from cua_rl.gateway import Sampling
-from cua_rl.genv import GenvClient
-from cua_rl.mini_agent import DriverConfig
 from cua_rl.monitor.protocol import step_client_id
 from cua_rl.monitor.server.app import create_app
 from cua_rl.monitor.server.store import MonitorStore

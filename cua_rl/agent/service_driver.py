@@ -2,7 +2,7 @@
 
 ``MiniAgentClient`` has one async method per endpoint and raises :class:`AgentError` for transport
 failures and bad answers; "404 = none yet" endpoints return empty results instead. Events arrive
-incrementally and overlap between polls: ``cua_rl.agent_events.EventLog`` de-duplicates them.
+incrementally and overlap between polls: ``cua_rl.agent.event_log.EventLog`` de-duplicates them.
 
 ``RunDriver`` owns one run from ``POST /runs`` to a terminal status: it polls with capped
 exponential backoff, treats unknown statuses as "still running", retries transient failures a
@@ -21,7 +21,7 @@ from typing import Any
 
 import httpx
 
-from cua_rl.agent_events import (  # noqa: F401  (EventLog, MalformedEvent, event_key: re-exported)
+from cua_rl.agent.event_log import (  # noqa: F401  (EventLog, MalformedEvent, event_key: re-exported)
     EventLog,
     MalformedEvent,
     event_key,
