@@ -8,8 +8,8 @@ box, gbox-mini-agent's events); ``run`` is a run's state and the checks of its b
 agent service (``cua_rl.sim.agent``) serves this loop over gbox-mini-agent's API; with
 ``agent.mode: builtin`` the rollout worker runs it itself (``builtin``).
 
-An episode asks for a run as a ``RunSpec`` and gets a ``RunResult`` back, from the agent service
-(``service_driver``: its client and driver, whose polls ``event_log`` de-duplicates) or from the
-built-in loop. Nothing is imported here:
+An episode asks for a run as a ``RunSpec`` and gets a ``RunResult`` back (``spec``), from the
+agent service (``service_driver``, whose polls ``event_log`` de-duplicates; the service's HTTP
+client is ``cua_rl.clients.gbox_mini_agent``) or from the built-in loop. Nothing is imported here:
 importing one module does not load the others (docs/agent.md).
 """

@@ -19,7 +19,7 @@ import time
 
 from cua_rl.agent.loop import AgentLoop
 from cua_rl.agent.run import BadRunRequest, Run, validate_run_body
-from cua_rl.agent.service_driver import RunResult, RunSpec, RunSummary
+from cua_rl.agent.spec import RunResult, RunSpec, RunSummary
 from cua_rl.errors import ConfigError
 
 _IDS = itertools.count(1)

@@ -1,229 +1,32 @@
-"""Client and run driver for gbox-mini-agent (docs/design.md, the agent).
+"""A run on the agent service (gbox-mini-agent), driven from ``POST /runs`` to its end.
 
-``MiniAgentClient`` has one async method per endpoint and raises :class:`AgentError` for transport
-failures and bad answers; "404 = none yet" endpoints return empty results instead. Events arrive
-incrementally and overlap between polls: ``cua_rl.agent.event_log.EventLog`` de-duplicates them.
-
-``RunDriver`` owns one run from ``POST /runs`` to a terminal status: it polls with capped
-exponential backoff, treats unknown statuses as "still running", retries transient failures a
-bounded number of times, and always fetches the events once more after the run ended (the last
-turn would be lost otherwise). There is no cancel endpoint: when the client deadline passes the
-driver returns with reason ``"deadline"`` and the caller terminates the gym execution, which stops
-the box and with it the run.
+``RunDriver`` owns one run: it creates it (a create is retried only while no connection could be
+opened: any other retry could start a second run on the box), polls with capped exponential
+backoff, treats unknown statuses as "still running", retries transient failures a bounded number
+of times, and always fetches the events once more after the run ended (the last turn would be
+lost otherwise). Events overlap between polls: ``cua_rl.agent.event_log.EventLog`` de-duplicates
+them. There is no cancel endpoint: when the client deadline passes the driver returns with reason
+``"deadline"`` and the caller terminates the gym execution, which stops the box and with it the
+run.
 """
 
 from __future__ import annotations
 
 import asyncio
 import time
-from dataclasses import dataclass, field
-from typing import Any
+from dataclasses import dataclass
 
 import httpx
 
-from cua_rl.agent.event_log import (  # noqa: F401  (EventLog, MalformedEvent, event_key: re-exported)
-    EventLog,
-    MalformedEvent,
-    event_key,
-    event_step,
-)
+from cua_rl.agent.event_log import EventLog, MalformedEvent
+from cua_rl.agent.spec import TERMINAL_STATUSES, RunResult, RunSpec, RunSummary, check_positive
 from cua_rl.aio import within
+from cua_rl.clients.gbox_mini_agent import AgentUnreachable, MiniAgentClient
 from cua_rl.core.fields import doc
 from cua_rl.errors import AgentError, ConfigError
 
-TERMINAL_STATUSES = frozenset({"completed", "failed"})
 # Statuses seen before the end; any other non-terminal value is tolerated and recorded.
 KNOWN_RUNNING = frozenset({"queued", "pending", "created", "starting", "running"})
-
-
-class AgentUnreachable(AgentError):
-    """No connection to the agent could be opened, so the request was never sent (an agent
-    restarting or not up yet); unlike a lost answer, a retry cannot start anything twice."""
-
-
-class MiniAgentClient:
-    """One async method per gbox-mini-agent endpoint; inject ``client`` to share or fake transport."""
-
-    def __init__(
-        self,
-        base_url: str,
-        *,
-        client: httpx.AsyncClient | None = None,
-        timeout_s: float = 30.0,
-    ):
-        if not base_url or not base_url.startswith(("http://", "https://")):
-            raise ConfigError(
-                f"agent base_url must be an http(s) URL such as http://127.0.0.1:8080, got {base_url!r}"
-            )
-        root, sep, _ = base_url.partition("/runs")
-        if sep:  # a run's URL pasted instead of the service's
-            raise ConfigError(f"agent base_url={base_url!r} has /runs in it: give {root}")
-        self.base_url = base_url.rstrip("/")
-        self._own_client = client is None
-        self._client = client or httpx.AsyncClient(timeout=timeout_s)
-
-    async def aclose(self) -> None:
-        if self._own_client:
-            await self._client.aclose()
-
-    async def __aenter__(self) -> MiniAgentClient:
-        return self
-
-    async def __aexit__(self, *exc) -> None:
-        await self.aclose()
-
-    async def _request(self, method: str, path: str, *, none_on_404: bool = False, **kwargs) -> Any:
-        url = f"{self.base_url}{path}"
-        try:
-            resp = await self._client.request(method, url, **kwargs)
-        except (httpx.ConnectError, httpx.ConnectTimeout) as exc:
-            raise AgentUnreachable(
-                f"{method} {path}: nothing answers at {self.base_url} ({type(exc).__name__}: "
-                f"{exc}): start the agent service, or fix the host and port of agent.base_url"
-            ) from exc
-        except httpx.HTTPError as exc:
-            raise AgentError(f"{method} {path}: {type(exc).__name__}: {exc}") from exc
-        if resp.status_code == 404 and none_on_404:
-            return None
-        if resp.status_code >= 400:
-            hint = f" (is {self.base_url} the agent service's root? check agent.base_url)"
-            raise AgentError(
-                f"{method} {path} answered {resp.status_code}: {resp.text[:500]}"
-                + (hint if resp.status_code == 404 else ""),
-                status=resp.status_code,
-                body=resp.text,
-            )
-        try:
-            return resp.json()
-        except ValueError as exc:
-            raise AgentError(
-                f"{method} {path} answered non-JSON: {resp.text[:200]!r}",
-                status=resp.status_code,
-                body=resp.text,
-            ) from exc
-
-    async def create_run(self, body: dict) -> str:
-        """``POST /runs``; returns the run id."""
-        data = await self._request("POST", "/runs", json=body)
-        run_id = data.get("runId") if isinstance(data, dict) else None
-        if not run_id:
-            raise AgentError(f"POST /runs answered without runId: {data!r}", status=200, body=data)
-        return str(run_id)
-
-    async def probe(self) -> None:
-        """Raises ``AgentError`` unless the service answers: no health endpoint is known, so a
-        lookup of a run that does not exist (a 404 is an answer) stands in for one."""
-        await self._request("GET", "/runs/cua-rl-probe", none_on_404=True)
-
-    async def get_run(self, run_id: str) -> dict:
-        """``GET /runs/{id}`` -> ``{status, reason, ...}``."""
-        data = await self._request("GET", f"/runs/{run_id}")
-        if not isinstance(data, dict) or "status" not in data:
-            raise AgentError(f"GET /runs/{run_id} answered without status: {data!r}", body=data)
-        return data
-
-    async def get_events(self, run_id: str, from_: Any = None, to: Any = None) -> list[dict]:
-        """``GET /runs/{id}/events``; ``from_`` inclusive, ``to`` exclusive; [] when none yet."""
-        bounds = (("from", from_), ("to", to))
-        params = {name: str(value) for name, value in bounds if value is not None}
-        data = await self._request("GET", f"/runs/{run_id}/events", params=params, none_on_404=True)
-        if data is None:
-            return []
-        if isinstance(data, dict):
-            data = data.get("events")
-        if not isinstance(data, list):
-            raise AgentError(f"events of run {run_id} are not a list: {str(data)[:200]}", body=data)
-        return data
-
-    async def get_steps(self, run_id: str) -> list[dict]:
-        data = await self._request("GET", f"/runs/{run_id}/steps", none_on_404=True)
-        if data is None:
-            return []
-        if isinstance(data, dict):
-            data = data.get("steps", [])
-        return list(data)
-
-    async def get_step(self, run_id: str, index: int) -> dict | None:
-        """Step ``index`` (0-based), ``None`` when it does not exist (yet)."""
-        return await self._request("GET", f"/runs/{run_id}/steps/{index}", none_on_404=True)
-
-    async def get_trajectory(self, run_id: str) -> Any:
-        return await self._request("GET", f"/runs/{run_id}/trajectory", none_on_404=True)
-
-    async def get_tokens(self, run_id: str) -> Any:
-        return await self._request("GET", f"/runs/{run_id}/tokens", none_on_404=True)
-
-
-def _positive(name: str, value: float | None, *, allow_none: bool = False) -> None:
-    if value is None and allow_none:
-        return
-    if value is None or value <= 0:
-        raise ConfigError(f"{name} must be > 0, got {value!r}")
-
-
-@dataclass
-class RunSpec:
-    """What one run asks the agent to do; becomes the ``POST /runs`` body."""
-
-    task: str = doc(help="the task instruction given to the agent")
-    model_base_url: str = doc(help="OpenAI-compatible base URL ending in /v1")
-    model_name: str = doc(help="served model name at model_base_url")
-    gym_base_url: str = doc(help="gym server URL without /api/v1 or trailing /")
-    gym_id: str = doc(help="gym id (no default is safe to assume)")
-    execution_id: str = doc(help="the genv execution the agent drives")
-    agent: str = doc("mai-ui", "agent flavour: mai-ui or qwen3-vl")
-    max_steps: int = doc(15, "maxSteps: agent-side step limit")
-    max_run_time_s: float | None = doc(None, "maxRunTimeSec: agent-side run time limit")
-    max_step_time_s: float | None = doc(None, "maxStepTimeSec: agent-side limit per step")
-    provider: str = doc("openai", "model provider (openai API)")
-    action_space: str = doc("mobile", "standardActionSpace: mobile or pc")
-    model_options: dict = doc(
-        factory=dict,
-        help="extra keys merged into the run's model object (e.g. logprobs, constrain)",
-    )
-
-    def __post_init__(self) -> None:
-        if not self.task:
-            raise ConfigError("task must be a non-empty instruction")
-        if not self.model_base_url.rstrip("/").endswith("/v1"):
-            raise ConfigError(
-                f"model_base_url must end in /v1 (OpenAI base URL), got {self.model_base_url!r}"
-            )
-        if not self.gym_id:
-            raise ConfigError("gym_id is required: set the gym id of the gym server")
-        if not self.execution_id:
-            raise ConfigError("execution_id is required: create a gym execution first")
-        if self.action_space not in ("mobile", "pc"):
-            raise ConfigError(f"action_space must be 'mobile' or 'pc', got {self.action_space!r}")
-        if not isinstance(self.max_steps, int) or self.max_steps < 1:
-            raise ConfigError(f"max_steps must be an integer >= 1, got {self.max_steps!r}")
-        _positive("max_run_time_s", self.max_run_time_s, allow_none=True)
-        _positive("max_step_time_s", self.max_step_time_s, allow_none=True)
-
-    def body(self) -> dict:
-        body: dict[str, Any] = {
-            "task": self.task,
-            "agent": self.agent,
-            "maxSteps": self.max_steps,
-            "model": {
-                **self.model_options,
-                "baseUrl": self.model_base_url,
-                "name": self.model_name,
-                "provider": self.provider,
-            },
-            "env": {
-                "type": "genv",
-                "gymBaseUrl": self.gym_base_url.rstrip("/"),
-                "gymId": self.gym_id,
-                "executionId": self.execution_id,
-            },
-            "standardActionSpace": self.action_space,
-        }
-        if self.max_run_time_s is not None:
-            body["maxRunTimeSec"] = self.max_run_time_s
-        if self.max_step_time_s is not None:
-            body["maxStepTimeSec"] = self.max_step_time_s
-        return body
 
 
 @dataclass
@@ -247,8 +50,8 @@ class DriverConfig:
     )
 
     def __post_init__(self) -> None:
-        _positive("deadline_s", self.deadline_s)
-        _positive("poll_initial_s", self.poll_initial_s)
+        check_positive("deadline_s", self.deadline_s)
+        check_positive("poll_initial_s", self.poll_initial_s)
         if self.poll_max_s < self.poll_initial_s:
             raise ConfigError(
                 f"poll_max_s ({self.poll_max_s}) must be >= poll_initial_s ({self.poll_initial_s})"
@@ -261,81 +64,6 @@ class DriverConfig:
             raise ConfigError(
                 f"create_connect_wait_s must be >= 0 (0 fails at once), got {self.create_connect_wait_s}"
             )
-
-
-@dataclass
-class RunSummary:
-    """What became of a run, as seen by the client.
-
-    ``reason`` is the agent's reason for terminal runs, else the driver's own:
-    ``deadline`` (client deadline passed, run may still be going), ``agent_error`` (too many
-    transient failures in a row), ``create_failed`` (POST /runs failed; retried only while no
-    connection could be opened, ``create_retries`` counts those, since any other retry could
-    start a second run on the execution), ``bad_events`` (an event broke the format).
-    ``create_unavailable``: the create failed because the service is down (no connection, no
-    answer in time, or a 5xx), not because it refused this run (a 4xx).
-    """
-
-    run_id: str | None
-    status: str
-    reason: str | None
-    answer: str | None = None
-    steps: int = 0
-    errors: list[str] = field(default_factory=list)
-    transient_errors: int = 0
-    unknown_statuses: list[str] = field(default_factory=list)
-    started_at: float = 0.0
-    ended_at: float = 0.0
-    polls: int = 0
-    create_retries: int = 0
-    create_unavailable: bool = False
-
-    @property
-    def terminal(self) -> bool:
-        return self.status in TERMINAL_STATUSES
-
-    @property
-    def duration_s(self) -> float:
-        return self.ended_at - self.started_at
-
-    def read_events(self, events: list[dict]) -> None:
-        """The answer, steps and errors of the run's event log; its ``run_end`` reason when
-        the summary has none of its own."""
-        answer, steps, errors, end_reason = summarize_events(events)
-        self.answer, self.steps = answer, steps
-        self.errors = errors + self.errors
-        if self.reason is None and end_reason is not None:
-            self.reason = end_reason
-
-
-def summarize_events(events: list[dict]) -> tuple[str | None, int, list[str], str | None]:
-    """(answer, steps, error messages, run_end reason) read off an event log."""
-    answer = None
-    steps = 0
-    errors: list[str] = []
-    end_reason = None
-    for ev in events:
-        step = event_step(ev)
-        if isinstance(step, int):
-            steps = max(steps, step)
-        kind = ev.get("type")
-        if kind == "action_executed":
-            action = ev.get("action") or {}
-            if action.get("name") == "finished":
-                content = (action.get("args") or {}).get("content")
-                if content is not None:
-                    answer = str(content)
-        elif kind == "error":
-            errors.append(str(ev.get("message", "")))
-        elif kind == "run_end":
-            end_reason = ev.get("reason")
-    return answer, steps, errors, end_reason
-
-
-@dataclass
-class RunResult:
-    summary: RunSummary
-    events: list[dict]
 
 
 class RunDriver:

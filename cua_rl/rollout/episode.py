@@ -12,7 +12,7 @@ import time
 from dataclasses import dataclass, field, replace
 from typing import Any
 
-from cua_rl.agent.service_driver import RunResult
+from cua_rl.agent.spec import RunResult
 from cua_rl.clients.genv import EvaluationResult
 from cua_rl.core import reasons
 from cua_rl.gateway.capture import EpisodeCapture

@@ -20,7 +20,7 @@ import weakref
 import httpx
 
 from cua_rl.agent.loop import AgentLoop, LoopConfig
-from cua_rl.agent.service_driver import MiniAgentClient
+from cua_rl.clients.gbox_mini_agent import MiniAgentClient
 from cua_rl.clients.genv import GenvClient, GenvTimeouts
 from cua_rl.monitor.worker.client import MonitorClient, MonitorClientConfig
 

@@ -28,7 +28,8 @@ from areal import workflow_context
 from areal.api.workflow_api import RolloutWorkflow
 
 from cua_rl.agent.builtin import run_builtin
-from cua_rl.agent.service_driver import RunDriver, RunResult, RunSpec
+from cua_rl.agent.service_driver import RunDriver
+from cua_rl.agent.spec import RunResult, RunSpec
 from cua_rl.core.reasons import AGENT_PREFIX, Reason, agent_reason
 from cua_rl.errors import ConfigError, CuaRlError, GymError, MonitorError, RejectedEpisode
 from cua_rl.gateway import AReaLEngineView, SessionSpec, gateway_for

@@ -26,7 +26,9 @@ from typing import Any
 
 import httpx
 
-from cua_rl.agent.service_driver import DriverConfig, MiniAgentClient, RunDriver, RunSpec
+from cua_rl.agent.service_driver import DriverConfig, RunDriver
+from cua_rl.agent.spec import RunSpec
+from cua_rl.clients.gbox_mini_agent import MiniAgentClient
 from cua_rl.clients.genv import GenvClient, GenvTimeouts
 from cua_rl.errors import GymError
 

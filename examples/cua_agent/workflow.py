@@ -12,7 +12,7 @@ it may change and what it must not.
 
 from __future__ import annotations
 
-from cua_rl.agent.service_driver import RunSpec
+from cua_rl.agent.spec import RunSpec
 from cua_rl.monitor.worker.recorder import RolloutRecorder
 from cua_rl.reward import RewardOutcome
 from cua_rl.rollout.episode import Episode

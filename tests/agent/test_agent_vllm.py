@@ -14,7 +14,8 @@ import time
 import httpx
 import pytest
 
-from cua_rl.agent.service_driver import DriverConfig, MiniAgentClient, RunDriver, drive_run
+from cua_rl.agent.service_driver import DriverConfig, RunDriver, drive_run
+from cua_rl.clients.gbox_mini_agent import MiniAgentClient
 from tests.agent.conftest import FaultyTransport
 
 pytestmark = pytest.mark.slow

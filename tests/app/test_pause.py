@@ -12,9 +12,9 @@ import sqlite3
 import httpx
 import pytest
 
-from cua_rl.agent.service_driver import MiniAgentClient
 from cua_rl.aio import within
 from cua_rl.app.failfast import ADVICE, FailFastConfig, RejectionWatch, advice_for
+from cua_rl.clients.gbox_mini_agent import MiniAgentClient
 from cua_rl.clients.genv import GenvClient, GenvTimeouts
 from cua_rl.core.reasons import Reason
 from cua_rl.errors import ConfigError, GymError, RejectedEpisode
