@@ -44,7 +44,7 @@ from cua_rl.rollout.groups import (
     GroupNormConfig,
     GroupSettings,
 )
-from cua_rl.rollout.pause import PauseConfig
+from cua_rl.rollout.service_pauses import PauseConfig
 from cua_rl.rollout.settings import (
     AgentSection,
     EndpointSection,

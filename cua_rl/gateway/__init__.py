@@ -10,8 +10,9 @@ images the row is then built from.
     config.py   bind / advertised address, limits, sampling-mismatch policy; ``Sampling``
     render.py   messages -> prompt ids, extending the stored conversation (pure)
     engine.py   one call through the engine: pause, abort and retry handling, versions
-    pauses.py   the pauses of each engine, and the bound a pause gets from them
-    outages.py  the model-server outages the gateway is holding calls through
+    weight_pauses.py  the pauses for weight updates each engine had, and the bound a waiting
+                      call gets from them
+    model_outages.py  the model-server outages the gateway is holding calls through
     requests.py what a request may ask: the trainer's sampling, tools, token bytes
     session.py  one episode: re-sends, images, capture, the OpenAI answer
     capture.py  what an episode captured, and its turns for the row builder

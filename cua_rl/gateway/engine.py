@@ -35,9 +35,9 @@ import httpx
 from cua_rl.errors import ModelServerError
 from cua_rl.gateway.backends import Request, VLLMTokens
 from cua_rl.gateway.config import GatewayConfig, Sampling
-from cua_rl.gateway.outages import OUTAGES
-from cua_rl.gateway.pauses import PauseBound, Pauses, pauses_of
+from cua_rl.gateway.model_outages import OUTAGES
 from cua_rl.gateway.render import BadRequest, Image
+from cua_rl.gateway.weight_pauses import PauseBound, Pauses, pauses_of
 
 PAUSE_POLL_S = 0.2
 OUTAGE_BACKOFF_CAP_S = 10.0  # longest gap between two re-sends: a restarted server is found soon

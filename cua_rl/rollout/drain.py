@@ -30,7 +30,7 @@ from typing import Any
 
 from cua_rl.errors import ConfigError
 from cua_rl.logs import get_logger
-from cua_rl.rollout.pause import close_loop_pauses
+from cua_rl.rollout.service_pauses import close_loop_pauses
 from cua_rl.rollout.services import loop_monitors
 
 log = get_logger(__name__)

@@ -18,7 +18,7 @@ from cua_rl.gateway.config import GatewayConfig, Sampling
 from cua_rl.reward import RewardConfig
 from cua_rl.rollout.drain import DrainConfig
 from cua_rl.rollout.groups import GroupSettings
-from cua_rl.rollout.pause import PauseConfig
+from cua_rl.rollout.service_pauses import PauseConfig
 from cua_rl.tasks import TaskSelectionConfig, TaskSourceConfig
 from cua_rl.trajectory.config import TrajectoryConfig
 
@@ -165,5 +165,5 @@ class WorkflowSettings:
     # The group filter's settings (train phase): episodes per group, zero-variance tolerance,
     # the per-group normalisation of episode rewards.
     group: GroupSettings = field(default_factory=GroupSettings)
-    # Whether and how new episodes wait while a service fails (cua_rl.rollout.pause).
+    # Whether and how new episodes wait while a service fails (cua_rl.rollout.service_pauses).
     pause: PauseConfig = field(default_factory=PauseConfig)

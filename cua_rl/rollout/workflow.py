@@ -10,7 +10,7 @@ functions of ``cua_rl.trajectory``: one row per run of calls that extend one ano
 call is trained whatever the agent keeps in its context; the group filter
 (``cua_rl.rollout.groups``) then gives every row its episode's group-normalised reward. Infrastructure failures return ``None`` with a counted reason;
 a task the agent failed is a row with reward 0. While the gym, the agent service or the model
-server fails, new episodes wait at their start (``cua_rl.rollout.pause``). When the run ends, the episodes still in flight
+server fails, new episodes wait at their start (``cua_rl.rollout.service_pauses``). When the run ends, the episodes still in flight
 are cancelled and closed within ``drain.timeout_s`` (``cua_rl.rollout.drain``).
 
 Users customise it by overriding the hooks: ``build_run_spec``, ``compute_reward``, ``build_row``
@@ -49,7 +49,8 @@ from cua_rl.rollout.drain import (
 from cua_rl.rollout.episode import Episode, Phase, episode_stats, gateway_reason
 from cua_rl.rollout.groups import complete_groups  # noqa: F401  (an older dotted path)
 from cua_rl.rollout.outcomes import OutcomeLog
-from cua_rl.rollout.pause import (
+from cua_rl.rollout.placement import is_surplus, rollout_source
+from cua_rl.rollout.service_pauses import (
     MODEL_SERVER,
     PauseRecords,
     Pauses,
@@ -58,7 +59,6 @@ from cua_rl.rollout.pause import (
     pause_for_held_calls,
     probe_for,
 )
-from cua_rl.rollout.placement import is_surplus, rollout_source
 from cua_rl.rollout.services import Services
 from cua_rl.rollout.settings import WorkflowSettings
 from cua_rl.trajectory import (

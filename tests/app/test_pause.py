@@ -1,4 +1,4 @@
-"""A failing service pauses new episodes (cua_rl/rollout/pause.py), against real servers on
+"""A failing service pauses new episodes (cua_rl/rollout/service_pauses.py), against real servers on
 loopback: the sim gym with its create fault, the local agent and a model stand-in behind the fault
 proxy, a real monitor on a SQLite file, and the failfast watch over real outcome files. Each
 outage starts and ends when the test switches it, and the test waits for the probes the pause
@@ -19,10 +19,10 @@ from cua_rl.clients.genv import GenvClient, GenvTimeouts
 from cua_rl.core.reasons import Reason
 from cua_rl.errors import ConfigError, GymError, RejectedEpisode
 from cua_rl.gateway import Gateway, GatewayConfig, Sampling, SessionSpec
-from cua_rl.gateway.outages import OUTAGES
+from cua_rl.gateway.model_outages import OUTAGES
 from cua_rl.monitor.worker.client import MonitorClient, MonitorClientConfig
 from cua_rl.rollout.outcomes import OutcomeLog
-from cua_rl.rollout.pause import (
+from cua_rl.rollout.service_pauses import (
     AGENT,
     GYM,
     MODEL_SERVER,
@@ -255,7 +255,7 @@ async def test_an_agent_or_model_server_outage_pauses_until_it_is_restored(servi
 
 
 async def test_the_run_s_end_stops_the_loop_s_probes():
-    from cua_rl.rollout.pause import close_loop_pauses, loop_pauses
+    from cua_rl.rollout.service_pauses import close_loop_pauses, loop_pauses
 
     async def never_up():
         raise GymError("create answered 503", status=503)

@@ -26,7 +26,7 @@ from cua_rl.reward import RewardConfig
 from cua_rl.rollout import groups
 from cua_rl.rollout.episode import Episode
 from cua_rl.rollout.groups import GroupSettings
-from cua_rl.rollout.pause import PauseConfig
+from cua_rl.rollout.service_pauses import PauseConfig
 from cua_rl.rollout.settings import AgentSection, EndpointSection, GymSection, WorkflowSettings
 from cua_rl.rollout.workflow import CUAAgentWorkflow
 from cua_rl.serving import ThreadedServer, bind_free_port

@@ -11,7 +11,7 @@ import pytest
 from PIL import Image as PILImage
 
 from cua_rl.gateway import Gateway, GatewayConfig, Sampling, SessionSpec
-from cua_rl.gateway.pauses import Pauses
+from cua_rl.gateway.weight_pauses import Pauses
 from cua_rl.serving import ThreadedServer
 from cua_rl.testing.model_standin import ModelStandIn
 from cua_rl.trajectory.config import TrajectoryConfig
@@ -19,7 +19,7 @@ from cua_rl.trajectory.config import TrajectoryConfig
 
 class FakeEngine:
     """Version, pause flag and server choice, settable from the test; its pauses are measured
-    by the gateway's own record (``cua_rl.gateway.pauses``)."""
+    by the gateway's own record (``cua_rl.gateway.weight_pauses``)."""
 
     def __init__(self, address: str, version: int = 0):
         self.address = address

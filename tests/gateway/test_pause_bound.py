@@ -2,8 +2,8 @@
 fail with the reason at a bound derived from the run's own pauses.
 
 AReaL 1.0.4 gives the rollout side no signal of a failed or hung weight update (see
-``cua_rl.gateway.pauses``): what a rollout worker sees is its ``RemoteInfEngine`` paused and never
-resumed. So the engine here is AReaL's own, connected to a stand-in model server, paused and
+``cua_rl.gateway.weight_pauses``): what a rollout worker sees is its ``RemoteInfEngine`` paused
+and never resumed. So the engine here is AReaL's own, connected to a stand-in model server, paused and
 resumed through its public ``pause``/``resume`` exactly as ``PPOTrainer`` does around an update.
 Time is the test's: the pause record reads a clock the test advances, so the bound is crossed by
 construction, and a read counter shows the gateway checked the pause before the bound too.
@@ -19,7 +19,7 @@ import pytest
 
 from cua_rl.aio import within
 from cua_rl.gateway import AReaLEngineView, Gateway, GatewayConfig, Sampling, SessionSpec
-from cua_rl.gateway.pauses import PauseBound, Pauses
+from cua_rl.gateway.weight_pauses import PauseBound, Pauses
 from cua_rl.serving import ThreadedServer
 from cua_rl.testing.model_standin import ModelStandIn
 from cua_rl.trajectory.config import TrajectoryConfig

@@ -3,8 +3,9 @@
 A call whose server refuses, drops or answers 5xx is held and re-sent (``engine``); while it is,
 its server is out. ``Outages`` counts, per server, the calls held right now, from the first failed
 send of a call until that call is answered, fails past ``gateway.model_outage_s`` or is
-cancelled. The rollout side reads it before each new episode (``cua_rl.rollout.pause``): a server
-holding calls pauses new episodes instead of letting each one start and wait in its own call.
+cancelled. The rollout side reads it before each new episode (``cua_rl.rollout.service_pauses``):
+a server holding calls pauses new episodes instead of letting each one start and wait in its own
+call.
 Thread-safe: the gateway's loop writes, the rollout worker's loop reads. It logs one line when a
 server goes out and one when it answers again, not one per call (hundreds of episodes share a
 server).

@@ -4,7 +4,7 @@ When an episode is rejected because the gym failed its create (5xx, refused, no 
 service failed to start its run, or the model server stayed out past ``gateway.model_outage_s``,
 every episode started next would burn a box and a task on the same failure. A model server that
 is out pauses new episodes before any is rejected: while the gateway holds calls for it
-(``cua_rl.gateway.outages``), a new episode would only wait in its own call, so
+(``cua_rl.gateway.model_outages``), a new episode would only wait in its own call, so
 ``pause_for_held_calls`` opens the pause at the next episode's start. ``Pauses`` (one per
 rollout worker event loop) then holds each new episode at its start (``admit``, before it reads
 the policy version, opens a gateway session or creates a box) and probes the failing service with
@@ -38,7 +38,7 @@ from cua_rl.core.fields import doc
 from cua_rl.core.reasons import Reason, agent_reason, gateway_reason
 from cua_rl.errors import ConfigError, CuaRlError, GymError, ModelServerError, RejectedEpisode
 from cua_rl.gateway.engine import server_url
-from cua_rl.gateway.outages import OUTAGES, Held
+from cua_rl.gateway.model_outages import OUTAGES, Held
 from cua_rl.logs import get_logger
 from cua_rl.monitor.protocol import pause_client_id
 from cua_rl.monitor.worker.batches import ref
