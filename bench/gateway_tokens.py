@@ -63,8 +63,8 @@ async def episodes(mode: str, args, gym, agent, vllm, model_dir) -> dict[str, fl
     class Keeping(CUAAgentWorkflow):
         results: list = []
 
-        async def build_row(self, episode):
-            result = await super().build_row(episode)
+        async def build_rows(self, task, calls, reward):
+            result = await super().build_rows(task, calls, reward)
             self.results.append(result.stats)
             return result
 

@@ -17,13 +17,13 @@ images the row is then built from.
     session.py  one episode: re-sends, images, capture, the OpenAI answer
     capture.py  what an episode captured, and its turns for the row builder
     app.py      the HTTP routes and OpenAI-shaped errors
-    server.py   the per-process gateway and its episode registry
+    server.py   a worker's gateway: its HTTP server and episode registry
 """
 
 from cua_rl.gateway.capture import CapturedTurn, EpisodeCapture
 from cua_rl.gateway.config import GatewayConfig, Sampling
 from cua_rl.gateway.engine import AReaLEngineView, EngineView
-from cua_rl.gateway.server import Gateway, gateway_for
+from cua_rl.gateway.server import Gateway
 from cua_rl.gateway.session import SessionSpec
 
 __all__ = [
@@ -35,5 +35,4 @@ __all__ = [
     "GatewayConfig",
     "Sampling",
     "SessionSpec",
-    "gateway_for",
 ]

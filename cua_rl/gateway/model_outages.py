@@ -1,4 +1,4 @@
-"""The model-server outages a process's gateways are holding calls through, as the rollout sees them.
+"""The model-server outages a gateway is holding calls through, as the rollout sees them.
 
 A call whose server refuses, drops or answers 5xx is held and re-sent (``engine``); while it is,
 its server is out. ``Outages`` counts, per server, the calls held right now, from the first failed
@@ -33,6 +33,9 @@ class Held:
 
 
 class Outages:
+    """The held calls per server of one gateway (``Gateway.outages``; the rollout runtime hands
+    its own to its gateway and reads it before each new episode)."""
+
     def __init__(self) -> None:
         self._lock = threading.Lock()
         self._held: dict[str, list] = {}  # server -> [calls, since, last error]
@@ -85,7 +88,3 @@ class Outages:
                 for s, (calls, since, error) in self._held.items()
                 if server is None or s == server
             ]
-
-
-# One per process: every gateway of a rollout worker sends to the same servers.
-OUTAGES = Outages()

@@ -11,7 +11,7 @@ import pytest
 from PIL import Image as PILImage
 
 from cua_rl.gateway import Gateway, GatewayConfig, Sampling, SessionSpec
-from cua_rl.gateway.weight_pauses import Pauses
+from cua_rl.gateway.weight_pauses import WeightPauses
 from cua_rl.serving import ThreadedServer
 from cua_rl.testing.model_standin import ModelStandIn
 from cua_rl.trajectory.config import TrajectoryConfig
@@ -27,7 +27,7 @@ class FakeEngine:
         self.paused = threading.Event()
         self.chosen = 0
         self.waited = threading.Event()  # a call found the rollout paused
-        self.pauses = Pauses()
+        self.pauses = WeightPauses()
 
     def get_version(self) -> int:
         return self.version
