@@ -485,4 +485,5 @@ class EpisodeSession:
         for task in list(self.inflight):
             loop = task.get_loop()
             loop.call_soon_threadsafe(task.cancel)
+        self.capture.counters = self.capture.stats()  # closed: no call adds to them any more
         return self.capture

@@ -31,7 +31,6 @@ from typing import Any
 
 from cua_rl.errors import ConfigError
 from cua_rl.logs import get_logger
-from cua_rl.rollout.episode import BoxChanged, EpisodeEvent
 
 log = get_logger(__name__)
 
@@ -78,9 +77,12 @@ class LiveEpisode:
     rollout_uuid: str
     execution_id: str | None = None
 
-    async def on(self, event: EpisodeEvent) -> None:
-        if isinstance(event, BoxChanged) and event.box is not None:
-            self.execution_id = event.box.execution_id
+    async def on(self, event: Any) -> None:
+        # Read off the episode's events by shape (``BoxChanged`` carries the box): the episode's
+        # module imports the settings, which import this module's ``DrainConfig``.
+        box = getattr(event, "box", None)
+        if box is not None:
+            self.execution_id = box.execution_id
 
 
 Flush = Callable[[float], Awaitable[bool]]

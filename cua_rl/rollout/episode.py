@@ -37,9 +37,11 @@ from cua_rl.gateway.capture import EpisodeCapture
 from cua_rl.heap import release_free_memory
 from cua_rl.logs import get_logger
 from cua_rl.reward import EpisodeFacts, RewardConfig, RewardOutcome, compute_reward
+from cua_rl.rollout.settings import WorkflowSettings
 from cua_rl.trajectory import (
     ConversionResult,
     TrajectoryConfig,
+    captured,
     convert_turns,
     events_to_turns,
     fetch_images,
@@ -94,21 +96,22 @@ class CapturedCalls:
 
     def row_turns(self) -> list[Turn]:
         """The row builder's turns: token data as captured, actions from the agent's events."""
-        return self.capture.row_turns(self.turns) if self.capture else self.turns
+        return captured.row_turns(self.capture, self.turns) if self.capture else self.turns
 
     def images(self) -> dict[str, bytes] | None:
-        return self.capture.images() if self.capture else None
+        return captured.images(self.capture) if self.capture else None
 
     def monitor_turns(self, trained_steps: frozenset[int] | None = None) -> list[Turn]:
         """The agent's turns with the captured token data, each noting whether a row trains it
         (``trained_steps``, known once the rows are built)."""
-        turns = self.capture.monitor_turns(self.turns) if self.capture else self.turns
+        turns = captured.monitor_turns(self.capture, self.turns) if self.capture else self.turns
         if trained_steps is None:
             return turns
         return [replace(t, notes={**t.notes, "trained": t.step in trained_steps}) for t in turns]
 
     def stats(self) -> dict[str, float]:
-        return self.capture.stats() if self.capture else {}
+        """The gateway's counters of the episode's calls (as its session closed)."""
+        return dict(self.capture.counters) if self.capture else {}
 
 
 @dataclass
@@ -227,9 +230,10 @@ class EpisodeStages:
 
 async def run_episode(
     task: EpisodeTask, stages: EpisodeStages, emit: Emit, timings: Timings
-) -> ConversionResult | None:
-    """The episode told to ``emit`` from ``Started`` to ``Ended``: its rows, or None when it was
-    rejected (a counted reason) or failed. Cancelled, it raises: the drain tells its end."""
+) -> dict[str, Any] | None:
+    """The episode told to ``emit`` from ``Started`` to ``Ended``: its rows as one batch (what
+    AReaL trains), or None when it was rejected (a counted reason) or failed. Cancelled, it
+    raises: the drain tells its end."""
     t0 = time.monotonic()
     try:
         calls, reward, rows = await episode_path(task, stages, emit, timings)
@@ -243,7 +247,7 @@ async def run_episode(
         return None
     timings["total"] = time.monotonic() - t0
     await emit(Ended(task, "accepted", calls=calls, reward=reward, rows=rows, timings=timings))
-    return rows
+    return rows.row
 
 
 async def episode_path(
@@ -307,6 +311,36 @@ async def in_box(
 
 
 # ---- the stages' defaults ------------------------------------------------------------------
+
+
+def run_spec(
+    task: EpisodeTask, box: Box, model_base_url: str, settings: WorkflowSettings, model_name: str
+) -> RunSpec:
+    """The agent run an episode asks for: the task's instruction, the agent's limits, and the
+    sampling settings (through the gateway the trainer's win anyway) merged into the model
+    object with the context policy and ``agent.model_options``."""
+    s = settings
+    options = {
+        "temperature": s.sampling.temperature,
+        "maxTokens": s.sampling.max_new_tokens,
+        **s.agent.run_model_options(),
+        **s.agent.model_options,
+    }
+    return RunSpec(
+        task=task.instruction,
+        model_base_url=model_base_url,
+        model_name=model_name,
+        gym_base_url=s.gym.base_url,
+        gym_id=s.gym.gym_id,
+        execution_id=box.execution_id,
+        agent=s.agent.agent,
+        max_steps=s.agent.max_steps,
+        max_run_time_s=s.agent.max_run_time_s,
+        max_step_time_s=s.agent.max_step_time_s,
+        provider=s.endpoint.provider,
+        action_space=s.agent.action_space,
+        model_options=options,
+    )
 
 
 def check_completed(run: RunResult) -> None:

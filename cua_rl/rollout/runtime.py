@@ -29,7 +29,7 @@ from __future__ import annotations
 import asyncio
 import atexit
 import weakref
-from collections.abc import Awaitable, Callable
+from collections.abc import Callable
 from typing import Any
 
 import httpx
@@ -267,17 +267,16 @@ class RolloutRuntime:
 
     # ---- the agent ------------------------------------------------------------------------------
 
-    def agent_runner(self) -> Callable[[RunSpec], Awaitable[RunResult]]:
-        """How a run goes to its end: on the agent service (``agent.mode: service``) or, with
+    async def run_agent(self, spec: RunSpec) -> RunResult:
+        """The agent run, to its end: on the agent service (``agent.mode: service``) or, with
         ``builtin``, the same loop as the local agent's, run here in the episode's task."""
         a = self.settings.agent
         if a.mode == "builtin":
-            loop = self.clients.agent_loop(a.builtin)
-            return lambda spec: run_builtin(loop, spec, a.driver.deadline_s)
+            return await run_builtin(self.clients.agent_loop(a.builtin), spec, a.driver.deadline_s)
         agent = self.clients.agent()
         if agent is None:
             raise ConfigError("agent.mode=service needs agent.base_url (or agent.mode=builtin)")
-        return RunDriver(agent, a.driver).run
+        return await RunDriver(agent, a.driver).run(spec)
 
     # ---- service pauses -------------------------------------------------------------------------
 

@@ -89,28 +89,7 @@ class CUAAgentWorkflow(RolloutWorkflow):
     def build_run_spec(self, task: ep.EpisodeTask, box: ep.Box, model_base_url: str):
         """The agent run request (a ``RunSpec``), once the box exists. Override to change the
         instruction or the model options; keep ``model_base_url``, or the rows are lost."""
-        s = self.settings
-        options = {
-            "temperature": s.sampling.temperature,
-            "maxTokens": s.sampling.max_new_tokens,
-            **s.agent.run_model_options(),
-            **s.agent.model_options,
-        }
-        return ep.RunSpec(
-            task=task.instruction,
-            model_base_url=model_base_url,
-            model_name=self.model_name(),
-            gym_base_url=s.gym.base_url,
-            gym_id=s.gym.gym_id,
-            execution_id=box.execution_id,
-            agent=s.agent.agent,
-            max_steps=s.agent.max_steps,
-            max_run_time_s=s.agent.max_run_time_s,
-            max_step_time_s=s.agent.max_step_time_s,
-            provider=s.endpoint.provider,
-            action_space=s.agent.action_space,
-            model_options=options,
-        )
+        return ep.run_spec(task, box, model_base_url, self.settings, self.model_name())
 
     def compute_reward(self, evaluation, calls: ep.CapturedCalls):
         """Evaluation -> reward (a ``RewardOutcome``; raises ``RejectedEpisode`` when the gym gave
@@ -175,10 +154,9 @@ class CUAAgentWorkflow(RolloutWorkflow):
             ),
             open_box=lambda t: runtime.clients.gym().execution(t.task_id),
             build_run_spec=self.build_run_spec,
-            run_agent=lambda spec: runtime.agent_runner()(spec),
+            run_agent=runtime.run_agent,
             compute_reward=self.compute_reward,
             build_rows=self.build_rows,
         )
         body = ep.run_episode(task, stages, emit, timings)
-        rows = await runtime.drain.run(body, live, lambda: emit(ep.Ended(task, "cancelled")))
-        return None if rows is None else rows.row
+        return await runtime.drain.run(body, live, lambda: emit(ep.Ended(task, "cancelled")))

@@ -14,6 +14,7 @@ from cua_rl.gateway import Gateway, GatewayConfig, Sampling, SessionSpec
 from cua_rl.gateway.weight_pauses import WeightPauses
 from cua_rl.serving import ThreadedServer
 from cua_rl.testing.model_standin import ModelStandIn
+from cua_rl.trajectory import captured
 from cua_rl.trajectory.config import TrajectoryConfig
 
 
@@ -69,11 +70,11 @@ def row_of(capture, processor, trained_turns: int) -> dict:
     from cua_rl.trajectory import convert_turns
 
     res = convert_turns(
-        capture.row_turns([]),
+        captured.row_turns(capture, []),
         processor=processor,
         reward=1.0,
         version=0,
-        fetched_images=capture.images(),
+        fetched_images=captured.images(capture),
     )
     assert res.row is not None, res.reason
     assert res.stats["trained_turns"] == trained_turns
