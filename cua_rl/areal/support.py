@@ -317,7 +317,7 @@ RELIANCES: tuple[Reliance, ...] = (
         params=("container_type", "container_mounts"),
     ),
     Reliance("areal.engine.vllm_remote", "logger", "cua_rl/inference/launch.py logs to"),
-    Reliance("areal.utils.data", "concat_padded_tensors", "cua_rl/trajectory/row.py calls"),
+    Reliance("areal.utils.data", "concat_padded_tensors", "cua_rl/trajectory/rows.py calls"),
     # Outside AReaL, at the versions it pins: a correctness fix and the loopback store.
     Reliance(
         "transformers.models.qwen2_5_vl.modeling_qwen2_5_vl",

@@ -48,7 +48,7 @@ from cua_rl.trajectory import (
     image_urls_needed,
 )
 from cua_rl.trajectory.events import Turn
-from cua_rl.trajectory.row import episode_id_of
+from cua_rl.trajectory.rows import episode_id_of
 
 log = get_logger(__name__)
 

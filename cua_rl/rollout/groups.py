@@ -209,7 +209,7 @@ class GroupFilter:
     def _replay(self, traj, episodes, rewards, rows, stats: dict):
         """Put recorded successes into an all-fail group (in place in ``traj``); the group's
         episodes, rewards and row indices after it."""
-        from cua_rl.trajectory.row import stack_rows, unstack_rows
+        from cua_rl.trajectory.rows import stack_rows, unstack_rows
 
         settings, pool = self.settings, self.pool
         cfg, tol = settings.replay, settings.zero_variance_tol

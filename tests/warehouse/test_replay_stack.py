@@ -36,7 +36,7 @@ from cua_rl.rollout.workflow import CUAAgentWorkflow
 from cua_rl.serving import ThreadedServer
 from cua_rl.tasks import load_tasks_gym, task_row
 from cua_rl.trajectory.config import TrajectoryConfig
-from cua_rl.trajectory.row import stack_rows
+from cua_rl.trajectory.rows import stack_rows
 from cua_rl.warehouse.replay import ReplayConfig
 from tests.app.test_workflow import FAST_GYM, FakeEngine, agent, gym  # noqa: F401
 
