@@ -16,6 +16,9 @@ harness's (``cua_rl.sim``, ``testing``, ``cpu``: the engine stand-in is ``testin
   the package's own business and not counted here; ``second callers`` counts them too. The
   caller of a call is the nearest frame below it (same thread) in a counted module; a call with
   none (a task's first step, a pool thread's function) has no caller.
+  Hand-offs into the shared foundations (``core``, ``aio``, ``heap``, ``errors``, ``logs``) are
+  counted too, and their number is told apart.
+- **packages visited**: the packages those modules belong to (a top-level module is its own).
 - **the workflow's direct collaborators**: distinct modules the workflow's module called.
 - **process-level singletons**: found by reading the source (``ast``) of the product modules
   that importing the workflow and the group filter loads (``cua_rl``, less ``sim``, ``testing``
@@ -52,6 +55,9 @@ HARNESS = ("cua_rl.sim", "cua_rl.testing", "cua_rl.cpu")
 WORKFLOW = "cua_rl.rollout.workflow"
 FILTER = "cua_rl.rollout.groups"
 RUN = "episode-path"
+# What several packages share by design (docs/design.md, Layout: core/), and the small helpers
+# every package may call; a hand-off into them is counted, and told apart.
+FOUNDATIONS = ("cua_rl.core", "cua_rl.aio", "cua_rl.heap", "cua_rl.errors", "cua_rl.logs")
 
 
 def _in_scope(module: str) -> bool:
@@ -359,7 +365,6 @@ def trace(logs: Path) -> tuple[Tracer, list]:
             _ingest_training(monitor_url, training, steps)
             settings = _settings(gym_url, agent_url, monitor_url, vllm, model_dir)
             engine = StaticEngine(vllm.base_url.removesuffix("/v1").removeprefix("http://"))
-            engine.workflow_executor = engine  # what AReaL's engine is paused by: never here
             rows = asyncio.run(_episodes(tracer, settings, engine, data))
     finally:
         sys.setprofile(None)
@@ -383,9 +388,12 @@ def report(tracer: Tracer, rows: list, found: list[str]) -> dict:
     for m in modules:
         entry = tracer.callers[m][0] if tracer.callers[m] else "-"
         print(f"  {tracer.order[m]:3d} {m}  <- {entry}  [{', '.join(sorted(tracer.threads[m]))}]")
-    print(f"hand-offs back: {len(back)}")
+    shared = [(c, m) for c, m in back if package(m) in FOUNDATIONS]
+    print(f"hand-offs back: {len(back)} ({len(shared)} of them into the shared foundations)")
     for caller, callee in back:
         print(f"  {caller} -> {callee}")
+    packages = sorted({package(m) for m in modules})
+    print(f"packages visited: {len(packages)} {packages}")
     print(f"second callers (within packages too): {len(tracer.second_callers())}")
     print(f"the workflow's direct collaborators ({WORKFLOW}): {len(direct)}")
     for m in direct:
@@ -397,6 +405,7 @@ def report(tracer: Tracer, rows: list, found: list[str]) -> dict:
         "modules": len(modules),
         "handoffs_back": len(back),
         "second_callers": len(tracer.second_callers()),
+        "packages": len(packages),
         "collaborators": len(direct),
         "singletons": len(found),
         "threads": len(threads),

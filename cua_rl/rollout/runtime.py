@@ -223,12 +223,11 @@ class RolloutRuntime:
 
     def bind(self, engine: Any) -> None:
         """Install the drain on ``engine``'s task runner (AReaL's ``RemoteInfEngine``:
-        ``workflow_executor.dispatcher.runner``, declared in ``cua_rl.areal.support``). An engine
-        without one (a stand-in) has no runner to stop: its episodes still drain when
-        cancelled."""
-        executor = getattr(engine, "workflow_executor", None)
-        dispatcher = getattr(executor, "dispatcher", None)
-        runner = getattr(dispatcher, "runner", None)
+        ``workflow_executor.dispatcher.runner``, declared in ``cua_rl.areal.support``: read
+        directly, so a renamed member fails instead of leaving the run's end undrained). A
+        stand-in engine whose dispatcher has no runner has none to stop: its episodes still
+        drain when cancelled."""
+        runner = engine.workflow_executor.dispatcher.runner
         if runner is None:
             log.info("%s has no AReaL task runner: no drain before it stops", type(engine))
             return

@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import asyncio
 import threading
+from types import SimpleNamespace
 
 import httpx
 import pytest
@@ -102,7 +103,7 @@ class _Executor:
     runner, when the test runs the episodes under one (the drain is installed on it)."""
 
     def __init__(self, runner=None):
-        self.dispatcher = type("Dispatcher", (), {"runner": runner})() if runner else None
+        self.dispatcher = SimpleNamespace(runner=runner)
 
     def is_paused(self) -> bool:
         return False

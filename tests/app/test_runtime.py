@@ -13,6 +13,7 @@ from __future__ import annotations
 import asyncio
 import contextvars
 import threading
+from types import SimpleNamespace
 
 import httpx
 import pytest
@@ -54,7 +55,7 @@ def _settings(run: str, size: int, model_server_url: str) -> WorkflowSettings:
 
 class _Executor:
     def __init__(self, runner):
-        self.dispatcher = type("Dispatcher", (), {"runner": runner})()
+        self.dispatcher = SimpleNamespace(runner=runner)
 
     def is_paused(self) -> bool:
         return False

@@ -8,6 +8,7 @@ from __future__ import annotations
 import asyncio
 import json
 import sqlite3
+from types import SimpleNamespace
 
 import httpx
 import pytest
@@ -59,7 +60,10 @@ FAST_GYM = GenvTimeouts(
 
 
 class _Running:
-    """A workflow executor that is never paused (no weight update in these tests)."""
+    """A workflow executor that is never paused (no weight update in these tests), whose
+    dispatcher has no task runner (these tests cancel their episodes themselves)."""
+
+    dispatcher = SimpleNamespace(runner=None)
 
     def is_paused(self) -> bool:
         return False
