@@ -13,7 +13,7 @@
 Each stage is a function with typed input and output (``EpisodeStages``: the workflow supplies
 them, its hooks among them; the defaults are the functions below). No stage calls the monitor,
 the warehouse or replay: the pipeline emits events (``Started``, ``BoxChanged``, ``AgentRan``,
-``Evaluated``, ``Converted``, ``Ended``) to whoever observes the episode
+``CaptureClosed``, ``Evaluated``, ``Converted``, ``Ended``) to whoever observes the episode
 (``cua_rl.rollout.observers``). A failure of the infrastructure ends it rejected with a counted
 reason (``RejectedEpisode``); a task the agent failed is rows with reward 0 (docs/design.md,
 decision 5).
@@ -109,10 +109,6 @@ class CapturedCalls:
             return turns
         return [replace(t, notes={**t.notes, "trained": t.step in trained_steps}) for t in turns]
 
-    def stats(self) -> dict[str, float]:
-        """The gateway's counters of the episode's calls (as its session closed)."""
-        return dict(self.capture.counters) if self.capture else {}
-
 
 @dataclass
 class ModelEndpoint:
@@ -168,6 +164,13 @@ class AgentRan:
 
 
 @dataclass(frozen=True)
+class CaptureClosed:
+    """The episode's gateway session closed: what it captured (None in direct mode)."""
+
+    capture: EpisodeCapture | None
+
+
+@dataclass(frozen=True)
 class Evaluated:
     evaluation: EvaluationResult
     reward: RewardOutcome
@@ -200,7 +203,7 @@ class Ended:
         return self.outcome == "accepted"
 
 
-EpisodeEvent = Started | BoxChanged | AgentRan | Evaluated | Converted | Ended
+EpisodeEvent = Started | BoxChanged | AgentRan | CaptureClosed | Evaluated | Converted | Ended
 Emit = Callable[[EpisodeEvent], Awaitable[None]]
 
 
@@ -264,7 +267,9 @@ async def episode_path(
             raise sharper from exc
         raise
     finally:
-        endpoint.close()  # the agent's calls end here; the capture is kept
+        # The agent's calls end here; the capture is kept, and told whatever the end (its
+        # counters are the episode's, rejected or not).
+        await emit(CaptureClosed(endpoint.close()))
     calls = captured_calls(run, endpoint.close())
     reward = stages.compute_reward(evaluation, calls)
     await emit(Evaluated(evaluation, reward, calls))

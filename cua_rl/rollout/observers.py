@@ -26,6 +26,7 @@ from cua_rl.rollout.drain import DRAIN_REASON
 from cua_rl.rollout.episode import (
     AgentRan,
     BoxChanged,
+    CaptureClosed,
     Converted,
     Ended,
     EpisodeEvent,
@@ -107,8 +108,10 @@ class StatsObserver:
         self.reward = self.rows = self.capture_stats = None
 
     async def on(self, event: EpisodeEvent) -> None:
-        if isinstance(event, Evaluated):
-            self.reward, self.capture_stats = event.reward, event.calls.stats()
+        if isinstance(event, CaptureClosed) and event.capture is not None:
+            self.capture_stats = event.capture.counters
+        elif isinstance(event, Evaluated):
+            self.reward = event.reward
         elif isinstance(event, Converted):
             self.rows = event.rows
         elif isinstance(event, Ended) and event.outcome != "cancelled":

@@ -305,6 +305,9 @@ async def test_faults_end_as_none_with_a_reason_and_no_open_execution(
     stats = _rollout_stats()
     assert stats.get(f"rollout/cua/rejected/{reason}") == 1.0, stats
     assert stats["rollout/cua/accepted"] == 0.0
+    if fault == "model_down":
+        # A rejected episode's gateway counters are its step's too: the outage it waited out.
+        assert stats["rollout/cua/gateway/outage_s"] >= 1.0, stats
     assert await _open_executions(gym) == []
 
 
