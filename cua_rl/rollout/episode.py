@@ -113,17 +113,17 @@ class CapturedCalls:
 @dataclass
 class ModelEndpoint:
     """The agent's OpenAI base URL for one episode; ``close`` stops serving it and gives what it
-    captured (None in direct mode), once: later calls give the same."""
+    captured (``end_session``'s answer; None in direct mode), once: later calls give the same."""
 
     url: str
-    _close: Callable[[], EpisodeCapture | None] = lambda: None
-    _closed: bool = False
-    _capture: EpisodeCapture | None = None
+    end_session: Callable[[], EpisodeCapture | None] = lambda: None
+    _closed: bool = field(default=False, init=False)
+    _capture: EpisodeCapture | None = field(default=None, init=False)
 
     def close(self) -> EpisodeCapture | None:
         if not self._closed:
             self._closed = True
-            self._capture = self._close()
+            self._capture = self.end_session()
         return self._capture
 
 

@@ -7,8 +7,9 @@ exist to run the harness (``make demo`` and ``make learn``: ``cua_rl.app.demo``,
 ``cua_rl.app.learn``) and the modules only they use. An import counts wherever it is written,
 inside a function too (``scripts/import_cycles.py`` reads them): a deferred import still makes one
 module depend on the other. One door is allowed: ``cua_rl.app.harness`` starts the CPU harness,
-inside its functions, when a config says ``cpu: true`` (the launcher's switch, decision 14);
-``--check`` runs the GPU step as a process by module name, which is not an import.
+inside its functions, when a config says ``cpu: true`` (the launcher's switch: the config
+decides, never the machine); ``--check`` runs the GPU step as a process by module name, which is
+not an import.
 """
 
 from __future__ import annotations
