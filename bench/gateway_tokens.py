@@ -46,15 +46,15 @@ def _percentile(values: list[float], q: float) -> float:
 async def episodes(mode: str, args, gym, agent, vllm, model_dir) -> dict[str, float]:
     from areal.infra import workflow_context
 
+    from cua_rl.agent.service_driver import DriverConfig
     from cua_rl.app.config import (
         AgentSection,
         EndpointSection,
         GymSection,
         WorkflowSettings,
     )
+    from cua_rl.clients.genv import GenvClient
     from cua_rl.gateway import Sampling
-    from cua_rl.genv import GenvClient
-    from cua_rl.mini_agent import DriverConfig
     from cua_rl.reward import RewardConfig
     from cua_rl.rollout.workflow import CUAAgentWorkflow
     from cua_rl.tasks import load_tasks_gym, task_row
@@ -63,8 +63,8 @@ async def episodes(mode: str, args, gym, agent, vllm, model_dir) -> dict[str, fl
     class Keeping(CUAAgentWorkflow):
         results: list = []
 
-        async def build_row(self, episode):
-            result = await super().build_row(episode)
+        async def build_rows(self, task, calls, reward):
+            result = await super().build_rows(task, calls, reward)
             self.results.append(result.stats)
             return result
 

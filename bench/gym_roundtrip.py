@@ -23,7 +23,7 @@ import time
 import aiohttp
 import httpx
 
-from cua_rl.genv import GenvClient, GenvTimeouts
+from cua_rl.clients.genv import GenvClient, GenvTimeouts
 
 TASK = "sim-001-wifi-on"
 

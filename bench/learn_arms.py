@@ -7,7 +7,7 @@ the step at which the trailing mean of ``--window`` steps first reached ``--targ
 window's mean, and the group shares: groups with zero variance before the target, all-fail
 groups, and the share of those that replay rescued (gave a gradient), over the whole run and from
 its first success on (before it, replay has nothing of the run's own to put in). For every arm: the median step to the target over its
-runs and the shares pooled over them (``cua_rl.app.learning.summarise_arm``). The counts of
+runs and the shares pooled over them (``cua_rl.app.learning_curves.summarise_arm``). The counts of
 groups are the shares times the episodes over ``--group-size`` (AReaL exports shares per step).
 One PNG has a panel per arm with its runs' curves.
 
@@ -25,7 +25,7 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from cua_rl.app.learning import (  # noqa: E402
+from cua_rl.app.learning_curves import (  # noqa: E402
     GroupShares,
     StepPoint,
     before_step,

@@ -31,8 +31,9 @@ sys.path.insert(0, str(ROOT))
 
 from soak import rss_split  # noqa: E402 - beside this file
 
-from cua_rl.genv import GenvClient  # noqa: E402
-from cua_rl.mini_agent import DriverConfig, RunSpec, drive_run  # noqa: E402
+from cua_rl.agent.service_driver import DriverConfig, drive_run  # noqa: E402
+from cua_rl.agent.spec import RunSpec  # noqa: E402
+from cua_rl.clients.genv import GenvClient  # noqa: E402
 from cua_rl.testing.chat_model import ScriptedChatModel  # noqa: E402
 
 TASK = "sim-001-wifi-on"

@@ -89,7 +89,7 @@ def verdict_from_evaluation(answer: Any) -> Verdict:
     """Read the task verdict; raises RejectedEpisode when the answer holds none.
 
     ``answer`` is the evaluate call's JSON, or an object carrying it as ``.raw`` (such as
-    :class:`cua_rl.genv.EvaluationResult`).
+    :class:`cua_rl.clients.genv.EvaluationResult`).
     """
     raw = getattr(answer, "raw", None)
     if not isinstance(answer, Mapping) and isinstance(raw, Mapping):

@@ -25,7 +25,7 @@ from cua_rl.errors import ConfigError, TaskSelectionError
 if TYPE_CHECKING:
     import datasets
 
-    from cua_rl.genv import GenvClient
+    from cua_rl.clients.genv import GenvClient
 
 _LIST_LIMIT = 40
 

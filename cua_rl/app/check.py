@@ -24,8 +24,8 @@ import httpx
 
 from cua_rl.app.check_result import CheckResult
 from cua_rl.app.config import CUAConfig
+from cua_rl.clients.genv import GenvClient
 from cua_rl.errors import AgentError, ConfigError, CuaRlError, GymError
-from cua_rl.genv import GenvClient
 from cua_rl.tasks import Task, load_tasks, select_tasks
 
 _LOOPBACK = ("127.0.0.1", "localhost", "::1")

@@ -19,6 +19,17 @@ from typing import Any
 from cua_rl.app.check_result import CheckResult, tool_report
 
 STEP_TIMEOUT_S = 600
+# The line ``cua_rl.testing.gpu_step`` prints its result on (run by module name in a process of
+# its own: --check does not import the harness it starts).
+RESULT_PREFIX = "gpu-step-result "
+# The tiny random model the step builds per family (``cua_rl.testing.cache.BUILDERS``, BPE
+# tokenizer); a family with none has nothing to step.
+TINY_KIND = {
+    "qwen2-vl": "qwen2-vl-bpe",
+    "qwen2.5-vl": "qwen2.5-vl",
+    "qwen3-vl": "qwen3-vl",
+    "qwen3-vl-moe": "qwen3-vl-moe",
+}
 
 
 def step_spec(config: Any, family: str) -> dict[str, Any]:
@@ -53,8 +64,6 @@ def first_gpu(environ: dict[str, str]) -> str:
 
 
 def run_step(spec: dict[str, Any], environ: dict[str, str]) -> dict[str, Any]:
-    from cua_rl.testing.gpu_step import RESULT_PREFIX
-
     # --check writes nothing: no bytecode either.
     env = {**environ, "CUDA_VISIBLE_DEVICES": first_gpu(environ), "PYTHONDONTWRITEBYTECODE": "1"}
     cmd = [sys.executable, "-m", "cua_rl.testing.gpu_step", json.dumps(spec)]
@@ -128,8 +137,6 @@ def gpu_check(
                 "first GPU under NCCL",
             )
         ]
-    from cua_rl.testing.gpu_step import TINY_KIND
-
     if name not in TINY_KIND:
         why = f"the family {name!r} has no tiny model" if name else "actor.path has no config.json"
         return [CheckResult("gpu-step", False, f"{why}: nothing to step ({describe(spec)})")]

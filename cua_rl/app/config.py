@@ -17,7 +17,7 @@ from urllib.parse import urlsplit
 
 from areal.api.cli_args import GRPOConfig, vLLMConfig
 
-from cua_rl.agent_loop.builtin import check_model_options
+from cua_rl.agent.builtin import check_model_options
 from cua_rl.app.config_checks import FieldError, check_fields
 from cua_rl.app.failfast import FailFastConfig
 from cua_rl.app.placement import check_placement
@@ -44,7 +44,7 @@ from cua_rl.rollout.groups import (
     GroupNormConfig,
     GroupSettings,
 )
-from cua_rl.rollout.pause import PauseConfig
+from cua_rl.rollout.service_pauses import PauseConfig
 from cua_rl.rollout.settings import (
     AgentSection,
     EndpointSection,

@@ -25,7 +25,7 @@ from dataclasses import dataclass
 from typing import Any
 from urllib.parse import urlsplit
 
-from cua_rl.agent_loop.loop import IMAGE_MODES
+from cua_rl.agent.loop import IMAGE_MODES
 from cua_rl.app.writable import why_unwritable
 from cua_rl.errors import ConfigError, ConfigProblems
 from cua_rl.rollout.settings import AGENT_MODES

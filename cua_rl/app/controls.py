@@ -11,7 +11,7 @@ where the local agent taps in the learn family (docs/learning.md), is never trai
 
 from __future__ import annotations
 
-from cua_rl.rollout.episode import Episode
+from cua_rl.rollout.episode import CapturedCalls, EpisodeTask
 from cua_rl.rollout.workflow import CUAAgentWorkflow
 from cua_rl.trajectory import ConversionResult
 
@@ -27,8 +27,8 @@ def shift_mask_right(mask):
 class ShiftedMaskWorkflow(CUAAgentWorkflow):
     """The production workflow with each row's loss mask shifted one token later."""
 
-    async def build_row(self, episode: Episode) -> ConversionResult:
-        result = await super().build_row(episode)
+    async def build_rows(self, task: EpisodeTask, calls: CapturedCalls, reward) -> ConversionResult:
+        result = await super().build_rows(task, calls, reward)
         if result.row is not None:
             result.row["loss_mask"] = shift_mask_right(result.row["loss_mask"])
         return result

@@ -10,9 +10,9 @@ files (``RejectionWatch``) and, when one reason has rejected every episode for `
 calls back with that reason, which ``train.py`` turns into a failed training with advice.
 Persistence, not a count: the episodes in flight (64 to 512 in production) are all rejected
 within seconds of any outage, a model-server restart or a gym deploy, which must not end a run.
-While a service fails, new episodes wait (``cua_rl.rollout.pause``) and the worker appends each
-failed probe of it as a rejection for the same reason, so the streak goes on through the pause
-and a service that never comes back still stops the run within ``persist_s``.
+While a service fails, new episodes wait (``cua_rl.rollout.service_pauses``) and the worker
+appends each failed probe of it as a rejection for the same reason, so the streak goes on through
+the pause and a service that never comes back still stops the run within ``persist_s``.
 """
 
 from __future__ import annotations

@@ -30,7 +30,7 @@ from datetime import datetime
 from pathlib import Path
 
 from cua_rl.app import demo
-from cua_rl.app.learning import (
+from cua_rl.app.learning_curves import (
     ArmSummary,
     CurveError,
     StepPoint,

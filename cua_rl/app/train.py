@@ -31,7 +31,12 @@ from cua_rl.app.check import fetch_tasks, run_check
 from cua_rl.app.config import CUAConfig
 from cua_rl.app.endpoint import MonitorEndpoint
 from cua_rl.app.failfast import RejectionWatch
-from cua_rl.app.harness import cuda_available, use_cpu_harness
+from cua_rl.app.harness import (
+    connect_cpu_harness_to_ray,
+    cuda_available,
+    start_cpu_harness,
+    use_cpu_harness,
+)
 from cua_rl.app.run_record import claim_run_name, record_fields
 from cua_rl.app.signals import SystematicRejection, Terminated, stop_systematic, stopping
 from cua_rl.app.signals import install as install_signals
@@ -103,13 +108,7 @@ def configure_platform(config: CUAConfig) -> None:
             for line in use_own_environment(config, python):
                 log.info("[inference] %s", line)
         return
-    from cua_rl.cpu.training import enable_cpu_training
-
-    enable_cpu_training(config)
-    if config.scheduler.type == "slurm":
-        from cua_rl.cpu.training import native_slurm
-
-        native_slurm()
+    start_cpu_harness(config)
 
 
 def connect_cluster(config: CUAConfig) -> None:
@@ -119,12 +118,7 @@ def connect_cluster(config: CUAConfig) -> None:
     from cua_rl.areal.ray_job import connect
 
     if config.cpu:
-        from cua_rl.cpu.training import RAY_SETUP_HOOK, pin_host_ip
-
-        connect(RAY_SETUP_HOOK, loopback=True)
-        import ray
-
-        pin_host_ip(ray.util.get_node_ip_address())
+        connect_cpu_harness_to_ray(connect)
     elif config.inference.own(config):
         from cua_rl.areal.worker import RAY_SETUP_HOOK
 

@@ -66,7 +66,7 @@ SECTIONS: tuple[tuple[str, str, str, str], ...] = (
      "LogitsConfig", "cua_rl/areal/logits.py"),
     ("failfast", "stop a run whose episodes are all rejected",
      "FailFastConfig", "cua_rl/app/failfast.py"),
-    ("pause", "episodes wait while a service fails", "PauseConfig", "cua_rl/rollout/pause.py"),
+    ("pause", "episodes wait while a service fails", "PauseConfig", "cua_rl/rollout/service_pauses.py"),
     ("drain", "closing the episodes in flight at the end",
      "DrainConfig", "cua_rl/rollout/drain.py"),
     ("inference", "where the vLLM server runs from: its own environment, or AReaL's",

@@ -18,6 +18,7 @@ Ray merges an actor's own ``env_vars`` (AReaL's) with the job's, so both reach t
 from __future__ import annotations
 
 import os
+from collections.abc import Callable
 
 from cua_rl.errors import ConfigError
 
@@ -32,11 +33,11 @@ def forwarded_env(environ: dict[str, str] | None = None) -> dict[str, str]:
     return {k: v for k, v in environ.items() if k.startswith(FORWARDED_PREFIX)}
 
 
-def connect(setup_hook: str | None = None, *, loopback: bool = False) -> str:
+def connect(setup_hook: str | None = None, *, prepare: Callable[[], None] | None = None) -> str:
     """Connect this process to the Ray cluster at ``RAY_ADDRESS``; return that address.
 
-    ``loopback`` keeps a 127.0.0.1 address as given (``cua_rl.cpu.ray_cluster``), for a
-    cluster on this machine.
+    ``prepare`` runs once Ray is imported, before it connects: the CPU harness's keeps a
+    127.0.0.1 address as given, for a cluster on this machine (``cua_rl.app.harness``).
     """
     address = os.environ.get("RAY_ADDRESS", "")
     if not address:
@@ -46,10 +47,8 @@ def connect(setup_hook: str | None = None, *, loopback: bool = False) -> str:
         )
     import ray
 
-    if loopback:
-        from cua_rl.cpu.ray_cluster import keep_loopback
-
-        keep_loopback()
+    if prepare is not None:
+        prepare()
     runtime_env: dict = {"env_vars": forwarded_env()}
     if setup_hook:
         runtime_env["worker_process_setup_hook"] = setup_hook

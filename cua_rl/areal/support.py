@@ -241,14 +241,34 @@ RELIANCES: tuple[Reliance, ...] = (
     Reliance(
         "areal.infra.async_task_runner",
         "AsyncTaskRunner.destroy",
-        "cua_rl/rollout/drain.py wraps it to drain the episodes and flush the monitor clients "
-        "on the runner's loop (its _loop, paused by its paused event) before the loop stops",
+        "cua_rl/rollout/drain.py wraps it on the runner of the runtime's engine (an instance "
+        "attribute) to drain the episodes and flush the monitor clients on the runner's loop "
+        "(its _loop, paused by its paused event) before the loop stops",
+    ),
+    Reliance(
+        "areal.infra.workflow_executor",
+        "WorkflowExecutor.dispatcher",
+        "cua_rl/rollout/runtime.py reads it to reach the engine's task runner and install the "
+        "drain there",
+    ),
+    Reliance(
+        "areal.infra.workflow_executor",
+        "BatchTaskDispatcher.runner",
+        "cua_rl/rollout/runtime.py installs the drain on it (the engine's task runner)",
+        set_by="__init__",
     ),
     Reliance(
         "areal.infra.remote_inf_engine",
         "GroupedRolloutWorkflow",
         "cua_rl/rollout/drain.py drains its gathered episodes one by one (a cancelled gather "
-        "ends with its first child)",
+        "ends with its first child); cua_rl/rollout/workflow.py relies on its arun_episode "
+        "calling each episode's arun_episode in its own task, where the group filter is called",
+    ),
+    Reliance(
+        "areal.infra.workflow_executor",
+        "WorkflowExecutor._create_workflow_task",
+        "cua_rl/rollout/groups.py relies on it calling should_accept_fn in the task that called "
+        "arun_episode, whose context holds the runtime's group filter",
     ),
     Reliance(
         _RUNNER,
@@ -263,7 +283,11 @@ RELIANCES: tuple[Reliance, ...] = (
         set_by="__init__",
     ),
     # The engine AReaL hands ``arun_episode`` (the gateway's view of pauses, versions, servers).
-    Reliance(_REMOTE, "RemoteInfEngine.workflow_executor", _GATEWAY),
+    Reliance(
+        _REMOTE,
+        "RemoteInfEngine.workflow_executor",
+        _GATEWAY + "; cua_rl/rollout/runtime.py keeps the rollout runtime on the engine",
+    ),
     Reliance(_REMOTE, "RemoteInfEngine.get_version", _GATEWAY),
     Reliance(_REMOTE, "RemoteInfEngine.choose_server", _GATEWAY + ", rollout/workflow.py calls"),
     Reliance("areal.infra.workflow_executor", "WorkflowExecutor.is_paused", _GATEWAY),
@@ -293,7 +317,7 @@ RELIANCES: tuple[Reliance, ...] = (
         params=("container_type", "container_mounts"),
     ),
     Reliance("areal.engine.vllm_remote", "logger", "cua_rl/inference/launch.py logs to"),
-    Reliance("areal.utils.data", "concat_padded_tensors", "cua_rl/trajectory/row.py calls"),
+    Reliance("areal.utils.data", "concat_padded_tensors", "cua_rl/trajectory/rows.py calls"),
     # Outside AReaL, at the versions it pins: a correctness fix and the loopback store.
     Reliance(
         "transformers.models.qwen2_5_vl.modeling_qwen2_5_vl",

@@ -10,19 +10,20 @@ images the row is then built from.
     config.py   bind / advertised address, limits, sampling-mismatch policy; ``Sampling``
     render.py   messages -> prompt ids, extending the stored conversation (pure)
     engine.py   one call through the engine: pause, abort and retry handling, versions
-    pauses.py   the pauses of each engine, and the bound a pause gets from them
-    outages.py  the model-server outages the gateway is holding calls through
+    weight_pauses.py  the pauses for weight updates each engine had, and the bound a waiting
+                      call gets from them
+    model_outages.py  the model-server outages the gateway is holding calls through
     requests.py what a request may ask: the trainer's sampling, tools, token bytes
     session.py  one episode: re-sends, images, capture, the OpenAI answer
     capture.py  what an episode captured, and its turns for the row builder
     app.py      the HTTP routes and OpenAI-shaped errors
-    server.py   the per-process gateway and its episode registry
+    server.py   a worker's gateway: its HTTP server and episode registry
 """
 
 from cua_rl.gateway.capture import CapturedTurn, EpisodeCapture
 from cua_rl.gateway.config import GatewayConfig, Sampling
 from cua_rl.gateway.engine import AReaLEngineView, EngineView
-from cua_rl.gateway.server import Gateway, gateway_for
+from cua_rl.gateway.server import Gateway
 from cua_rl.gateway.session import SessionSpec
 
 __all__ = [
@@ -34,5 +35,4 @@ __all__ = [
     "GatewayConfig",
     "Sampling",
     "SessionSpec",
-    "gateway_for",
 ]

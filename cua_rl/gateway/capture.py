@@ -1,22 +1,21 @@
-"""What the gateway captured of one episode, and its conversion to the row builder's turns.
+"""What the gateway captured of one episode: data, handed over when the episode's session closes.
 
 Every model call the agent made through the gateway leaves one :class:`CapturedTurn` with the ids
 the model saw (as the server expanded them) and sampled, their logprobs, the version that sampled
 each token, the images as the model received them, and what the agent asked for that the trainer
-overrode. Calls the gateway refused leave an error instead, so the workflow can name the reason
-when the agent's run then fails.
+overrode. Calls the gateway refused leave an error instead, so the episode can name the reason
+when the agent's run then fails. ``stats`` counts the episode's calls; the session freezes them
+in ``counters`` when it closes. Turning a capture into the row builder's turns is the
+trajectory's job (``cua_rl.trajectory.captured``).
 """
 
 from __future__ import annotations
 
 import time
-from dataclasses import dataclass, field, replace
+from dataclasses import dataclass, field
 from typing import Any
 
 from cua_rl.gateway.render import Image
-from cua_rl.trajectory.events import Turn
-
-IMAGE_KEY_PREFIX = "sha256:"
 
 
 @dataclass
@@ -52,37 +51,6 @@ class CapturedTurn:
         if not self.message:
             self.message = {"role": "assistant", "content": self.text}
 
-    def token_fields(self) -> dict[str, Any]:
-        """What the capture knows better than the agent's event log: a ``Turn``'s token data."""
-        return {
-            "prompt_ids": list(self.prompt_ids),
-            "output_ids": list(self.output_ids),
-            "output_logprobs": list(self.logprobs),
-            "output_versions": list(self.versions),
-            "finish_reason": self.finish_reason,
-            "image_urls": self.image_keys(),
-            "notes": self.notes(),
-        }
-
-    def notes(self) -> dict[str, Any]:
-        notes: dict[str, Any] = {"versions": sorted(set(self.versions))}
-        if self.overridden:
-            notes["sampling_overridden"] = self.overridden
-        for key in ("aborts", "retries", "cut"):
-            if getattr(self, key):
-                notes[key] = getattr(self, key)
-        if self.tools:
-            # The schema once per episode (where it first reached the prompt), names after.
-            notes["tools"] = [t["function"]["name"] for t in self.tools]
-            if self.tools_first_seen:
-                notes["tools_schema"] = self.tools
-        if calls := self.message.get("tool_calls"):
-            notes["tool_calls"] = [c["function"]["name"] for c in calls]
-        return notes
-
-    def image_keys(self) -> list[str]:
-        return [IMAGE_KEY_PREFIX + img.sha256 for img in self.images]
-
 
 @dataclass
 class GatewayError:
@@ -105,6 +73,8 @@ class EpisodeCapture:
     # Model-server outages the episode's calls were held through (failed calls' included).
     outage_s: float = 0.0
     outage_retries: int = 0
+    # ``stats()`` as of the session's close: what the rollout reads of the episode's calls.
+    counters: dict[str, float] = field(default_factory=dict)
 
     def stats(self) -> dict[str, float]:
         """Per-episode counters for AReaL's stats (means across episodes)."""
@@ -139,48 +109,3 @@ class EpisodeCapture:
             "gateway/discarded_generations": float(self.discarded),
             "gateway/image_fetches": float(self.fetches),
         }
-
-    def images(self) -> dict[str, bytes]:
-        """Every image of the episode by the key its turns use (what ``iter_images`` reads)."""
-        return {IMAGE_KEY_PREFIX + img.sha256: img.data for t in self.turns for img in t.images}
-
-    def _matches(self, event_turns: list[Turn]) -> list[tuple[CapturedTurn, Turn | None]]:
-        """Each captured call with the agent's turn for it: by the response id the gateway gave
-        the reply, or by position when the agent's events carry no ids."""
-        by_id = {t.response_id: t for t in event_turns if t.response_id}
-        if by_id:
-            return [(c, by_id.get(c.response_id)) for c in self.turns]
-        aligned = len(event_turns) == len(self.turns)
-        return [(c, event_turns[c.index] if aligned else None) for c in self.turns]
-
-    def row_turns(self, event_turns: list[Turn]) -> list[Turn]:
-        """The row builder's turns: tokens, logprobs, versions and images as captured; actions
-        from the agent's events (the only place actions live)."""
-        out: list[Turn] = []
-        for c, ev in self._matches(event_turns):
-            out.append(
-                Turn(
-                    step=ev.step if ev else c.index + 1,
-                    index=c.index,
-                    messages=None,
-                    text=c.text,
-                    actions=list(ev.actions) if ev else [],
-                    action_parsed=ev.action_parsed if ev else False,
-                    action_ok=ev.action_ok if ev else False,
-                    response_id=c.response_id,
-                    **c.token_fields(),
-                )
-            )
-        return out
-
-    def monitor_turns(self, event_turns: list[Turn]) -> list[Turn]:
-        """The agent's turns with the token data the gateway captured for them."""
-        captured = {id(ev): c for c, ev in self._matches(event_turns) if ev is not None}
-        out = []
-        for ev in event_turns:
-            c = captured.get(id(ev))
-            if c is None:
-                out.append(ev)
-                continue
-            out.append(replace(ev, missing=None, **c.token_fields()))
-        return out

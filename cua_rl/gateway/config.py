@@ -11,7 +11,7 @@ from dataclasses import dataclass, field
 
 from cua_rl.core.fields import doc
 from cua_rl.errors import ConfigError
-from cua_rl.gateway.pauses import PauseBound
+from cua_rl.gateway.weight_pauses import PauseBound
 
 GATEWAY_BACKENDS = ("auto", "vllm", "sglang", "text")
 MISMATCH_POLICIES = ("override", "error")

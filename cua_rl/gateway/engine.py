@@ -35,9 +35,9 @@ import httpx
 from cua_rl.errors import ModelServerError
 from cua_rl.gateway.backends import Request, VLLMTokens
 from cua_rl.gateway.config import GatewayConfig, Sampling
-from cua_rl.gateway.outages import OUTAGES
-from cua_rl.gateway.pauses import PauseBound, Pauses, pauses_of
+from cua_rl.gateway.model_outages import Outages
 from cua_rl.gateway.render import BadRequest, Image
+from cua_rl.gateway.weight_pauses import PauseBound, WeightPauses
 
 PAUSE_POLL_S = 0.2
 OUTAGE_BACKOFF_CAP_S = 10.0  # longest gap between two re-sends: a restarted server is found soon
@@ -69,7 +69,7 @@ class EngineView(Protocol):
     """What the gateway needs of AReaL's inference engine (thread-safe reads), and the record of
     its pauses that every episode on it shares."""
 
-    pauses: Pauses
+    pauses: WeightPauses
 
     def get_version(self) -> int: ...
 
@@ -105,9 +105,10 @@ class AReaLEngineView:
     (the workflow executor's ``inference_engine``). Read through its public members, declared in
     ``cua_rl.areal.support``: a missing one fails the call, never reads as "not paused"."""
 
-    def __init__(self, engine: Any, pauses: Pauses | None = None):
+    def __init__(self, engine: Any, pauses: WeightPauses):
         self.engine = engine
-        self.pauses = pauses or pauses_of(engine)  # shared by every episode on this engine
+        # Shared by every episode on this engine: the rollout runtime bound to it owns it.
+        self.pauses = pauses
 
     def get_version(self) -> int:
         return int(self.engine.get_version())
@@ -160,6 +161,7 @@ def spans_to_versions(spans: Any, n: int, fallback: int) -> list[int]:
 class _Attempts:
     """What the attempts of one call gathered so far (aborts and retries append to it)."""
 
+    outages: Outages  # the gateway's record of the calls held per server
     gen: Generation | None = None
     out: list[int] = field(default_factory=list)
     lps: list[float] = field(default_factory=list)
@@ -183,9 +185,9 @@ def _outage_failed(server: str, reason: str, outage_s: float, st: _Attempts) -> 
     now = time.monotonic()
     if st.down_since is None:
         st.down_since, st.down_tries = now, 0
-        OUTAGES.hold(server, reason, outage_s)
+        st.outages.hold(server, reason, outage_s)
     else:
-        OUTAGES.failed_again(server, reason)
+        st.outages.failed_again(server, reason)
     st.failures += 1
     st.down_tries += 1
     down = now - st.down_since
@@ -203,7 +205,7 @@ def _outage_failed(server: str, reason: str, outage_s: float, st: _Attempts) -> 
 def _outage_over(server: str, st: _Attempts) -> None:
     """The server answered: the call's outage (if it lived through one) and the server's end."""
     if st.down_since is not None:
-        OUTAGES.release(server, answered=True)
+        st.outages.release(server, answered=True)
         st.outage_s += time.monotonic() - st.down_since
         st.down_since = None
 
@@ -285,17 +287,19 @@ async def generate(
     max_aborts: int = 16,
     pause_bound: PauseBound | None = None,
     text_extra: dict | None = None,
+    outages: Outages | None = None,
 ) -> Generation:
     """Sample up to ``max_tokens`` after ``ids``; an abort re-submits the prompt plus what was
     sampled so far, after any weight update in progress; a server that is out is re-sent the
     same request until it answers or ``outage_s`` passes. ``backend``
     (``cua_rl.gateway.backends``, vLLM tokens-in by default) shapes the request; a text backend
     sends ``messages`` (and ``text_extra``, e.g. the tools the server must render) and samples an
-    aborted call again from its start."""
+    aborted call again from its start. ``outages``: the gateway's record of held calls (a call
+    with none is counted in a record of its own)."""
     backend = backend or VLLMTokens()
     pause_bound = pause_bound or GatewayConfig().pause_bound
     t0 = time.monotonic()
-    st = _Attempts()
+    st = _Attempts(outages if outages is not None else Outages())
     try:
         finish = "abort"
         while finish == "abort" and len(st.out) < max_tokens:
@@ -319,7 +323,7 @@ async def generate(
             _absorb(st, parsed, ids, engine, server, max_aborts)
     finally:
         if st.down_since is not None:  # failed past the deadline, or cancelled, while held
-            OUTAGES.release(server, answered=False)
+            st.outages.release(server, answered=False)
     gen = st.gen
     gen.output_ids, gen.logprobs, gen.versions, gen.top = st.out, st.lps, st.versions, st.top
     # An abort that left no room is a call that ran out of tokens.

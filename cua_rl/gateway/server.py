@@ -1,15 +1,16 @@
-"""The gateway of one rollout worker process: a registry of open episodes behind one HTTP server.
+"""The gateway of one rollout worker: a registry of open episodes behind one HTTP server.
 
 The server runs in its own thread with its own event loop (``cua_rl.serving.ThreadedServer``),
 so prompt rendering and image decoding never stall the loop AReaL runs workflows on, and the
 workflow reads what its episode captured from shared memory, without another hop. Episodes are
-opened and closed from the workflow's thread; the registry is guarded by a lock. One gateway per
-process and config (``gateway_for``), started on first use and stopped at exit.
+opened and closed from the workflow's thread; the registry is guarded by a lock. The gateway owns
+what its sessions share: the model-server outages it holds calls through (``outages``) and the
+pad-count fallbacks already logged. The rollout runtime (``cua_rl.rollout.runtime``) makes one
+per worker and starts it on first use.
 """
 
 from __future__ import annotations
 
-import atexit
 import threading
 from collections.abc import Callable
 
@@ -18,6 +19,7 @@ import httpx
 from cua_rl.gateway.app import create_app
 from cua_rl.gateway.capture import EpisodeCapture
 from cua_rl.gateway.config import GatewayConfig
+from cua_rl.gateway.model_outages import Outages
 from cua_rl.gateway.session import EpisodeSession, SessionSpec
 from cua_rl.logs import get_logger
 from cua_rl.serving import ThreadedServer
@@ -43,11 +45,15 @@ class Gateway:
         config: GatewayConfig,
         *,
         client_factory: Callable[[], httpx.AsyncClient] | None = None,
+        outages: Outages | None = None,
     ):
         """``client_factory`` makes the model-server client on the gateway's loop (tests inject
-        faults through its transport)."""
+        faults through its transport); ``outages``: where the calls it holds are counted (the
+        runtime's, which the rollout side reads; a record of its own by default)."""
         self.config = config
         self._client_factory = client_factory
+        self.outages = outages if outages is not None else Outages()
+        self._explained: set[str] = set()
         self._episodes: dict[str, EpisodeSession] = {}
         self._lock = threading.Lock()
         self._server: ThreadedServer | None = None
@@ -90,7 +96,9 @@ class Gateway:
         with self._lock:
             if episode_id in self._episodes:
                 raise ValueError(f"episode {episode_id} is already open on this gateway")
-            self._episodes[episode_id] = EpisodeSession(episode_id, spec, self.config)
+            self._episodes[episode_id] = EpisodeSession(
+                episode_id, spec, self.config, self.outages, self._explained
+            )
         return self.url_for(episode_id)
 
     def close(self, episode_id: str) -> EpisodeCapture:
@@ -116,20 +124,3 @@ class Gateway:
         if self._server is not None:
             self._server.stop()
             self._server = None
-
-
-_gateways: dict[str, Gateway] = {}
-_gateways_lock = threading.Lock()
-
-
-def gateway_for(config: GatewayConfig) -> Gateway:
-    """This process's gateway for ``config`` (started on first use; stopped at exit). Keyed by
-    the whole config: a workflow whose gateway settings differ (timeouts, outage deadline) gets
-    its own gateway rather than another's settings."""
-    key = repr(config)
-    with _gateways_lock:
-        gw = _gateways.get(key)
-        if gw is None:
-            gw = _gateways[key] = Gateway(config).start()
-            atexit.register(gw.stop)
-        return gw

@@ -30,6 +30,7 @@ from cua_rl.gateway.engine import (
     WaitFailed,
     generate,
 )
+from cua_rl.gateway.model_outages import Outages
 from cua_rl.gateway.render import (
     BadRequest,
     Conversation,
@@ -121,10 +122,21 @@ class SessionSpec:
 
 
 class EpisodeSession:
-    def __init__(self, episode_id: str, spec: SessionSpec, config: GatewayConfig):
+    """One open episode; ``outages`` and ``explained`` are its gateway's (the calls held per model
+    server, the pad-count fallbacks already logged), shared by the gateway's sessions."""
+
+    def __init__(
+        self,
+        episode_id: str,
+        spec: SessionSpec,
+        config: GatewayConfig,
+        outages: Outages | None = None,
+        explained: set[str] | None = None,
+    ):
         self.episode_id = episode_id
         self.spec = spec
         self.config = config
+        self.outages = outages if outages is not None else Outages()
         self.capture = EpisodeCapture(episode_id)
         self.conversation = Conversation.for_processor(spec.processor, spec.sampling.stop_token_ids)
         self.tokenizer = getattr(spec.processor, "tokenizer", spec.processor)
@@ -141,7 +153,7 @@ class EpisodeSession:
         self._images: dict[str, Image] = {}  # by image_identity of the agent's URL
         self._by_hash: dict[str, Image] = {}
         self._pads: dict[str, int] = {}  # image hash -> its pad count (backends that need it)
-        self._counter = PadCounter(spec.processor, spec.images)
+        self._counter = PadCounter(spec.processor, spec.images, explained)
         self._server: str | None = None
         self._lock: asyncio.Lock | None = None
         self.inflight: set[asyncio.Task] = set()
@@ -419,6 +431,7 @@ class EpisodeSession:
             messages=template,
             max_aborts=self.config.max_aborts,
             pause_bound=self.config.pause_bound,
+            outages=self.outages,
             # Text in: the server renders the tools; it must not parse calls (the gateway
             # does), and vLLM parses only when started with a tool parser.
             text_extra={"tools": tools, "tool_choice": "none"} if tools else None,
@@ -472,4 +485,5 @@ class EpisodeSession:
         for task in list(self.inflight):
             loop = task.get_loop()
             loop.call_soon_threadsafe(task.cancel)
+        self.capture.counters = self.capture.stats()  # closed: no call adds to them any more
         return self.capture

@@ -112,17 +112,18 @@ def image_size(data: bytes) -> tuple[int, int]:
         raise ImageSizeError(f"the image cannot be read: {exc}") from exc
 
 
-_explained: set[str] = set()
-
-
 class PadCounter:
-    """Pad counts of new images for one processor: by the rule when known, else the processor."""
+    """Pad counts of new images for one processor: by the rule when known, else the processor.
 
-    def __init__(self, processor, images: TrajectoryConfig):
+    ``explained``: the reasons already logged for running the processor, shared by a gateway's
+    sessions so that each is logged once per gateway, not once per episode."""
+
+    def __init__(self, processor, images: TrajectoryConfig, explained: set[str] | None = None):
         self.processor, self.images = processor, images
         self.rule, why = resize_rule(processor)
-        if self.rule is None and why not in _explained:
-            _explained.add(why)
+        explained = set() if explained is None else explained
+        if self.rule is None and why not in explained:
+            explained.add(why)
             log.info("gateway pad counts run the image processor: %s", why)
 
     def counts(self, data: Sequence[bytes]) -> list[int]:

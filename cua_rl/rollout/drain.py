@@ -5,33 +5,32 @@ engine on each worker, an RPC made before its scheduler signals the worker. Its 
 cancel its tasks and stop its loop as soon as they end, but a task is a *group* of episodes
 (AReaL's ``GroupedRolloutWorkflow`` gathers them without ``return_exceptions``), and a cancelled
 gather ends with its first cancelled child: the loop stopped while the siblings were still closing,
-and their records were left open. So the runner's destroy first drains this process's episodes
-itself (``drain_before_runner_stops``): it pauses the runner, cancels every episode task
-(``@drained_episode`` registers them), waits for them within the bound, flushes the monitor
+and their records were left open. So the runner's destroy first drains the runtime's episodes
+itself: each rollout runtime owns one ``Drain`` and installs it on its engine's task runner
+(``install``, on that runner alone), which pauses the runner, cancels every episode task
+(``registered`` records them), waits for them within the bound, flushes the runtime's monitor
 clients, and only then lets AReaL stop the loop.
 
-A cancelled episode (``run_drained``) runs its body as an inner task: the outer one starts the
-drain clock, cancels the inner one, whose exits abandon the agent run and terminate the gym
-execution (genv's shielded scope), waits for it at most until the deadline, marks the rollout
-``cancelled`` with ``DRAIN_REASON`` and flushes. A timer thread, independent of the event loop,
-names what is still open at the deadline (rollout and execution ids); the drain's last episode
-logs the summary. ``drain.timeout_s`` sets the bound (docs/design.md, "The end of a run").
+A cancelled episode (``Drain.run``) runs its body as an inner task: the outer one starts the drain
+clock, cancels the inner one, whose exits abandon the agent run and terminate the gym execution
+(genv's shielded scope), waits for it at most until the deadline, marks the rollout cancelled
+(``on_cancelled``, with ``DRAIN_REASON``) and flushes. A timer thread, independent of the event
+loop, names what is still open at the deadline (rollout and execution ids: ``LiveEpisode``
+observes the episode's box); the drain's last episode logs the summary. ``drain.timeout_s`` sets
+the bound (docs/design.md, "The end of a run").
 """
 
 from __future__ import annotations
 
 import asyncio
-import functools
 import threading
 import time
-from collections.abc import Awaitable, Callable, Coroutine
+from collections.abc import Awaitable, Callable, Coroutine, Iterable
 from dataclasses import dataclass, field
 from typing import Any
 
 from cua_rl.errors import ConfigError
 from cua_rl.logs import get_logger
-from cua_rl.rollout.pause import close_loop_pauses
-from cua_rl.rollout.services import loop_monitors
 
 log = get_logger(__name__)
 
@@ -70,27 +69,65 @@ class DrainConfig:
             )
 
 
-class Drain:
-    """This process's episodes in flight, and the drain that closes them when the run ends."""
+@dataclass
+class LiveEpisode:
+    """What the drain names of an episode in flight: its rollout, and its gym execution once the
+    box is open (it observes the episode's events for it)."""
 
-    def __init__(self) -> None:
+    rollout_uuid: str
+    execution_id: str | None = None
+
+    async def on(self, event: Any) -> None:
+        # Read off the episode's events by shape (``BoxChanged`` carries the box): the episode's
+        # module imports the settings, which import this module's ``DrainConfig``.
+        box = getattr(event, "box", None)
+        if box is not None:
+            self.execution_id = box.execution_id
+
+
+Flush = Callable[[float], Awaitable[bool]]
+
+
+class Drain:
+    """A runtime's episodes in flight, and the drain that closes them when the run ends.
+
+    ``flush(timeout)`` stops the runtime's probes and flushes its monitor client on the running
+    loop (False when it did not finish), after each cancelled episode; ``finish(timeout)`` does
+    so once more and closes the loop's clients, before the runner stops the loop (their tasks
+    would die with it); ``background()`` gives the gym client's terminates still running in the
+    background on that loop."""
+
+    def __init__(
+        self,
+        config: DrainConfig,
+        *,
+        flush: Flush,
+        finish: Flush | None = None,
+        background: Callable[[], Iterable[asyncio.Future]] = tuple,
+    ) -> None:
+        self.timeout_s = config.timeout_s
+        self.flush = flush
+        self.finish = finish or flush
+        self.background = background
         self._lock = threading.Lock()
-        self._open: dict[str, Any] = {}  # rollout uuid -> Episode
-        self._draining: dict[str, Any] = {}  # those of them cancelled and not yet ended
+        self._open: dict[str, LiveEpisode] = {}  # by rollout uuid
+        self._draining: dict[str, LiveEpisode] = {}  # those of them cancelled and not yet ended
         self._started: float | None = None
         self._deadline = 0.0
         self._cancelled = 0
         self._unflushed: list[str] = []
         self._named = False
         self._timer: threading.Timer | None = None
-        self._tasks: set[asyncio.Task] = set()  # the episode tasks running (``drained_episode``)
-        self.timeout_s = DrainConfig.timeout_s  # the bound of the last episode tracked
+        self._tasks: set[asyncio.Task] = set()  # the episode tasks running (``registered``)
         self.reports: list[str] = []  # the summary lines logged, for tests and callers
 
-    def track(self, episode, timeout_s: float) -> None:
+    def live(self, rollout_uuid: str) -> LiveEpisode:
+        """A new episode's record for this drain (it observes the episode's box)."""
+        return LiveEpisode(rollout_uuid)
+
+    def track(self, episode: LiveEpisode) -> None:
         with self._lock:
             self._open[episode.rollout_uuid] = episode
-            self.timeout_s = timeout_s
 
     def enter(self, task: asyncio.Task) -> None:
         with self._lock:
@@ -126,8 +163,9 @@ class Drain:
             if loop.time() >= give_up:
                 return  # what is still open was named at the deadline
 
-    def begin(self, episode, timeout_s: float) -> float:
+    def begin(self, episode: LiveEpisode) -> float:
         """Count a cancelled episode in the drain, started by the first; its deadline."""
+        timeout_s = self.timeout_s
         with self._lock:
             self._cancelled += 1
             self._draining[episode.rollout_uuid] = episode
@@ -144,14 +182,6 @@ class Drain:
                 )
             return self._deadline
 
-    async def flush(self, timeout: float) -> bool:
-        """Flush every monitor client of the running loop (the shared Services' clients, so
-        the records of episodes that ended just before the drain go out too, before the loop
-        stops); False if one did not finish. A service's probes stop first."""
-        await close_loop_pauses()
-        done = await asyncio.gather(*(m.flush(timeout=timeout) for m in loop_monitors()))
-        return all(done)
-
     def remaining(self) -> float:
         return max(self._deadline - time.monotonic(), 0.0)
 
@@ -159,7 +189,7 @@ class Drain:
         with self._lock:
             self._unflushed.append(rollout_uuid)
 
-    def done(self, episode) -> None:
+    def done(self, episode: LiveEpisode) -> None:
         with self._lock:
             self._open.pop(episode.rollout_uuid, None)
             self._draining.pop(episode.rollout_uuid, None)
@@ -201,94 +231,89 @@ class Drain:
     def _reset(self) -> None:
         self._started, self._cancelled, self._unflushed, self._named = None, 0, [], False
 
+    # ---- the runner's destroy ---------------------------------------------------------------
 
-DRAIN = Drain()
+    async def registered(self, start: Callable[[], Coroutine[Any, Any, Any]]) -> Any:
+        """``await start()`` in a task the drain knows (``arun_episode``'s), for the run's end.
+        A factory, not a coroutine: one closed before it started leaves nothing unawaited."""
+        task = asyncio.current_task()
+        self.enter(task)
+        try:
+            return await start()
+        finally:
+            self.leave(task)
+
+    async def _drain_then_flush(self) -> None:
+        await self.close()
+        if not await self.finish(_PRE_FLUSH_S):
+            log.warning("the monitor did not take every record before the run's end")
+
+    def install(self, runner: Any) -> None:
+        """Make ``runner.destroy`` (AReaL's ``AsyncTaskRunner`` of the engine's workflow executor)
+        first drain these episodes and flush the monitor clients on the runner's loop. On this
+        runner alone (an instance attribute): another training's runner is not touched.
+        Idempotent."""
+        original = runner.destroy
+        if getattr(original, "_cua_drain", None) is self:
+            return
+
+        def destroy(*args, **kwargs):
+            loop = runner._loop  # declared in cua_rl.areal.support
+            if loop is not None and loop.is_running():
+                runner.paused.set()  # no episode starts while the drain runs (destroy resumes it)
+                done = asyncio.run_coroutine_threadsafe(self._drain_then_flush(), loop)
+                try:
+                    done.result(timeout=self.timeout_s + _LAST_FLUSH_S + _MARGIN_S + _PRE_FLUSH_S)
+                except Exception as exc:  # a stuck loop must not stop the destroy
+                    log.warning("draining the episodes before the run's end failed: %r", exc)
+            return original(*args, **kwargs)
+
+        destroy._cua_drain = self
+        runner.destroy = destroy
+
+    # ---- one cancelled episode ----------------------------------------------------------------
+
+    async def run(
+        self,
+        body: Coroutine[Any, Any, Any],
+        episode: LiveEpisode,
+        on_cancelled: Callable[[], Awaitable[None]],
+    ) -> Any:
+        """``await body`` as an inner task; cancelled, close it within the drain (then re-raise).
+        ``on_cancelled`` tells the monitor the rollout was cancelled."""
+        inner = asyncio.ensure_future(body)
+        self.track(episode)
+        try:
+            return await asyncio.shield(inner)
+        except asyncio.CancelledError:
+            self.begin(episode)
+            inner.cancel()
+            await self._settle(inner)
+            if not inner.done():
+                self.overdue()
+            if not inner.done() or inner.cancelled():
+                await on_cancelled()
+            if not await self.flush(max(self.remaining(), _LAST_FLUSH_S)):
+                self.unflushed(episode.rollout_uuid)
+            raise
+        finally:
+            if inner.done():
+                if not inner.cancelled():
+                    inner.exception()  # retrieved: an episode that failed as it was cancelled
+                self.done(episode)
+            else:  # past the deadline: named by the timer, off the list once it does end
+                inner.add_done_callback(lambda _task: self.done(episode))
+
+    async def _settle(self, inner: asyncio.Future) -> None:
+        """Wait, within the drain, for the inner task and the gym's background terminates."""
+        pending = {inner, *self.background()}
+        while pending and self.remaining() > 0:
+            try:
+                _done, pending = await asyncio.wait(pending, timeout=self.remaining())
+            except asyncio.CancelledError:
+                continue  # a second cancel does not shorten the drain: its deadline does
+
 
 # The last flush before a runner stops: the records of episodes that ended just before the
 # end, and of those the drain closed, still sit in a client's queue, whose task dies with the loop.
 _PRE_FLUSH_S = 5.0
-
-
-def drained_episode(
-    fn: Callable[..., Awaitable[Any]],
-) -> Callable[..., Coroutine[Any, Any, Any]]:
-    """Register the task running an episode (``arun_episode``) for the drain at the run's end."""
-
-    @functools.wraps(fn)
-    async def episode(*args: Any, **kwargs: Any) -> Any:
-        task = asyncio.current_task()
-        DRAIN.enter(task)
-        try:
-            return await fn(*args, **kwargs)
-        finally:
-            DRAIN.leave(task)
-
-    return episode
-
-
-async def _drain_then_flush() -> None:
-    await DRAIN.close()
-    if not await DRAIN.flush(timeout=_PRE_FLUSH_S):
-        log.warning("the monitor did not take every record before the run's end")
-
-
-def drain_before_runner_stops() -> None:
-    """Make AReaL's ``AsyncTaskRunner.destroy`` first drain this process's episodes and flush its
-    monitor clients on the runner's loop (idempotent; called by the workflow in the worker)."""
-    from areal.infra.async_task_runner import AsyncTaskRunner
-
-    original = AsyncTaskRunner.destroy
-    if getattr(original, "_cua_drain", False):
-        return
-
-    def destroy(self, *args, **kwargs):
-        loop = self._loop  # declared in cua_rl.areal.support
-        if loop is not None and loop.is_running():
-            self.paused.set()  # no episode starts while the drain runs (destroy resumes it)
-            done = asyncio.run_coroutine_threadsafe(_drain_then_flush(), loop)
-            try:
-                done.result(timeout=DRAIN.timeout_s + _LAST_FLUSH_S + _MARGIN_S + _PRE_FLUSH_S)
-            except Exception as exc:  # a stuck loop must not stop the destroy
-                log.warning("draining the episodes before the run's end failed: %r", exc)
-        return original(self, *args, **kwargs)
-
-    destroy._cua_drain = True
-    AsyncTaskRunner.destroy = destroy
-
-
-async def run_drained(
-    body: Coroutine[Any, Any, Any], episode, recorder, services, config: DrainConfig
-) -> Any:
-    """``await body`` as an inner task; cancelled, close it within the drain (then re-raise)."""
-    inner = asyncio.ensure_future(body)
-    DRAIN.track(episode, config.timeout_s)
-    try:
-        return await asyncio.shield(inner)
-    except asyncio.CancelledError:
-        DRAIN.begin(episode, config.timeout_s)
-        inner.cancel()
-        await _settle(inner, services)
-        if not inner.done():
-            DRAIN.overdue()
-        if not inner.done() or inner.cancelled():
-            await recorder.fail("cancelled", status_message=DRAIN_REASON)
-        if not await DRAIN.flush(timeout=max(DRAIN.remaining(), _LAST_FLUSH_S)):
-            DRAIN.unflushed(episode.rollout_uuid)
-        raise
-    finally:
-        if inner.done():
-            if not inner.cancelled():
-                inner.exception()  # retrieved: an episode that failed as it was cancelled
-            DRAIN.done(episode)
-        else:  # past the deadline: named by the timer, off the list once it does end
-            inner.add_done_callback(lambda _task: DRAIN.done(episode))
-
-
-async def _settle(inner: asyncio.Future, services) -> None:
-    """Wait, within the drain, for the inner task and the gym's background terminates."""
-    pending = {inner, *services.clients()[0].background()}
-    while pending and DRAIN.remaining() > 0:
-        try:
-            _done, pending = await asyncio.wait(pending, timeout=DRAIN.remaining())
-        except asyncio.CancelledError:
-            continue  # a second cancel does not shorten the drain: its deadline does

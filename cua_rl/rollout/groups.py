@@ -16,9 +16,11 @@ normalises here instead, where the group is whole and its episodes are known by 
 - a group whose episode rewards are all equal teaches nothing; ``complete_groups`` counts it,
   ``complete_varied_groups`` also drops it.
 
-The filter is called with the group alone; its settings are those of the train workflow built in
-the same worker process (``configure``), which come from the config like every other setting.
-Each group records 0/1 stats under the rollout scope, so the step's stats are shares:
+AReaL calls the filter (a function named by its dotted path) with the group alone, in the task
+that called the group's ``arun_episode``; the workflow puts its runtime's ``GroupFilter`` in that
+context first (``enter``), so the filter judges with the settings and the replay pool of the
+training whose episodes made the rows, two trainings in one process included. Each group records
+0/1 stats under the rollout scope, so the step's stats are shares:
 ``cua/group/accepted``, ``cua/group/rejected/incomplete``, ``cua/group/zero_variance`` (of
 complete groups), ``cua/group/rejected/zero_variance`` (``complete_varied_groups`` only), and
 ``cua/group/rows_per_episode``.
@@ -34,6 +36,8 @@ policy versions).
 from __future__ import annotations
 
 import random
+from collections.abc import Callable
+from contextvars import ContextVar, Token
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -84,25 +88,6 @@ class GroupSettings:
     norm: GroupNormConfig = field(default_factory=GroupNormConfig)
     replay: ReplayConfig = field(default_factory=ReplayConfig)
     training: str = ""  # this training's run name: its own successes may be replayed
-
-
-_settings: GroupSettings | None = None
-
-
-def configure(settings: GroupSettings) -> None:
-    """Set the filter's settings in this process (the train workflow does, when it is built)."""
-    global _settings
-    _settings = settings
-
-
-def configured() -> GroupSettings:
-    if _settings is None:
-        raise ConfigError(
-            "the group filter has no settings in this process: it runs beside a "
-            "CUAAgentWorkflow built for training (which sets them); elsewhere call "
-            "cua_rl.rollout.groups.configure(GroupSettings(size=..))"
-        )
-    return _settings
 
 
 def episode_rewards(traj: dict[str, Any]) -> tuple[list[int], list[float], list[list[int]]]:
@@ -162,110 +147,150 @@ def _record(**stats: float) -> None:
     stats_tracker.get(workflow_context.stat_scope()).scalar(**stats)
 
 
-def _judge(traj: dict[str, Any], *, drop_zero_variance: bool) -> bool:
-    import torch
+class GroupFilter:
+    """The group filter of one rollout runtime: its settings, the replay pool it reads, and where
+    replays are shown (``notes``: the running loop's monitor ``enqueue``, or None)."""
 
-    settings = configured()
-    episodes, rewards, rows = episode_rewards(traj)
-    stats = {
-        "cua/group/rejected/incomplete": 0.0,
-        "cua/group/rows_per_episode": traj["rewards"].numel() / max(len(episodes), 1),
-    }
-    if drop_zero_variance:
-        stats["cua/group/rejected/zero_variance"] = 0.0
-    accepted = True
-    if len(episodes) != settings.size:
-        log.warning("group rejected: %d of %d episodes returned rows", len(episodes), settings.size)
-        stats["cua/group/rejected/incomplete"] = 1.0
-        accepted = False
-    else:
-        if settings.replay.enabled:
-            traj, episodes, rewards, rows = _replay(traj, episodes, rewards, rows, settings, stats)
-        zero_variance = max(rewards) - min(rewards) <= settings.zero_variance_tol
-        stats["cua/group/zero_variance"] = float(zero_variance)
-        if zero_variance and drop_zero_variance:
-            stats["cua/group/rejected/zero_variance"] = 1.0
+    def __init__(
+        self,
+        settings: GroupSettings,
+        pool: replay.ReplayPool | None = None,
+        notes: Callable[[], Callable[[str, dict], bool] | None] = lambda: None,
+    ):
+        self.settings = settings
+        self.pool = pool if pool is not None else replay.ReplayPool(settings.replay.pool_per_task)
+        self.notes = notes
+        self._rng: random.Random | None = None  # the negative control's, made on first use
+
+    def complete_groups(self, traj: dict[str, Any]) -> bool:
+        """Accept a group only when every episode returned its rows, and normalise its rewards
+        per episode (zero-variance groups are counted, not dropped)."""
+        return self.judge(traj, drop_zero_variance=False)
+
+    def complete_varied_groups(self, traj: dict[str, Any]) -> bool:
+        """``complete_groups``, and also drop groups whose episode rewards are all equal."""
+        return self.judge(traj, drop_zero_variance=True)
+
+    def judge(self, traj: dict[str, Any], *, drop_zero_variance: bool) -> bool:
+        import torch
+
+        settings = self.settings
+        episodes, rewards, rows = episode_rewards(traj)
+        stats = {
+            "cua/group/rejected/incomplete": 0.0,
+            "cua/group/rows_per_episode": traj["rewards"].numel() / max(len(episodes), 1),
+        }
+        if drop_zero_variance:
+            stats["cua/group/rejected/zero_variance"] = 0.0
+        accepted = True
+        if len(episodes) != settings.size:
+            log.warning(
+                "group rejected: %d of %d episodes returned rows", len(episodes), settings.size
+            )
+            stats["cua/group/rejected/incomplete"] = 1.0
             accepted = False
-    if accepted:
-        out = torch.empty_like(traj["rewards"])
-        for adv, idx in zip(normalised(rewards, settings.norm), rows, strict=True):
-            out[idx] = adv
-        traj["rewards"] = out
-    stats["cua/group/accepted"] = float(accepted)
-    _record(**stats)
-    return accepted
+        else:
+            if settings.replay.enabled:
+                traj, episodes, rewards, rows = self._replay(traj, episodes, rewards, rows, stats)
+            zero_variance = max(rewards) - min(rewards) <= settings.zero_variance_tol
+            stats["cua/group/zero_variance"] = float(zero_variance)
+            if zero_variance and drop_zero_variance:
+                stats["cua/group/rejected/zero_variance"] = 1.0
+                accepted = False
+        if accepted:
+            out = torch.empty_like(traj["rewards"])
+            for adv, idx in zip(normalised(rewards, settings.norm), rows, strict=True):
+                out[idx] = adv
+            traj["rewards"] = out
+        stats["cua/group/accepted"] = float(accepted)
+        _record(**stats)
+        return accepted
 
+    def _replay(self, traj, episodes, rewards, rows, stats: dict):
+        """Put recorded successes into an all-fail group (in place in ``traj``); the group's
+        episodes, rewards and row indices after it."""
+        from cua_rl.trajectory.rows import stack_rows, unstack_rows
 
-def _replay(traj, episodes, rewards, rows, settings: GroupSettings, stats: dict):
-    """Put recorded successes into an all-fail group (in place in ``traj``); the group's
-    episodes, rewards and row indices after it."""
-    from cua_rl.trajectory.row import stack_rows, unstack_rows
-
-    cfg, tol = settings.replay, settings.zero_variance_tol
-    pool = replay.pool(cfg.pool_per_task)
-    known = [pool.episode(e) for e in episodes]
-    if max(rewards) - min(rewards) > tol:
-        stats["cua/replay/all_fail"] = 0.0
+        settings, pool = self.settings, self.pool
+        cfg, tol = settings.replay, settings.zero_variance_tol
+        known = [pool.episode(e) for e in episodes]
+        if max(rewards) - min(rewards) > tol:
+            stats["cua/replay/all_fail"] = 0.0
+            return traj, episodes, rewards, rows
+        if any(k is None for k in known) or len({k.task_id for k in known}) != 1:
+            # Rows of episodes this worker did not run (or of two tasks): never guess the task.
+            stats["cua/replay/unknown_task"] = 1.0
+            return traj, episodes, rewards, rows
+        # Equal rewards: all failed, or all succeeded (nothing to replay then).
+        all_fail = not any(k.success for k in known)
+        stats["cua/replay/all_fail"] = float(all_fail)
+        if not all_fail:
+            return traj, episodes, rewards, rows
+        task_id, version = known[0].task_id, max(k.version for k in known)
+        trainings = [settings.training, *cfg.trainings]
+        plan = replay.choose(
+            task_id, rewards, version, pool.candidates(task_id), cfg, tol=tol, trainings=trainings
+        )
+        stats["cua/replay/rescued"] = float(bool(plan))
+        if not plan:
+            return traj, episodes, rewards, rows
+        if (enqueue := self.notes()) is not None:
+            for note in replay.monitor_notes(plan, known, version, settings.training):
+                enqueue("rollouts", note)
+        new = stack_rows(replay.apply(unstack_rows(traj), rows, plan))
+        traj.clear()
+        traj.update(new)
+        episodes, rewards, rows = episode_rewards(traj)
+        if cfg.shuffle_rewards:
+            if self._rng is None:
+                self._rng = random.Random(cfg.seed)
+            rewards = replay.shuffled(rewards, self._rng)
+        stats["cua/replay/episodes"] = float(len(plan.recorded))
+        stats["cua/replay/age"] = sum(r.age(version) for r in plan.recorded) / len(plan.recorded)
+        log.info(
+            "replay: group of %s (all %d failed) got recorded success(es) %s, age %s",
+            task_id,
+            len(rewards),
+            [r.episode_id for r in plan.recorded],
+            [r.age(version) for r in plan.recorded],
+        )
         return traj, episodes, rewards, rows
-    if any(k is None for k in known) or len({k.task_id for k in known}) != 1:
-        # Rows of episodes this worker did not run (or of two tasks): never guess the task.
-        stats["cua/replay/unknown_task"] = 1.0
-        return traj, episodes, rewards, rows
-    # Equal rewards: all failed, or all succeeded (nothing to replay then).
-    all_fail = not any(k.success for k in known)
-    stats["cua/replay/all_fail"] = float(all_fail)
-    if not all_fail:
-        return traj, episodes, rewards, rows
-    task_id, version = known[0].task_id, max(k.version for k in known)
-    plan = replay.choose(
-        task_id,
-        rewards,
-        version,
-        pool.candidates(task_id),
-        cfg,
-        tol=tol,
-        trainings=[settings.training, *cfg.trainings],
-    )
-    stats["cua/replay/rescued"] = float(bool(plan))
-    if not plan:
-        return traj, episodes, rewards, rows
-    if pool.monitor is not None:
-        for note in replay.monitor_notes(plan, known, version, settings.training):
-            pool.monitor("rollouts", note)
-    new = stack_rows(replay.apply(unstack_rows(traj), rows, plan))
-    traj.clear()
-    traj.update(new)
-    episodes, rewards, rows = episode_rewards(traj)
-    if cfg.shuffle_rewards:
-        rewards = replay.shuffled(rewards, _control_rng(cfg.seed))
-    stats["cua/replay/episodes"] = float(len(plan.recorded))
-    stats["cua/replay/age"] = sum(r.age(version) for r in plan.recorded) / len(plan.recorded)
-    log.info(
-        "replay: group of %s (all %d failed) got recorded success(es) %s, age %s",
-        task_id,
-        len(rewards),
-        [r.episode_id for r in plan.recorded],
-        [r.age(version) for r in plan.recorded],
-    )
-    return traj, episodes, rewards, rows
 
 
-_rng: random.Random | None = None
+# The filter of the group whose episodes run in this context (set by ``enter``).
+_FILTER: ContextVar[GroupFilter | None] = ContextVar("cua_rl_group_filter", default=None)
 
 
-def _control_rng(seed: int) -> random.Random:
-    global _rng
-    if _rng is None:
-        _rng = random.Random(seed)
-    return _rng
+def enter(group_filter: GroupFilter) -> Token:
+    """Make ``group_filter`` the one AReaL's call of the filter meets in this context: the
+    workflow calls it synchronously in ``arun_episode``, in the task that calls the filter
+    afterwards (``cua_rl.areal.support`` declares that AReaL does). ``leave`` with the token
+    restores the context's previous filter."""
+    return _FILTER.set(group_filter)
+
+
+def leave(token: Token) -> None:
+    _FILTER.reset(token)
+
+
+def current() -> GroupFilter:
+    found = _FILTER.get()
+    if found is None:
+        raise ConfigError(
+            "the group filter found no runtime in the group's context: it runs after a "
+            "CUAAgentWorkflow's arun_episode, which puts its runtime's filter there (a subclass "
+            "that overrides arun_episode with a coroutine function hides it: override the "
+            "hooks instead); elsewhere call a GroupFilter's own complete_groups"
+        )
+    return found
 
 
 def complete_groups(traj: dict[str, Any]) -> bool:
-    """Accept a group only when every episode returned its rows, and normalise its rewards per
-    episode (zero-variance groups are counted, not dropped)."""
-    return _judge(traj, drop_zero_variance=False)
+    """AReaL's filter (``COMPLETE_GROUPS``): the context's ``GroupFilter.complete_groups``."""
+    return current().complete_groups(traj)
 
 
 def complete_varied_groups(traj: dict[str, Any]) -> bool:
-    """``complete_groups``, and also drop groups whose episode rewards are all equal."""
-    return _judge(traj, drop_zero_variance=True)
+    """AReaL's filter (``COMPLETE_VARIED_GROUPS``): ``complete_groups``, also dropping groups
+    whose episode rewards are all equal."""
+    return current().complete_varied_groups(traj)

@@ -30,7 +30,7 @@ class OutcomeLog:
         self, *, accepted: bool, reason: str | None, phase: str, probe: bool = False
     ) -> None:
         """One episode's outcome; ``probe``: a failed probe of a paused service
-        (``cua_rl.rollout.pause``), which failfast counts as a rejection for ``reason``."""
+        (``cua_rl.rollout.service_pauses``), which failfast counts as a rejection for ``reason``."""
         rec = {"t": self.clock(), "ok": accepted, "reason": reason, "phase": phase}
         line = json.dumps({**rec, "probe": True} if probe else rec)
         try:

@@ -9,16 +9,16 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
-from cua_rl.agent_loop.loop import LoopConfig
+from cua_rl.agent.loop import LoopConfig
+from cua_rl.agent.service_driver import DriverConfig
+from cua_rl.clients.genv import GenvTimeouts
 from cua_rl.core.fields import doc
 from cua_rl.errors import ConfigError
 from cua_rl.gateway.config import GatewayConfig, Sampling
-from cua_rl.genv import GenvTimeouts
-from cua_rl.mini_agent import DriverConfig
 from cua_rl.reward import RewardConfig
 from cua_rl.rollout.drain import DrainConfig
 from cua_rl.rollout.groups import GroupSettings
-from cua_rl.rollout.pause import PauseConfig
+from cua_rl.rollout.service_pauses import PauseConfig
 from cua_rl.tasks import TaskSelectionConfig, TaskSourceConfig
 from cua_rl.trajectory.config import TrajectoryConfig
 
@@ -53,7 +53,7 @@ class AgentSection:
         "service",
         "service: each episode's agent runs on an agent service (gbox-mini-agent, or the local "
         "one) at base_url. builtin: the rollout worker runs the local agent's loop itself "
-        "(cua_rl/agent_loop: the same prompts, context policies, parsing and actions), no agent "
+        "(cua_rl/agent: the same prompts, context policies, parsing and actions), no agent "
         "service; docs/agent.md",
     )
     base_url: str = doc(
@@ -165,5 +165,5 @@ class WorkflowSettings:
     # The group filter's settings (train phase): episodes per group, zero-variance tolerance,
     # the per-group normalisation of episode rewards.
     group: GroupSettings = field(default_factory=GroupSettings)
-    # Whether and how new episodes wait while a service fails (cua_rl.rollout.pause).
+    # Whether and how new episodes wait while a service fails (cua_rl.rollout.service_pauses).
     pause: PauseConfig = field(default_factory=PauseConfig)

@@ -238,7 +238,7 @@ def group_rows(turns: int, *, window: int | None, seeds=(1, 2), **kwargs: Any) -
 
 def pixel_key(pixels: torch.Tensor) -> int:
     """A screenshot's content key (the row's ``image_keys``) from its pixel values."""
-    from cua_rl.trajectory.row import image_key_of
+    from cua_rl.trajectory.rows import image_key_of
 
     return image_key_of(hashlib.sha256(pixels.numpy().tobytes()).hexdigest())
 

@@ -66,7 +66,7 @@ def trained_gap(model, row: dict, **kwargs):
     batch of several rows (``ConversionResult.row``) is taken row by row, gaps in row order."""
     import torch
 
-    from cua_rl.trajectory.row import unstack_rows
+    from cua_rl.trajectory.rows import unstack_rows
 
     if row["input_ids"].shape[0] > 1:
         return torch.cat([trained_gap(model, r, **kwargs) for r in unstack_rows(row)])

@@ -27,16 +27,12 @@ import time
 import traceback
 from typing import Any
 
-RESULT_PREFIX = "gpu-step-result "
+# The result line's prefix and the tiny model per family are --check's (it reads the one and
+# asks the other before it starts this module by name): the product never imports the harness.
+from cua_rl.app.check_gpu import RESULT_PREFIX, TINY_KIND
+
 # The spec: what --check takes from the config.
 STEP_KEYS = ("family", "dtype", "attn_impl", "vision", "selective", "gradient_checkpointing")
-# Tiny models by family (cua_rl.testing.cache.BUILDERS), BPE tokenizer.
-TINY_KIND = {
-    "qwen2-vl": "qwen2-vl-bpe",
-    "qwen2.5-vl": "qwen2.5-vl",
-    "qwen3-vl": "qwen3-vl",
-    "qwen3-vl-moe": "qwen3-vl-moe",
-}
 
 
 def attention_problem(attn_impl: str) -> str:

@@ -11,15 +11,21 @@ from __future__ import annotations
 
 import asyncio
 import threading
+from types import SimpleNamespace
 
 from fastapi import FastAPI, Request
 
 
 class StaticEngine:
-    """What the gateway reads of AReaL's engine, for benches: one server, never paused."""
+    """What the gateway and the workflow read of AReaL's engine, for benches: one server, never
+    paused, and a workflow executor whose dispatcher has no task runner (nothing to drain when
+    a bench ends: it awaits its episodes)."""
 
     def __init__(self, address: str):
         self.address = address
+        self.workflow_executor = SimpleNamespace(
+            is_paused=self.is_paused, dispatcher=SimpleNamespace(runner=None)
+        )
 
     def get_version(self) -> int:
         return 0

@@ -1,11 +1,12 @@
 """Record real agent runs (gym + agent + model server) as event logs, for tests, demos and benches.
 
 One recorded run is what one training episode sees: a gym execution created through
-:class:`cua_rl.genv.GenvClient` (terminated on every exit, so nothing leaks even when the run or
-the evaluation fails), one mini-agent run followed to its end by :class:`cua_rl.mini_agent.RunDriver`
-(which fetches the events once more after the run is terminal), and the gym's raw evaluation
-answer for the final state. Runs are sequential: the point is faithful logs, not throughput, and
-the tiny CPU model server serves one request at a time well.
+:class:`cua_rl.clients.genv.GenvClient` (terminated on every exit, so nothing leaks even when the
+run or the evaluation fails), one mini-agent run followed to its end by
+:class:`cua_rl.agent.service_driver.RunDriver` (which fetches the events once more after the run
+is terminal), and the gym's raw evaluation answer for the final state. Runs are sequential: the
+point is faithful logs, not throughput, and the tiny CPU model server serves one request at a
+time well.
 
 The logs are the agent's own events, so they can be saved (``RecordedRun.log()``) and fed to
 ``python -m cua_rl.trajectory convert``. ``python -m cua_rl.testing.record --out DIR`` starts the
@@ -25,9 +26,11 @@ from typing import Any
 
 import httpx
 
+from cua_rl.agent.service_driver import DriverConfig, RunDriver
+from cua_rl.agent.spec import RunSpec
+from cua_rl.clients.gbox_mini_agent import MiniAgentClient
+from cua_rl.clients.genv import GenvClient, GenvTimeouts
 from cua_rl.errors import GymError
-from cua_rl.genv import GenvClient, GenvTimeouts
-from cua_rl.mini_agent import DriverConfig, MiniAgentClient, RunDriver, RunSpec
 
 # Settings that make a log trainable and checkable: vLLM token data, temperature 1.0 (vLLM's
 # logprobs are of the raw model distribution; at 1.0 they are also the sampling distribution).

@@ -21,7 +21,7 @@ Templates are Jinja strings for ``tokenizer.chat_template``; transformers and vL
 
 from __future__ import annotations
 
-from cua_rl.sim.flavours.toolcall import TOOLS_POSTAMBLE, TOOLS_PREAMBLE
+from cua_rl.agent.flavours.toolcall import TOOLS_POSTAMBLE, TOOLS_PREAMBLE
 
 # Every image part, whatever the role; text parts verbatim.
 _CONTENT = (

@@ -26,7 +26,7 @@ from cua_rl.trajectory.images import (
     load_images,
     process_images,
 )
-from cua_rl.trajectory.row import (
+from cua_rl.trajectory.rows import (
     ConversionResult,
     Segment,
     convert_turns,

@@ -3,7 +3,7 @@
 ``stored_from_rows`` keeps what the converter built (its rows' token tensors and each row's image
 hashes); ``rebuild_rows`` makes the rows again with the model's processor. Rebuilt rows equal the
 trained ones token for token and pixel for pixel because the converter processes each distinct
-image alone (``cua_rl.trajectory.row.ImageCache``) with the deterministic processor, from the
+image alone (``cua_rl.trajectory.rows.ImageCache``) with the deterministic processor, from the
 same bytes, and this does the same. The rows are the converter's: the episode's own reward, not
 the group-normalised one the group filter writes later.
 """
@@ -17,7 +17,7 @@ from cua_rl.core.row import validate_row
 from cua_rl.errors import CuaRlError
 from cua_rl.trajectory.events import Turn
 from cua_rl.trajectory.images import decode_image, image_token_ids, process_images
-from cua_rl.trajectory.row import ConversionResult, image_key_of, pad_runs
+from cua_rl.trajectory.rows import ConversionResult, image_key_of, pad_runs
 from cua_rl.warehouse.episode import StoredEpisode, StoredRow
 
 

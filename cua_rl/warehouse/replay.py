@@ -11,8 +11,8 @@ bound (``actor.rejection_sampling``). A success older than ``max_age_versions`` 
 one of another task.
 
 ``choose`` and ``apply`` are pure; the ``ReplayPool`` is the rollout worker's memory of its
-recorded successes (filled by the train workflow) and of which task each episode ran, since the
-filter sees rows only. ``shuffle_rewards`` is the negative control: after replay the group's
+recorded successes (filled as the train episodes end) and of which task each episode ran, since
+the filter sees rows only; the worker's runtime owns it (``cua_rl.rollout.runtime``). ``shuffle_rewards`` is the negative control: after replay the group's
 episode rewards are permuted, so the credit lands on a random episode.
 """
 
@@ -21,7 +21,7 @@ from __future__ import annotations
 import collections
 import random
 import threading
-from collections.abc import Callable, Sequence
+from collections.abc import Sequence
 from dataclasses import dataclass, field
 from typing import Any, NamedTuple
 
@@ -225,8 +225,6 @@ class ReplayPool:
         self._per_task = per_task
         self._successes: dict[str, collections.deque[Recorded]] = {}
         self._episodes: collections.OrderedDict[int, Seen] = collections.OrderedDict()
-        # The worker's monitor client's enqueue (kind, record), set by the train workflow.
-        self.monitor: Callable[[str, dict], bool] | None = None
         self._episodes_kept = episodes_kept
         self._asked: dict[str, int] = {}
 
@@ -267,20 +265,3 @@ class ReplayPool:
     def candidates(self, task_id: str) -> list[Recorded]:
         with self._lock:
             return list(self._successes.get(task_id, ()))
-
-
-_pool: ReplayPool | None = None
-
-
-def reset_pool() -> None:
-    """Forget this process's pool (a new training in the same process starts empty)."""
-    global _pool
-    _pool = None
-
-
-def pool(per_task: int = 8) -> ReplayPool:
-    """This process's pool (the train workflow fills it, the group filter reads it)."""
-    global _pool
-    if _pool is None:
-        _pool = ReplayPool(per_task)
-    return _pool

@@ -1,8 +1,9 @@
 """The example's workflow: ``CUAAgentWorkflow`` with its four hooks spelled out.
 
-One AReaL episode is one gym execution driven by one agent run, turned into one training row;
-the orchestration lives in ``cua_rl.rollout.workflow``. A project customises an episode by
-subclassing and overriding these hooks, then naming its class in the YAML::
+One AReaL episode is one gym execution driven by one agent run, turned into training rows; the
+episode's pipeline lives in ``cua_rl.rollout.episode``, the workflow that runs it in
+``cua_rl.rollout.workflow``. A project customises an episode by subclassing and overriding these
+hooks, then naming its class in the YAML::
 
     workflow: my_project.workflow.MyWorkflow
 
@@ -12,10 +13,11 @@ it may change and what it must not.
 
 from __future__ import annotations
 
-from cua_rl.mini_agent import RunSpec
+from cua_rl.agent.spec import RunSpec
+from cua_rl.clients.genv_answers import EvaluationResult
 from cua_rl.monitor.worker.recorder import RolloutRecorder
 from cua_rl.reward import RewardOutcome
-from cua_rl.rollout.episode import Episode
+from cua_rl.rollout.episode import Box, CapturedCalls, EpisodeTask
 from cua_rl.rollout.workflow import CUAAgentWorkflow as _LibraryWorkflow
 from cua_rl.trajectory import ConversionResult
 
@@ -25,22 +27,26 @@ __all__ = ["CUAAgentWorkflow"]
 class CUAAgentWorkflow(_LibraryWorkflow):
     """AReaL's ``RolloutWorkflow`` for GUI agents (``configs/*.yaml``: ``workflow:``)."""
 
-    def build_run_spec(self, episode: Episode) -> RunSpec:
+    def build_run_spec(self, task: EpisodeTask, box: Box, model_base_url: str) -> RunSpec:
         """After the gym execution exists: the agent run to start (instruction, model options,
-        step limits). The model URL is the episode's gateway URL; keep it, or the row is lost."""
-        return super().build_run_spec(episode)
+        step limits). The model URL is the episode's gateway URL; keep it, or the rows are lost."""
+        return super().build_run_spec(task, box, model_base_url)
 
-    def compute_reward(self, episode: Episode) -> RewardOutcome:
+    def compute_reward(self, evaluation: EvaluationResult, calls: CapturedCalls) -> RewardOutcome:
         """After the gym evaluated the execution: its answer -> the reward. Raise
         ``RejectedEpisode`` when there is no verdict (an infrastructure failure is no reward 0)."""
-        return super().compute_reward(episode)
+        return super().compute_reward(evaluation, calls)
 
-    async def build_row(self, episode: Episode) -> ConversionResult:
-        """After the reward: one training row from the captured turns (exact ids, logprobs,
-        versions, images). Return a result with a reason instead of a row to reject."""
-        return await super().build_row(episode)
+    async def build_rows(
+        self, task: EpisodeTask, calls: CapturedCalls, reward: RewardOutcome
+    ) -> ConversionResult:
+        """After the reward: the training rows from the captured calls (exact ids, logprobs,
+        versions, images), one per run of calls that extend one another. Return a result with a
+        reason and no rows to reject."""
+        return await super().build_rows(task, calls, reward)
 
-    async def record_episode(self, episode: Episode, recorder: RolloutRecorder) -> None:
-        """Last: the monitor's records of the episode (turns, actions, screenshots). Never
-        raises into training."""
-        await super().record_episode(episode, recorder)
+    def observers(self, task: EpisodeTask, recorder: RolloutRecorder) -> list:
+        """Before the episode starts: who observes it besides its stats and pauses (the monitor's
+        records through ``recorder``, the warehouse, replay). Each gets every event
+        (``cua_rl.rollout.episode``) and must never raise into training."""
+        return super().observers(task, recorder)

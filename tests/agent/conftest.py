@@ -12,7 +12,7 @@ from pathlib import Path
 import httpx
 import pytest
 
-from cua_rl.mini_agent import RunSpec
+from cua_rl.agent.spec import RunSpec
 from cua_rl.sim.agent import AgentServer
 from cua_rl.sim.gym import GymServer
 

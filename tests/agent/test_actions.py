@@ -6,7 +6,7 @@ import re
 
 import pytest
 
-from cua_rl.sim.actions import (
+from cua_rl.agent.actions import (
     ACTION_NAMES,
     REGEX_MAX_CHARS,
     ActionParseError,
@@ -87,7 +87,7 @@ def test_action_regex_restricts_names():
 
 
 def test_lenient_reading_turns_any_reply_into_a_grid_tap():
-    from cua_rl.sim.actions import grid_cell_centre, read_reply
+    from cua_rl.agent.actions import grid_cell_centre, read_reply
 
     # A valid call is taken as written.
     assert read_reply("tap(3, 4)", 360, 640, lenient=True).params == {"x": 3, "y": 4}

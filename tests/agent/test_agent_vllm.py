@@ -1,6 +1,6 @@
 """The local agent end to end with a real vLLM CPU server (tiny random Qwen2-VL, byte tokenizer).
 
-Every test drives runs through ``cua_rl.mini_agent`` against the real agent and gym; faults are
+Every test drives runs through ``cua_rl.agent.service_driver`` against the real agent and gym; faults are
 injected only into the driver's transport. Decoding is constrained to the action language so the
 random model acts validly; ``finished`` is left out where a run must last a set number of steps.
 """
@@ -14,7 +14,8 @@ import time
 import httpx
 import pytest
 
-from cua_rl.mini_agent import DriverConfig, MiniAgentClient, RunDriver, drive_run
+from cua_rl.agent.service_driver import DriverConfig, RunDriver, drive_run
+from cua_rl.clients.gbox_mini_agent import MiniAgentClient
 from tests.agent.conftest import FaultyTransport
 
 pytestmark = pytest.mark.slow

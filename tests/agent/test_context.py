@@ -1,4 +1,4 @@
-"""Context policies (cua_rl/sim/context.py): the messages each policy builds for a 6-step
+"""Context policies (cua_rl/agent/context.py): the messages each policy builds for a 6-step
 episode, checked against hand-written expected messages, the device-dependent prompts, and the
 local agent over HTTP with the mai-ui policy (a scripted model server, the real sim gym)."""
 
@@ -10,15 +10,15 @@ import httpx
 import pytest
 from fastapi import FastAPI, Request
 
-from cua_rl.serving import ThreadedServer
-from cua_rl.sim.context import (
+from cua_rl.agent.context import (
     ContextPolicy,
     Screen,
     StepRecord,
     build_messages,
     count_images,
 )
-from cua_rl.sim.flavours import get_flavour
+from cua_rl.agent.flavours import get_flavour
+from cua_rl.serving import ThreadedServer
 from tests.agent.test_flavours import _events
 
 W, H = 360, 640

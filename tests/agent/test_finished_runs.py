@@ -15,9 +15,10 @@ import copy
 import httpx
 import pytest
 
-from cua_rl.agent_loop.run import Run
+from cua_rl.agent.run import Run
+from cua_rl.agent.service_driver import DriverConfig, drive_run
+from cua_rl.clients.gbox_mini_agent import MiniAgentClient
 from cua_rl.core.spill import Spill
-from cua_rl.mini_agent import DriverConfig, MiniAgentClient, drive_run
 from cua_rl.sim.agent import AgentServer, AgentServerConfig
 from cua_rl.testing.chat_model import ScriptedChatModel
 from tests.conftest import open_files_under

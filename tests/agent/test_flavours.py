@@ -11,9 +11,9 @@ import httpx
 import pytest
 from fastapi import FastAPI, Request
 
+from cua_rl.agent.actions import ActionParseError
+from cua_rl.agent.flavours import get_flavour
 from cua_rl.serving import ThreadedServer
-from cua_rl.sim.actions import ActionParseError
-from cua_rl.sim.flavours import get_flavour
 
 W, H = 360, 640
 
@@ -207,7 +207,7 @@ async def test_a_lenient_run_reads_replies_on_the_configured_grid(
 
 @pytest.mark.parametrize("grid", [0, "10", True])
 def test_a_bad_lenient_grid_is_refused(grid):
-    from cua_rl.agent_loop.run import BadRunRequest, validate_run_body
+    from cua_rl.agent.run import BadRunRequest, validate_run_body
 
     body = {
         "task": "t",

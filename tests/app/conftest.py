@@ -21,6 +21,28 @@ def monitor(tmp_path):
     store.close()
 
 
+def bare_settings(**changes):
+    """Workflow settings whose services no test calls: the sections' defaults plus ``changes``."""
+    from cua_rl.reward import RewardConfig
+    from cua_rl.rollout.settings import (
+        AgentSection,
+        EndpointSection,
+        GymSection,
+        WorkflowSettings,
+    )
+    from cua_rl.trajectory.config import TrajectoryConfig
+
+    sections = {
+        "gym": GymSection(),
+        "agent": AgentSection(),
+        "endpoint": EndpointSection(),
+        "trajectory": TrajectoryConfig(),
+        "reward": RewardConfig(),
+        "processor_path": "unused",
+    }
+    return WorkflowSettings(**{**sections, **changes})
+
+
 def load_local(tmp_path: Path, *overrides: str):
     """configs/local.yaml loaded as train.py loads it, run folders under ``tmp_path``."""
     from cua_rl.app import config_load

@@ -10,20 +10,21 @@ from __future__ import annotations
 
 import asyncio
 import threading
+from types import SimpleNamespace
 
 import httpx
 import pytest
 from areal.infra import workflow_context
 from fastapi import FastAPI
 
+from cua_rl.agent.service_driver import DriverConfig
+from cua_rl.clients.genv import GenvTimeouts
 from cua_rl.errors import ConfigError
-from cua_rl.genv import GenvTimeouts
-from cua_rl.mini_agent import DriverConfig
 from cua_rl.monitor.protocol import step_client_id
 from cua_rl.monitor.server.app import create_app
 from cua_rl.monitor.server.store import MonitorStore
 from cua_rl.reward import RewardConfig
-from cua_rl.rollout.drain import DRAIN, DRAIN_REASON, DrainConfig
+from cua_rl.rollout.drain import DRAIN_REASON, DrainConfig
 from cua_rl.rollout.settings import AgentSection, EndpointSection, GymSection, WorkflowSettings
 from cua_rl.rollout.workflow import CUAAgentWorkflow
 from cua_rl.serving import ThreadedServer
@@ -31,6 +32,7 @@ from cua_rl.sim.agent import AgentServer
 from cua_rl.sim.gym import GymServer
 from cua_rl.sim.gym_state import Fault
 from cua_rl.trajectory.config import TrajectoryConfig
+from tests.app.conftest import bare_settings
 from tests.conftest import db_rows
 
 RUN = "drain-test"
@@ -96,18 +98,28 @@ def _workflow(gym, agent, monitor, model, drain_s: float) -> CUAAgentWorkflow:
     )
 
 
-class _Running:
+class _Executor:
+    """AReaL's workflow executor as the workflow reads it: never paused; its dispatcher's task
+    runner, when the test runs the episodes under one (the drain is installed on it)."""
+
+    def __init__(self, runner=None):
+        self.dispatcher = SimpleNamespace(runner=runner)
+
     def is_paused(self) -> bool:
         return False
 
 
 class _Engine:
-    """The members of AReaL's ``RemoteInfEngine`` the gateway reads (never paused here)."""
+    """The members of AReaL's ``RemoteInfEngine`` the workflow and the gateway read."""
 
-    workflow_executor = _Running()
+    def __init__(self, runner=None):
+        self.workflow_executor = _Executor(runner)
 
     def get_version(self) -> int:
         return 0
+
+    def choose_server(self) -> str:
+        raise AssertionError("direct mode names its server: the engine's is never chosen")
 
 
 async def _live(gym) -> list[str]:
@@ -119,11 +131,10 @@ async def _live(gym) -> list[str]:
 async def _start_episodes(wf, gym, model) -> tuple[list[asyncio.Task], list[str]]:
     """EPISODES episodes, returned once each holds an execution and waits on its model call."""
     workflow_context.set(workflow_context.WorkflowContext(is_eval=False))
+    engine = _Engine()
     tasks = [
         asyncio.create_task(
-            wf.arun_episode(
-                _Engine(), {"task_id": "sim-001-wifi-on", "instruction": "Turn Wi-Fi on."}
-            )
+            wf.arun_episode(engine, {"task_id": "sim-001-wifi-on", "instruction": "Turn Wi-Fi on."})
         )
         for _ in range(EPISODES)
     ]
@@ -150,11 +161,11 @@ async def _start_and_cancel(stack, drain_s: float, terminate: Fault | None = Non
     gym, agent, monitor, model, _ = stack
     wf = _workflow(gym, agent, monitor, model, drain_s)
     tasks, live = await _start_episodes(wf, gym, model)
-    reports = len(DRAIN.reports)
+    drain = wf.runtime.drain
     if terminate is not None:
         gym.gym.config.faults["terminate"] = terminate
     await _cancel_all(tasks)
-    return wf, live, DRAIN.reports[reports:]
+    return wf, live, drain.reports
 
 
 @pytest.mark.slow
@@ -200,28 +211,21 @@ def test_records_queued_when_the_runner_stops_reach_the_monitor(tmp_path):
     # (sent every 30 s here): the runner's loop, and the client's task, die with its destroy.
     from areal.infra.async_task_runner import AsyncTaskRunner
 
-    from cua_rl.monitor.worker.client import MonitorClientConfig
-    from cua_rl.rollout.drain import drain_before_runner_stops
-    from cua_rl.rollout.services import Services
+    from cua_rl.rollout.runtime import RolloutRuntime
 
     store = MonitorStore(str(tmp_path / "monitor.db"))
     with ThreadedServer(create_app(store), name="monitor") as monitor:
         runner = AsyncTaskRunner(max_queue_size=4)
         runner.initialize()
-        config = MonitorClientConfig(
-            base_url=monitor.url, flush_interval_s=30.0, spool_path=str(tmp_path / "spool.jsonl")
+        settings = bare_settings(
+            monitor_base_url=monitor.url, monitor_spool_path=str(tmp_path / "spool.jsonl")
         )
-
-        services = Services(
-            gym_base_url="",
-            gym_id="",
-            gym_timeouts=GenvTimeouts(),
-            agent_base_url="",
-            monitor=config,
-        ).register()
+        runtime = RolloutRuntime(settings)
+        runtime.clients._monitor_config.flush_interval_s = 30.0
+        runtime.bind(_Engine(runner))
 
         async def episode_that_just_ended():
-            client = await services.monitor_client()
+            client = await runtime.clients.monitor_client()
             client.enqueue(
                 "tasks", {"client_id": "t-end", "task_id": "t-end", "name": "n", "description": "d"}
             )
@@ -230,11 +234,26 @@ def test_records_queued_when_the_runner_stops_reach_the_monitor(tmp_path):
         runner.submit(episode_that_just_ended, task_id=1)
         client = runner.wait(count=1, timeout=60)[0]
         assert client.pending == 1  # queued, not sent
-        drain_before_runner_stops()
         runner.destroy()
     rows = store._reader().execute("SELECT task_id FROM task").fetchall()
     store.close()
     assert [tuple(r) for r in rows] == [("t-end",)]
+
+
+def test_a_runtime_drains_only_its_own_runner():
+    # The drain is installed on the engine's runner, not on AReaL's class: another training's
+    # runner in the process (another runtime's, or none) stops as AReaL stops it.
+    from areal.infra.async_task_runner import AsyncTaskRunner
+
+    from cua_rl.rollout.runtime import RolloutRuntime
+
+    ours, theirs = AsyncTaskRunner(max_queue_size=1), AsyncTaskRunner(max_queue_size=1)
+    runtime = RolloutRuntime(bare_settings())
+    runtime.bind(_Engine(ours))
+    runtime.bind(_Engine(ours))  # idempotent: wrapped once
+    assert ours.destroy._cua_drain is runtime.drain
+    assert not hasattr(theirs.destroy, "_cua_drain")
+    assert not hasattr(AsyncTaskRunner.destroy, "_cua_drain")
 
 
 @pytest.mark.slow
@@ -248,7 +267,7 @@ def test_a_group_is_drained_whole_before_the_runner_stops(stack, monkeypatch):
     from areal.infra.async_task_runner import AsyncTaskRunner
     from areal.infra.remote_inf_engine import GroupedRolloutWorkflow
 
-    from cua_rl.genv import GenvClient
+    from cua_rl.clients.genv import GenvClient
 
     gym, agent, monitor, model, db = stack
     wf = _workflow(gym, agent, monitor, model, drain_s=20)
@@ -264,14 +283,16 @@ def test_a_group_is_drained_whole_before_the_runner_stops(stack, monkeypatch):
 
     monkeypatch.setattr(GenvClient, "terminate", terminate_after_the_group)
 
+    runner = AsyncTaskRunner(max_queue_size=4)
+    runner.initialize()
+    engine = _Engine(runner)  # AReaL's engine holds the runner its episodes run on
+
     async def group():
         workflow_context.set(workflow_context.WorkflowContext(is_eval=False))
         grouped = GroupedRolloutWorkflow(wf, EPISODES, logging.getLogger("test-drain"))
         data = {"task_id": "sim-001-wifi-on", "instruction": "Turn Wi-Fi on."}
-        return await grouped.arun_episode(_Engine(), data)
+        return await grouped.arun_episode(engine, data)
 
-    runner = AsyncTaskRunner(max_queue_size=4)
-    runner.initialize()
     runner.submit(group, task_id=1)
     for _ in range(600):  # each episode holds an execution and waits on its model call
         if model.calls >= EPISODES:

@@ -21,7 +21,7 @@ from PIL import Image
 
 from cua_rl.app.controls import shift_mask_right
 from cua_rl.app.learn import Progress, format_arm
-from cua_rl.app.learning import (
+from cua_rl.app.learning_curves import (
     CurveError,
     GroupShares,
     StepPoint,

@@ -72,7 +72,7 @@ async def test_a_miniwob_episode_rewards_what_the_page_gave(
     monitor,  # noqa: F811
     mode,
 ):
-    from cua_rl.genv import GenvClient
+    from cua_rl.clients.genv import GenvClient
 
     async with GenvClient(gym.url, gym.gym_id) as client:
         (task,) = await load_tasks_gym(client)

@@ -1,4 +1,4 @@
-"""A failing service pauses new episodes (cua_rl/rollout/pause.py), against real servers on
+"""A failing service pauses new episodes (cua_rl/rollout/service_pauses.py), against real servers on
 loopback: the sim gym with its create fault, the local agent and a model stand-in behind the fault
 proxy, a real monitor on a SQLite file, and the failfast watch over real outcome files. Each
 outage starts and ends when the test switches it, and the test waits for the probes the pause
@@ -14,24 +14,23 @@ import pytest
 
 from cua_rl.aio import within
 from cua_rl.app.failfast import ADVICE, FailFastConfig, RejectionWatch, advice_for
+from cua_rl.clients.gbox_mini_agent import MiniAgentClient
+from cua_rl.clients.genv import GenvClient, GenvTimeouts
 from cua_rl.core.reasons import Reason
 from cua_rl.errors import ConfigError, GymError, RejectedEpisode
 from cua_rl.gateway import Gateway, GatewayConfig, Sampling, SessionSpec
-from cua_rl.gateway.outages import OUTAGES
-from cua_rl.genv import GenvClient, GenvTimeouts
-from cua_rl.mini_agent import MiniAgentClient
+from cua_rl.gateway.model_outages import Outages
 from cua_rl.monitor.worker.client import MonitorClient, MonitorClientConfig
 from cua_rl.rollout.outcomes import OutcomeLog
-from cua_rl.rollout.pause import (
+from cua_rl.rollout.service_pauses import (
     AGENT,
     GYM,
     MODEL_SERVER,
     Outage,
     PauseConfig,
     PauseRecords,
-    Pauses,
+    ServicePauses,
     outage_of,
-    pause_for_held_calls,
     probe_for,
 )
 from cua_rl.serving import ThreadedServer
@@ -136,15 +135,16 @@ async def test_a_gym_failing_every_create_pauses_new_episodes_until_it_answers(g
     await client.start()
     client.training(RUN, log_path="logs", model_name="tiny")
     told = Told(RUN, monitor=lambda: client)
-    pauses = Pauses(FAST, told)
+    pauses = ServicePauses(FAST, told)
     async with GenvClient(gym.url, gym.gym_id, timeouts=GYM_TIMEOUTS) as genv:
         task_id = await _first_task(genv)
         rejected = await _rejected_create(genv, task_id)  # the episode in flight
         outage = outage_of(rejected, created=False)
         assert outage is not None and outage.service == GYM and "500" in outage.error
         probe = probe_for(
-            GYM, FAST, genv=genv, agent=None, http=None, task_id=task_id, model_server=""
-        )
+            GYM, FAST, genv=genv, agent=None, http=None, task_id=task_id, model_server="",
+            outages=Outages(),
+        )  # fmt: skip
         pause = pauses.report(outage, probe, phase="train")
         assert pauses.report(outage, probe, phase="train") is None  # one pause per service
         waiting = asyncio.create_task(pauses.admit())  # the next episode
@@ -182,14 +182,15 @@ async def test_failed_probes_keep_failfast_running_until_it_stops_with_today_s_a
     config = FailFastConfig(window=4, persist_s=0.3)
     watch = RejectionWatch(tmp_path, config, on_trip=lambda *_: None)
     told = Told(RUN, outcome=outcomes.record)
-    pauses = Pauses(FAST, told)
+    pauses = ServicePauses(FAST, told)
     async with GenvClient(gym.url, gym.gym_id, timeouts=GYM_TIMEOUTS) as genv:
         task_id = await _first_task(genv)
         rejected = await _rejected_create(genv, task_id)
         outcomes.record(accepted=False, reason=rejected.reason, phase="train")
         probe = probe_for(
-            GYM, FAST, genv=genv, agent=None, http=None, task_id=task_id, model_server=""
-        )
+            GYM, FAST, genv=genv, agent=None, http=None, task_id=task_id, model_server="",
+            outages=Outages(),
+        )  # fmt: skip
         pauses.report(outage_of(rejected, created=False), probe, phase="train")
         waiting = asyncio.create_task(pauses.admit())
         tripped = None
@@ -226,8 +227,9 @@ async def _service_behind_proxy(service: str, stack):
     agent = MiniAgentClient(proxy.url, client=http)
     server_addr = proxy.url.removeprefix("http://")
     probe = probe_for(
-        service, FAST, genv=None, agent=agent, http=http, task_id="", model_server=server_addr
-    )
+        service, FAST, genv=None, agent=agent, http=http, task_id="", model_server=server_addr,
+        outages=Outages(),
+    )  # fmt: skip
     return probe, proxy
 
 
@@ -243,7 +245,7 @@ async def test_an_agent_or_model_server_outage_pauses_until_it_is_restored(servi
         await probe()  # it serves
         proxy.outage()  # every answer cut from here on
         told = Told(RUN)
-        pauses = Pauses(FAST, told)
+        pauses = ServicePauses(FAST, told)
         pauses.report(Outage(service, reason, "cut"), probe, phase="train")
         waiting = asyncio.create_task(pauses.admit())
         for _ in range(2):
@@ -255,20 +257,23 @@ async def test_an_agent_or_model_server_outage_pauses_until_it_is_restored(servi
 
 
 async def test_the_run_s_end_stops_the_loop_s_probes():
-    from cua_rl.rollout.pause import close_loop_pauses, loop_pauses
+    from cua_rl.rollout.runtime import RolloutRuntime
+    from tests.app.conftest import bare_settings
 
     async def never_up():
         raise GymError("create answered 503", status=503)
 
+    runtime = RolloutRuntime(bare_settings(pause=FAST))
+    pauses = runtime.service_pauses()
+    assert runtime.service_pauses() is pauses  # one per loop
     told = Told(RUN)
-    pauses = loop_pauses(FAST, lambda: told)
-    assert loop_pauses(FAST, lambda: told) is pauses  # one per loop
+    pauses.records = told
     pauses.report(Outage(GYM, "gym_error", "503"), never_up, phase="train")
     await within(BOUND_S, told.failed.get())
     (prober,) = pauses._probers
-    await close_loop_pauses()
+    assert await runtime.flush(1.0)  # what the drain does before the runner stops
     assert prober.done()
-    assert loop_pauses(FAST, lambda: told) is not pauses  # a later run starts with none open
+    assert runtime.service_pauses() is not pauses  # a later run starts with none open
 
 
 async def test_a_model_server_out_under_the_gateway_s_held_calls_pauses_new_episodes(
@@ -285,7 +290,10 @@ async def test_a_model_server_out_under_the_gateway_s_held_calls_pauses_new_epis
     server = ThreadedServer(standin.app, name="model-standin").start()
     proxy = FaultProxy().start()
     proxy.set_upstream(server.host, server.port)
-    gw = Gateway(GatewayConfig(model_server_url=proxy.url, model_outage_s=600.0)).start()
+    outages = Outages()  # the runtime's, shared with its gateway
+    gw = Gateway(
+        GatewayConfig(model_server_url=proxy.url, model_outage_s=600.0), outages=outages
+    ).start()
     spec = SessionSpec(
         FakeEngine("127.0.0.1:1"), Sampling(max_new_tokens=8), processor, "p", TrajectoryConfig()
     )
@@ -294,25 +302,25 @@ async def test_a_model_server_out_under_the_gateway_s_held_calls_pauses_new_epis
     await client.start()
     client.training(RUN, log_path="logs", model_name="tiny")
     told = Told(RUN, monitor=lambda: client)
-    pauses = Pauses(FAST, told)
+    pauses = ServicePauses(FAST, told)
     try:
         async with httpx.AsyncClient(timeout=120) as http:
             ask = {"messages": [user("a")]}
             assert (await http.post(f"{url}/chat/completions", json=ask)).status_code == 200
-            pause_for_held_calls(pauses, FAST, http, phase="train")
-            assert not pauses.open and OUTAGES.held() == []  # the server answers: no pause
+            pauses.pause_for_held_calls(outages, http, phase="train")
+            assert not pauses.open and outages.held() == []  # the server answers: no pause
             proxy.outage()
             call = asyncio.create_task(
                 http.post(f"{url}/chat/completions", json={"messages": [user("b")]})
             )
             # The gateway has cut its first answer and holds the call (state, polled).
             for _ in range(1200):
-                if OUTAGES.held() or call.done():
+                if outages.held() or call.done():
                     break
                 await asyncio.sleep(0.05)
-            (held,) = OUTAGES.held()
+            (held,) = outages.held()
             assert not call.done() and held.calls == 1 and proxy.dropped >= 1
-            pause_for_held_calls(pauses, FAST, http, phase="train")  # the next episode's start
+            pauses.pause_for_held_calls(outages, http, phase="train")  # the next episode's start
             assert set(pauses.open) == {MODEL_SERVER}
             waiting = asyncio.create_task(pauses.admit())
             for _ in range(2):
@@ -322,7 +330,7 @@ async def test_a_model_server_out_under_the_gateway_s_held_calls_pauses_new_epis
             answered = await within(BOUND_S, call)
             assert answered.status_code == 200
             assert await within(BOUND_S, waiting) > 0
-            assert not pauses.open and OUTAGES.held() == []
+            assert not pauses.open and outages.held() == []
         capture = gw.close("ep")
         assert capture.errors == [] and capture.turns[-1].retries == proxy.dropped
         await client.flush()

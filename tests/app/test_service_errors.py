@@ -11,9 +11,9 @@ from pathlib import Path
 
 import pytest
 
+from cua_rl.clients.gbox_mini_agent import AgentUnreachable, MiniAgentClient
+from cua_rl.clients.genv import GenvClient, GenvTimeouts
 from cua_rl.errors import AgentError, ConfigError, GymError
-from cua_rl.genv import GenvClient, GenvTimeouts
-from cua_rl.mini_agent import AgentUnreachable, MiniAgentClient
 from cua_rl.serving import bind_free_port
 from cua_rl.sim.gym import GymServer
 

@@ -1,13 +1,14 @@
 """CUAAgentWorkflow on the real local stack: sim gym, local agent, vLLM CPU with a tiny Qwen2-VL,
 the rollout gateway, and a real monitor on a SQLite file. The engine is a hand-written stand-in
 exposing exactly what the workflow and the gateway use of AReaL's engine (``get_version``,
-``choose_server``; no ``_workflow_executor``: never paused)."""
+``choose_server``, a workflow executor that is never paused and has no task runner)."""
 
 from __future__ import annotations
 
 import asyncio
 import json
 import sqlite3
+from types import SimpleNamespace
 
 import httpx
 import pytest
@@ -15,18 +16,20 @@ import torch
 from areal.infra import workflow_context
 from areal.utils import stats_tracker
 
-from cua_rl.agent_loop import LoopConfig
+from cua_rl.agent.loop import LoopConfig
+from cua_rl.agent.service_driver import DriverConfig
+from cua_rl.clients.genv import GenvClient, GenvTimeouts
 from cua_rl.gateway import GatewayConfig, Sampling
-from cua_rl.genv import GenvClient, GenvTimeouts
-from cua_rl.mini_agent import DriverConfig
 from cua_rl.monitor.protocol import step_client_id
 from cua_rl.monitor.server.app import create_app
 from cua_rl.monitor.server.store import MonitorStore
 from cua_rl.reward import RewardConfig
 from cua_rl.rollout import groups
-from cua_rl.rollout.episode import Episode
+from cua_rl.rollout.episode import EpisodeTask
 from cua_rl.rollout.groups import GroupSettings
-from cua_rl.rollout.pause import PauseConfig
+from cua_rl.rollout.observers import recorder_for
+from cua_rl.rollout.runtime import RolloutRuntime
+from cua_rl.rollout.service_pauses import PauseConfig
 from cua_rl.rollout.settings import AgentSection, EndpointSection, GymSection, WorkflowSettings
 from cua_rl.rollout.workflow import CUAAgentWorkflow
 from cua_rl.serving import ThreadedServer, bind_free_port
@@ -35,6 +38,7 @@ from cua_rl.sim.gym import GymServer
 from cua_rl.tasks import task_row
 from cua_rl.testing.forward import load_vl_model, trained_gap
 from cua_rl.trajectory.config import TrajectoryConfig
+from tests.app.conftest import bare_settings
 
 pytestmark = pytest.mark.slow
 
@@ -56,7 +60,10 @@ FAST_GYM = GenvTimeouts(
 
 
 class _Running:
-    """A workflow executor that is never paused (no weight update in these tests)."""
+    """A workflow executor that is never paused (no weight update in these tests), whose
+    dispatcher has no task runner (these tests cancel their episodes themselves)."""
+
+    dispatcher = SimpleNamespace(runner=None)
 
     def is_paused(self) -> bool:
         return False
@@ -298,6 +305,9 @@ async def test_faults_end_as_none_with_a_reason_and_no_open_execution(
     stats = _rollout_stats()
     assert stats.get(f"rollout/cua/rejected/{reason}") == 1.0, stats
     assert stats["rollout/cua/accepted"] == 0.0
+    if fault == "model_down":
+        # A rejected episode's gateway counters are its step's too: the outage it waited out.
+        assert stats["rollout/cua/gateway/outage_s"] >= 1.0, stats
     assert await _open_executions(gym) == []
 
 
@@ -323,14 +333,14 @@ async def test_a_gym_failing_every_create_holds_new_episodes_until_it_answers(
     await _set_faults(gym, create={"fail_rate": 1.0})
     try:
         assert await wf.arun_episode(engine, dict(easy_task)) is None
-        pause = wf.pauses().open["gym"]
+        pause = wf.runtime.service_pauses().open["gym"]
         waiting = asyncio.create_task(wf.arun_episode(engine, dict(easy_task)))
         for _ in range(3000):  # a bound for a hung prober, not its speed
             if pause.probes >= 2:
                 break
             await asyncio.sleep(0.02)
         assert pause.probes >= 2 and not waiting.done()
-        await wf.services.monitor.flush()
+        await wf.runtime.clients.monitor.flush()
         db = sqlite3.connect(monitor.db_path)
         assert db.execute("SELECT COUNT(*) FROM rollout").fetchone() == (1,)  # it has not started
         await _set_faults(gym)
@@ -381,35 +391,51 @@ async def test_cancelled_episode_leaves_no_open_execution(
 
 def _bare_workflow(**settings) -> CUAAgentWorkflow:
     """A workflow whose services are never called: its settings' defaults plus ``settings``."""
-    return CUAAgentWorkflow(
-        WorkflowSettings(
-            gym=GymSection(),
-            agent=AgentSection(),
-            endpoint=EndpointSection(),
-            trajectory=TrajectoryConfig(),
-            reward=RewardConfig(),
-            processor_path="unused",
-            **settings,
-        )
-    )
+    return CUAAgentWorkflow(bare_settings(**settings))
 
 
-def test_the_train_workflow_gives_the_group_filter_its_settings():
-    # AReaL calls the filter with the group alone, in the process that built the workflow.
-    groups._settings = None
-    try:
-        _bare_workflow(phase="train", group=GroupSettings(size=4))
-        assert groups.configured().size == 4
-        # An eval workflow in the same worker leaves the train group's settings.
-        _bare_workflow(phase="eval", group=GroupSettings(size=1))
-        assert groups.configured().size == 4
-    finally:
-        groups._settings = None
+def _group(rewards: list[float], episodes: list[int]) -> dict:
+    return {
+        "rewards": torch.tensor(rewards),
+        "episode_id": torch.tensor([[e] for e in episodes]),
+    }
+
+
+def test_the_group_filter_judges_with_the_runtime_of_the_episodes_that_ran():
+    # AReaL calls the filter with the group alone, in the task that called arun_episode: the
+    # runtime the workflow ran its episodes in is the one whose settings judge the group.
+    workflow_context.set(workflow_context.WorkflowContext(is_eval=False))
+    train = _bare_workflow(phase="train", group=GroupSettings(size=4))
+    engine = FakeEngine(["127.0.0.1:1"])
+    four = _group([1.0, 0.0, 0.0, 1.0], [1, 2, 3, 4])
+
+    async def call(wf):
+        wf.arun_episode(engine, {"task_id": "t"}).close()  # what AReaL does first, not awaited
+        return groups.complete_groups(dict(four))
+
+    assert asyncio.run(call(train)) is True
+    assert train.runtime.groups.settings.size == 4
+    # Another training's workflow, in its own runtime: a group of four is not its size.
+    other = _bare_workflow(phase="train", group=GroupSettings(size=2))
+    other_engine = FakeEngine(["127.0.0.1:1"])
+
+    async def call_other():
+        other.arun_episode(other_engine, {"task_id": "t"}).close()
+        return groups.complete_groups(dict(four))
+
+    assert asyncio.run(call_other()) is False
+    # Outside any episode's context the filter refuses rather than guesses.
+    with pytest.raises(ValueError, match="no runtime"):
+        groups.complete_groups(dict(four))
 
 
 def test_settings_must_be_workflow_settings():
     with pytest.raises(ValueError, match="WorkflowSettings"):
         CUAAgentWorkflow({"gym": {}})
+
+
+def _unused():
+    raise AssertionError("direct mode needs no processor to point the agent at a server")
 
 
 def test_direct_mode_points_the_agent_at_the_engine_or_an_external_server(
@@ -418,58 +444,77 @@ def test_direct_mode_points_the_agent_at_the_engine_or_an_external_server(
     settings = _settings(gym, agent, vllm_server, tiny_vl_model_dir)
     settings.endpoint = EndpointSection(mode="direct", base_url="http://models.example:8000/v1/")
     engine = _engine(vllm_server)
-    episode = Episode(data={"task_id": "t"}, rollout_uuid="u", version=0)
-    wf = CUAAgentWorkflow(settings)
-    assert wf.open_model_endpoint(engine, episode) == "http://models.example:8000/v1"
+    endpoint = RolloutRuntime(settings).open_endpoint(
+        "u", engine, processor=_unused, model_name="m"
+    )
+    assert endpoint.url == "http://models.example:8000/v1"
+    assert endpoint.close() is None  # nothing captured: the agent calls the server itself
     assert engine.chosen == []
     settings.endpoint = EndpointSection(mode="direct")
-    assert CUAAgentWorkflow(settings).open_model_endpoint(engine, episode) == vllm_server.base_url
+    endpoint = RolloutRuntime(settings).open_endpoint(
+        "u", engine, processor=_unused, model_name="m"
+    )
+    assert endpoint.url == vllm_server.base_url
 
 
-def test_rollouts_after_the_last_step_are_not_recorded_against_a_step():
-    def wf(phase: str, total_steps: int) -> CUAAgentWorkflow:
-        return _bare_workflow(training_ref=RUN, phase=phase, total_steps=total_steps)
+async def test_rollouts_after_the_last_step_are_not_recorded_against_a_step():
+    class Clients:
+        async def monitor_client(self):
+            return "a monitor client"
 
-    two_steps = wf("train", 2)
+    async def recorder(phase: str, total_steps: int, version: int):
+        settings = _bare_workflow(training_ref=RUN, phase=phase, total_steps=total_steps).settings
+        task = EpisodeTask({"task_id": "t"}, "u", version)
+        return await recorder_for(Clients(), settings, task, is_eval=False)
+
     # Versions 0 and 1 are trained by steps 1 and 2; version 2 was prefetched and never trained.
-    assert [two_steps.is_surplus(v) for v in (0, 1, 2, 3)] == [False, False, True, True]
-    assert two_steps.monitor_source(1).step_id == step_client_id(RUN, 2)
-    assert not wf("train", 0).is_surplus(50)  # unknown length: everything is recorded
-    assert not wf("eval", 2).is_surplus(2)  # the eval after the last step has its own record
+    assert [(await recorder("train", 2, v)).enabled for v in (0, 1, 2, 3)] == [
+        True,
+        True,
+        False,
+        False,
+    ]
+    assert (await recorder("train", 2, 1)).source == ("step", step_client_id(RUN, 2))
+    assert (await recorder("train", 0, 50)).enabled  # unknown length: everything is recorded
+    # The eval after the last step has its own record.
+    assert (await recorder("eval", 2, 2)).enabled
 
 
-async def test_workflow_instances_of_a_process_share_their_service_clients():
-    # AReaL builds a workflow per submitted episode: clients per instance leaked a connection
-    # pool and a monitor client per episode.
+async def test_the_workflows_of_an_engine_share_its_runtime_and_clients():
+    # AReaL builds a workflow per submitted group: clients per instance leaked a connection pool
+    # and a monitor client per episode. The engine's runtime holds them, one per engine.
     def settings(monitor_url: str) -> WorkflowSettings:
-        return WorkflowSettings(
+        return bare_settings(
             gym=GymSection(base_url="http://127.0.0.1:3", gym_id="sim"),
             agent=AgentSection(base_url="http://127.0.0.1:4"),
-            endpoint=EndpointSection(),
-            trajectory=TrajectoryConfig(),
-            reward=RewardConfig(),
-            processor_path="unused",
             monitor_base_url=monitor_url,
         )
 
+    engine, other_engine = FakeEngine(["127.0.0.1:1"]), FakeEngine(["127.0.0.1:1"])
     a, b = (
         CUAAgentWorkflow(settings("http://127.0.0.1:1")),
         CUAAgentWorkflow(settings("http://127.0.0.1:1")),
     )
-    other = CUAAgentWorkflow(settings("http://127.0.0.1:2"))
-    assert a.services is b.services and a.services is not other.services
-    http = a.services.clients()[2]
-    assert b.services.clients()[2] is http
-    # The builtin mode's agent loop too: one pool and vocabulary cache per process and loop.
-    loop = a.services.agent_loop(LoopConfig())
-    assert b.services.agent_loop(LoopConfig()) is loop
-    assert a.services.agent_loop(LoopConfig(step_latency_s=1.0)) is not loop
+    other = CUAAgentWorkflow(settings("http://127.0.0.1:1"))
+    assert a.runtime_for(engine) is b.runtime_for(engine)
+    assert other.runtime_for(other_engine) is not a.runtime
+    http = a.runtime.clients.http()
+    assert b.runtime.clients.http() is http
+    assert other.runtime.clients.http() is not http
+    # The builtin mode's agent loop too: one pool and vocabulary cache per runtime and loop.
+    loop = a.runtime.clients.agent_loop(LoopConfig())
+    assert b.runtime.clients.agent_loop(LoopConfig()) is loop
+    assert a.runtime.clients.agent_loop(LoopConfig(step_latency_s=1.0)) is not loop
     loop_http = loop.client
     await a.aclose()
     assert http.is_closed and loop_http.is_closed
-    fresh = b.services.clients()[2]  # closed services make fresh clients when used again
+    fresh = b.runtime.clients.http()  # a closed runtime makes fresh clients when used again
     assert fresh is not http and not fresh.is_closed
     await b.aclose()
+    await other.aclose()
+    # A workflow with other services on the same engine is refused, not given another's.
+    with pytest.raises(ValueError, match="one engine"):
+        CUAAgentWorkflow(settings("http://127.0.0.1:2")).runtime_for(engine)
 
 
 @pytest.mark.parametrize("temperature", [1.0, 0.7])
@@ -504,8 +549,8 @@ async def test_agent_without_token_data_trains_through_the_gateway(
 
 
 def _asking_temperature_zero(build):
-    def build_run_spec(episode):
-        spec = build(episode)
+    def build_run_spec(task, box, model_base_url):
+        spec = build(task, box, model_base_url)
         spec.model_options = {**spec.model_options, "temperature": 0.0}
         return spec
 
@@ -519,9 +564,9 @@ class _KeepsConversions(CUAAgentWorkflow):
         super().__init__(settings)
         self.results = []
 
-    async def build_row(self, episode):
-        result = await super().build_row(episode)
-        self.results.append((episode.capture, result))
+    async def build_rows(self, task, calls, reward):
+        result = await super().build_rows(task, calls, reward)
+        self.results.append((calls.capture, result))
         return result
 
 

@@ -3,6 +3,7 @@ episode), stats under the rollout scope, rewards normalised per episode."""
 
 from __future__ import annotations
 
+import contextvars
 import math
 
 import pytest
@@ -50,10 +51,12 @@ def _group(*episodes: float | tuple[float, int]) -> dict:
 
 @pytest.fixture
 def settings():
+    """A runtime's filter with these settings, in the test's context as an episode's call of
+    ``arun_episode`` puts it (the settings are the filter's own: a test may change them)."""
     s = GroupSettings(size=4)
-    groups.configure(s)
+    token = groups.enter(groups.GroupFilter(s))
     yield s
-    groups._settings = None
+    groups.leave(token)
 
 
 @pytest.fixture
@@ -130,9 +133,9 @@ def test_bad_groups_and_missing_settings_are_errors(settings):
     del no_ids["episode_id"]
     with pytest.raises(ConfigError, match="episode_id"):
         complete_groups(no_ids)
-    groups._settings = None
-    with pytest.raises(ConfigError, match="configure"):
-        complete_groups(_group(1.0, 0.0, 0.0, 1.0))
+    # In a context no episode ran in, the filter refuses rather than guesses settings.
+    with pytest.raises(ConfigError, match="no runtime"):
+        contextvars.Context().run(complete_groups, _group(1.0, 0.0, 0.0, 1.0))
 
 
 def test_bad_norm_levels_are_refused():

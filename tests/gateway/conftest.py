@@ -11,15 +11,16 @@ import pytest
 from PIL import Image as PILImage
 
 from cua_rl.gateway import Gateway, GatewayConfig, Sampling, SessionSpec
-from cua_rl.gateway.pauses import Pauses
+from cua_rl.gateway.weight_pauses import WeightPauses
 from cua_rl.serving import ThreadedServer
 from cua_rl.testing.model_standin import ModelStandIn
+from cua_rl.trajectory import captured
 from cua_rl.trajectory.config import TrajectoryConfig
 
 
 class FakeEngine:
     """Version, pause flag and server choice, settable from the test; its pauses are measured
-    by the gateway's own record (``cua_rl.gateway.pauses``)."""
+    by the gateway's own record (``cua_rl.gateway.weight_pauses``)."""
 
     def __init__(self, address: str, version: int = 0):
         self.address = address
@@ -27,7 +28,7 @@ class FakeEngine:
         self.paused = threading.Event()
         self.chosen = 0
         self.waited = threading.Event()  # a call found the rollout paused
-        self.pauses = Pauses()
+        self.pauses = WeightPauses()
 
     def get_version(self) -> int:
         return self.version
@@ -69,11 +70,11 @@ def row_of(capture, processor, trained_turns: int) -> dict:
     from cua_rl.trajectory import convert_turns
 
     res = convert_turns(
-        capture.row_turns([]),
+        captured.row_turns(capture, []),
         processor=processor,
         reward=1.0,
         version=0,
-        fetched_images=capture.images(),
+        fetched_images=captured.images(capture),
     )
     assert res.row is not None, res.reason
     assert res.stats["trained_turns"] == trained_turns

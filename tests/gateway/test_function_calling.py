@@ -22,6 +22,7 @@ from cua_rl.gateway.render import collapse_pads
 from cua_rl.serving import ThreadedServer
 from cua_rl.testing.cache import ensure_model
 from cua_rl.testing.model_standin import ModelStandIn
+from cua_rl.trajectory import captured
 from cua_rl.trajectory.config import TrajectoryConfig
 from cua_rl.trajectory.images import image_token_ids
 from tests.gateway.conftest import FakeEngine, data_url, png, row_of, user
@@ -175,7 +176,7 @@ async def test_an_sdk_agent_executes_tool_calls_over_several_turns_in_one_exact_
     assert [t.segment for t in capture.turns] == [1, 1, 1]
     assert all(t.extended for t in capture.turns)
     assert [list(t.output_ids) for t in capture.turns] == [list(s) for s in script]
-    notes = [t.notes() for t in capture.turns]
+    notes = [captured.call_notes(t) for t in capture.turns]
     assert notes[0]["tools_schema"] == TOOLS and "tools_schema" not in notes[1]
     assert [n.get("tool_calls") for n in notes] == [["tap"], ["type_text"], None]
     row_of(capture, qwen25_processor, 3)

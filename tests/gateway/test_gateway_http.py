@@ -15,7 +15,7 @@ from PIL import Image as PILImage
 from cua_rl.gateway import Gateway, GatewayConfig, Sampling
 from cua_rl.serving import ThreadedServer
 from cua_rl.testing.forward import load_vl_model, trained_gap
-from cua_rl.trajectory import convert_turns, split_segments
+from cua_rl.trajectory import captured, convert_turns, split_segments
 from cua_rl.trajectory.config import TrajectoryConfig
 from tests.gateway.conftest import FakeEngine, data_url, png, user
 
@@ -316,12 +316,16 @@ async def test_an_agent_that_drops_its_oldest_screenshot_breaks_the_row_once(
     assert all(t.extended for t in capture.turns)  # the server expanded what was sent
     stats = capture.stats()
     assert stats["gateway/new_segments"] == 1 and stats["gateway/segments"] == 2
-    turns = capture.row_turns([])
+    turns = captured.row_turns(capture, [])
     segments, breaks = split_segments(turns)
     assert breaks == 1
     assert [[t.index for t in s.turns] for s in segments] == [[0, 1], [2, 3]]
     res = convert_turns(
-        turns, processor=bpe_processor, reward=1.0, version=0, fetched_images=capture.images()
+        turns,
+        processor=bpe_processor,
+        reward=1.0,
+        version=0,
+        fetched_images=captured.images(capture),
     )
     assert res.row is not None, res.reason
     # Every call trained: a row per segment, in turn order.
@@ -369,11 +373,15 @@ async def test_a_server_without_tokens_in_falls_back_to_text_and_counts_breaks(
     assert (
         stats["gateway/text_in_calls"] == 3 and [t.backend for t in capture.turns] == ["text"] * 3
     )
-    turns = capture.row_turns([])
+    turns = captured.row_turns(capture, [])
     _, breaks = split_segments(turns)
     assert breaks == stats["gateway/not_extended"]
     res = convert_turns(
-        turns, processor=bpe_processor, reward=1.0, version=0, fetched_images=capture.images()
+        turns,
+        processor=bpe_processor,
+        reward=1.0,
+        version=0,
+        fetched_images=captured.images(capture),
     )
     assert res.row is not None, res.reason
     assert res.stats["prefix_breaks"] == breaks and res.stats["trained_turns"] == 3

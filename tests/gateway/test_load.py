@@ -13,6 +13,7 @@ from fastapi import FastAPI, Response
 from cua_rl.gateway import Gateway, GatewayConfig, Sampling, SessionSpec
 from cua_rl.serving import ThreadedServer
 from cua_rl.testing.model_standin import ModelStandIn
+from cua_rl.trajectory import captured
 from cua_rl.trajectory.config import TrajectoryConfig
 from tests.gateway.conftest import FakeEngine, png, user
 
@@ -83,7 +84,7 @@ async def test_re_signed_screenshots_are_fetched_once_each_and_held_once(served,
     assert len(last) == 10
     # One copy of each screenshot's bytes, shared by every turn that shows it.
     assert all(last[n] is capture.turns[n].images[n] for n in range(10))
-    assert len(capture.images()) == 10
+    assert len(captured.images(capture)) == 10
 
 
 async def test_image_fetches_go_through_while_200_generations_are_in_flight(served, image_host):

@@ -2,8 +2,8 @@
 fail with the reason at a bound derived from the run's own pauses.
 
 AReaL 1.0.4 gives the rollout side no signal of a failed or hung weight update (see
-``cua_rl.gateway.pauses``): what a rollout worker sees is its ``RemoteInfEngine`` paused and never
-resumed. So the engine here is AReaL's own, connected to a stand-in model server, paused and
+``cua_rl.gateway.weight_pauses``): what a rollout worker sees is its ``RemoteInfEngine`` paused
+and never resumed. So the engine here is AReaL's own, connected to a stand-in model server, paused and
 resumed through its public ``pause``/``resume`` exactly as ``PPOTrainer`` does around an update.
 Time is the test's: the pause record reads a clock the test advances, so the bound is crossed by
 construction, and a read counter shows the gateway checked the pause before the bound too.
@@ -19,7 +19,7 @@ import pytest
 
 from cua_rl.aio import within
 from cua_rl.gateway import AReaLEngineView, Gateway, GatewayConfig, Sampling, SessionSpec
-from cua_rl.gateway.pauses import PauseBound, Pauses
+from cua_rl.gateway.weight_pauses import PauseBound, WeightPauses
 from cua_rl.serving import ThreadedServer
 from cua_rl.testing.model_standin import ModelStandIn
 from cua_rl.trajectory.config import TrajectoryConfig
@@ -76,7 +76,7 @@ def episode(areal_engine, bpe_processor):
 
     def make(**config):
         clock = ManualClock()
-        pauses = Pauses(clock=clock)
+        pauses = WeightPauses(clock=clock)
         gw = Gateway(GatewayConfig(**config)).start()
         started.append(gw)
         spec = SessionSpec(
@@ -98,7 +98,7 @@ def _post(http: httpx.AsyncClient, url: str, text: str) -> asyncio.Task:
     return asyncio.create_task(http.post(f"{url}/chat/completions", json=body))
 
 
-async def _found_paused(pauses: Pauses, call: asyncio.Task) -> None:
+async def _found_paused(pauses: WeightPauses, call: asyncio.Task) -> None:
     """Until the call has found the rollout paused (the record's pause started)."""
     while pauses.started is None:
         assert not call.done(), call.result().text
@@ -113,7 +113,7 @@ async def _checked_again(clock: ManualClock) -> None:
 
 
 async def _fails_past(
-    call: asyncio.Task, pauses: Pauses, clock: ManualClock, bound_s: float
+    call: asyncio.Task, pauses: WeightPauses, clock: ManualClock, bound_s: float
 ) -> httpx.Response:
     """Once the call found the pause: the pause at its bound (the call still waits), then past
     it by a second; the call's answer."""
@@ -188,7 +188,7 @@ def test_the_bound_is_the_factor_times_the_longest_pause_within_floor_and_ceilin
 
 def test_a_pause_is_measured_from_the_first_call_that_found_it_to_the_first_that_did_not():
     clock = ManualClock()
-    pauses = Pauses(clock=clock)
+    pauses = WeightPauses(clock=clock)
     pauses.running()  # no pause in progress: nothing measured
     assert pauses.longest_s is None
     assert pauses.paused_for() == 0.0

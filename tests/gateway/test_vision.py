@@ -127,8 +127,7 @@ def test_a_processor_without_a_known_rule_is_run():
     assert counts == [_oracle(improc, w, h)[1] for w, h in sizes]
 
 
-def test_the_fallback_is_logged_once_per_reason(monkeypatch):
-    monkeypatch.setattr(vision, "_explained", set())
+def test_the_fallback_is_logged_once_per_reason():
     improc = _released(16, 1_048_576, False)
     improc.do_resize = False
     # The module's own logger (it does not propagate, and AReaL may have replaced the logger
@@ -137,9 +136,10 @@ def test_the_fallback_is_logged_once_per_reason(monkeypatch):
     handler = logging.Handler()
     handler.emit = records.append
     vision.log.addHandler(handler)
+    explained: set[str] = set()  # a gateway's, shared by its sessions
     try:
-        PadCounter(improc, TrajectoryConfig())
-        PadCounter(improc, TrajectoryConfig())
+        PadCounter(improc, TrajectoryConfig(), explained)
+        PadCounter(improc, TrajectoryConfig(), explained)
     finally:
         vision.log.removeHandler(handler)
     lines = [r.getMessage() for r in records if "do_resize off" in r.getMessage()]

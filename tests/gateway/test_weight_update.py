@@ -15,7 +15,7 @@ from cua_rl.inference.vllm_server import OUR_EXTENSION
 from cua_rl.testing.forward import load_vl_model, next_token_logprobs
 from cua_rl.testing.hold import Hold
 from cua_rl.testing.vllm_server import VLLMServer
-from cua_rl.trajectory import convert_turns
+from cua_rl.trajectory import captured, convert_turns
 from cua_rl.trajectory.config import TrajectoryConfig
 from tests.gateway.conftest import FakeEngine, data_url, png, user
 
@@ -119,8 +119,8 @@ async def test_weight_update_mid_call_gives_a_normal_answer_and_both_versions(
     assert turn.versions == [0] * k + [1] * (N_TOKENS - k)
 
     result = convert_turns(
-        capture.row_turns([]), processor=processor, reward=0.0, version=-5,
-        fetched_images=capture.images(),
+        captured.row_turns(capture, []), processor=processor, reward=0.0, version=-5,
+        fetched_images=captured.images(capture),
     )  # fmt: skip
     assert result.ok, (result.reason, result.detail)
     row = result.row

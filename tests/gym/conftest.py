@@ -5,7 +5,7 @@ from __future__ import annotations
 import httpx
 import pytest
 
-from cua_rl.genv import GenvClient, GenvTimeouts
+from cua_rl.clients.genv import GenvClient, GenvTimeouts
 from cua_rl.sim.gym import GymServer, SimGymConfig
 
 FAST = GenvTimeouts(

@@ -13,8 +13,8 @@ import asyncio
 import httpx
 import pytest
 
+from cua_rl.clients.genv import GenvClient
 from cua_rl.errors import ConfigError
-from cua_rl.genv import GenvClient
 from cua_rl.sim.browser import BrowserConfig
 from cua_rl.sim.gym import GymServer, SimGymConfig
 from cua_rl.tasks import TaskSelectionConfig, TaskSourceConfig, build_datasets, load_tasks

@@ -14,8 +14,8 @@ from dataclasses import replace
 import httpx
 import pytest
 
+from cua_rl.clients.genv import GenvClient
 from cua_rl.errors import GymError
-from cua_rl.genv import GenvClient
 from cua_rl.sim.gym import SimGymConfig
 
 from .conftest import FAST, open_executions, set_faults

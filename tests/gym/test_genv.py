@@ -15,8 +15,8 @@ import httpx
 import pytest
 from PIL import Image
 
+from cua_rl.clients.genv import GenvClient, parse_created, parse_evaluation
 from cua_rl.errors import ConfigError, GymError
-from cua_rl.genv import GenvClient, parse_created, parse_evaluation
 from cua_rl.sim.gym import GymServer, SimGymConfig
 from tests.conftest import open_files_under
 

@@ -196,7 +196,7 @@ def test_custom_transform_composes():
 
 
 def test_accepts_the_genv_client_result():
-    from cua_rl.genv import parse_evaluation
+    from cua_rl.clients.genv import parse_evaluation
 
     parsed = parse_evaluation(_answer(score=0.5, success=False))
     out = compute_reward(parsed)

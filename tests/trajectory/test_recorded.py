@@ -14,7 +14,7 @@ import pytest
 import torch
 
 from cua_rl.rollout import groups
-from cua_rl.rollout.groups import GroupSettings, complete_groups
+from cua_rl.rollout.groups import GroupSettings
 from cua_rl.testing.forward import load_vl_model, trained_gap
 from cua_rl.trajectory import TrajectoryConfig, convert_events
 
@@ -220,11 +220,7 @@ async def test_grouped_workflow_and_advantages(recorded_logs, processor):
     assert check_trajectory_format(batch, batch_size=len(episode))
     assert batch["rewards"].tolist() == [rewards[e - 1] for e in episode]
     # The group filter normalises per episode in the rollout worker; AReaL's reward_norm is off.
-    groups.configure(GroupSettings(size=n))
-    try:
-        assert complete_groups(batch)
-    finally:
-        groups._settings = None
+    assert groups.GroupFilter(GroupSettings(size=n)).complete_groups(batch)
 
     cfg = PPOActorConfig(
         kl_ctl=0.0,
@@ -269,11 +265,7 @@ async def test_grouped_workflow_drops_failed_members(recorded_logs, processor):
     batch = await grouped.arun_episode(engine=None, data={})
     # AReaL keeps the incomplete group: the workflow's dynamic_filter_fn must catch this.
     assert set(batch["episode_id"].tolist()) == {1, 3}
-    groups.configure(GroupSettings(size=3))
-    try:
-        assert not complete_groups(batch)
-    finally:
-        groups._settings = None
+    assert not groups.GroupFilter(GroupSettings(size=3)).complete_groups(batch)
 
 
 def test_bpe_prefix_break_follows_policy(bpe_logs, bpe_processor):

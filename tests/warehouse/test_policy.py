@@ -1,5 +1,5 @@
-"""Which accepted episodes the workflow stores (``monitor.store_episodes``), and what it hands
-the monitor client: the converter's rows, their images and the agent's turns."""
+"""Which accepted episodes the warehouse's observer stores (``monitor.store_episodes``), and what
+it hands the monitor client: the converter's rows, their images and the agent's turns."""
 
 from __future__ import annotations
 
@@ -8,7 +8,8 @@ import pytest
 from cua_rl.monitor.worker.context import MonitorContext
 from cua_rl.monitor.worker.recorder import RolloutRecorder
 from cua_rl.reward import RewardOutcome
-from cua_rl.rollout.episode import Episode
+from cua_rl.rollout.episode import CapturedCalls, Ended, EpisodeTask
+from cua_rl.rollout.observers import WarehouseObserver
 from cua_rl.warehouse import rebuild_rows
 from tests.app.test_workflow import RUN, _bare_workflow
 
@@ -33,17 +34,14 @@ class StoringClient:
 
 async def _store(images, processor, *, policy: str, phase: str, success: bool):
     turns, result = converted(images, processor, break_prefix=True)
-    wf = _bare_workflow(training_ref=RUN, phase=phase, store_episodes=policy)
-    episode = Episode(data={"task_id": TASK}, rollout_uuid="u-1", version=3)
-    episode.conversion = result
-    episode.reward = RewardOutcome(float(success), float(success), success, None)
+    settings = _bare_workflow(training_ref=RUN, phase=phase, store_episodes=policy).settings
+    task = EpisodeTask({"task_id": TASK}, "u-1", 3)
+    reward = RewardOutcome(float(success), float(success), success, None)
     client = StoringClient()
     source = MonitorContext(eval_id="e") if phase == "eval" else MonitorContext(step_id="s")
     recorder = RolloutRecorder(client, "u-1", task_id=TASK, model_path="m", source=source)
-    from cua_rl.trajectory.events import ParsedEvents
-
-    episode.parsed = ParsedEvents(turns=turns)
-    await wf.store_episode(episode, recorder)
+    ended = Ended(task, "accepted", calls=CapturedCalls(turns), reward=reward, rows=result)
+    await WarehouseObserver(recorder, settings).on(ended)
     return client.stored, result
 
 

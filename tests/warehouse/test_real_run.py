@@ -21,7 +21,7 @@ from cua_rl.monitor.server.screenshots import default_root
 from cua_rl.monitor.server.store import MonitorStore
 from cua_rl.rollout.workflow import CUAAgentWorkflow
 from cua_rl.serving import ThreadedServer
-from cua_rl.trajectory.row import unstack_rows
+from cua_rl.trajectory.rows import unstack_rows
 from cua_rl.warehouse import episode_from_examples, episode_from_json, rebuild_rows
 from tests.app.test_workflow import RUN, _engine, _settings, training_batch
 from tests.app.test_workflow import agent as agent  # noqa: F401  (fixtures)

@@ -14,7 +14,7 @@ from areal.utils.data import concat_padded_tensors
 
 from cua_rl.errors import ConfigError
 from cua_rl.rollout import groups
-from cua_rl.rollout.groups import GroupSettings, complete_groups, complete_varied_groups
+from cua_rl.rollout.groups import GroupFilter, GroupSettings
 from cua_rl.warehouse import replay
 from cua_rl.warehouse.replay import Recorded, ReplayConfig, choose
 
@@ -101,12 +101,9 @@ def test_a_group_always_keeps_a_fresh_episode():
 
 @pytest.fixture
 def worker():
-    """A fresh pool and group settings in this process, as a train workflow sets them."""
-    replay.reset_pool()
+    """The rollout scope's stats from a clean start; each test builds its runtime's filter (a
+    ``GroupFilter``: the settings and a pool of its own)."""
     stats_tracker.get("rollout").export(reset=True)
-    yield
-    replay.reset_pool()
-    groups._settings = None
 
 
 def _stats() -> dict[str, float]:
@@ -114,8 +111,8 @@ def _stats() -> dict[str, float]:
     return {k.removeprefix("rollout/"): v for k, v in out.items()}
 
 
-def _failed_group(task=TASK, version=5, size=4) -> tuple[dict, list[int]]:
-    pool, ids = replay.pool(), []
+def _failed_group(pool, task=TASK, version=5, size=4) -> tuple[dict, list[int]]:
+    ids = []
     rows = []
     for _ in range(size):
         eid = next(_ids)
@@ -126,11 +123,11 @@ def _failed_group(task=TASK, version=5, size=4) -> tuple[dict, list[int]]:
 
 
 def test_the_filter_turns_an_all_fail_group_into_one_with_variance(worker):
-    groups.configure(GroupSettings(size=4, replay=_on(), training=RUN))
+    gf = GroupFilter(GroupSettings(size=4, replay=_on(), training=RUN))
     success = _recorded(version=3)
-    replay.pool().add(success)
-    traj, ids = _failed_group()
-    assert complete_varied_groups(traj)  # rescued, so not dropped for zero variance
+    gf.pool.add(success)
+    traj, ids = _failed_group(gf.pool)
+    assert gf.complete_varied_groups(traj)  # rescued, so not dropped for zero variance
     episodes, _, rows = groups.episode_rewards(traj)
     assert episodes == [*ids[:3], success.episode_id]
     advantages = traj["rewards"].tolist()
@@ -156,46 +153,46 @@ def test_the_filter_turns_an_all_fail_group_into_one_with_variance(worker):
 
 
 def test_the_filter_replays_nothing_from_another_task_or_past_the_max_age(worker):
-    groups.configure(GroupSettings(size=4, replay=_on(max_age_versions=1), training=RUN))
-    replay.pool().add(_recorded(task=OTHER, version=5))
-    replay.pool().add(_recorded(task=TASK, version=3))  # two versions old
-    traj, ids = _failed_group()
-    assert not complete_varied_groups(traj)
+    gf = GroupFilter(GroupSettings(size=4, replay=_on(max_age_versions=1), training=RUN))
+    gf.pool.add(_recorded(task=OTHER, version=5))
+    gf.pool.add(_recorded(task=TASK, version=3))  # two versions old
+    traj, ids = _failed_group(gf.pool)
+    assert not gf.complete_varied_groups(traj)
     assert groups.episode_rewards(traj)[0] == ids
     stats = _stats()
     assert stats["cua/replay/all_fail"] == 1.0 and stats["cua/replay/rescued"] == 0.0
 
 
 def test_a_group_that_succeeded_entirely_is_not_counted_as_all_fail(worker):
-    groups.configure(GroupSettings(size=2, replay=_on(), training=RUN))
-    replay.pool().add(_recorded(reward=2.0))  # even a better-paid success is not put in
+    gf = GroupFilter(GroupSettings(size=2, replay=_on(), training=RUN))
+    gf.pool.add(_recorded(reward=2.0))  # even a better-paid success is not put in
     ids = [next(_ids), next(_ids)]
     for eid in ids:
-        replay.pool().note(eid, TASK, 5, success=True)
+        gf.pool.note(eid, TASK, 5, success=True)
     traj = concat_padded_tensors([_row(1.0, eid) for eid in ids])
-    assert complete_groups(traj)
+    assert gf.complete_groups(traj)
     assert groups.episode_rewards(traj)[0] == ids
     stats = _stats()
     assert stats["cua/replay/all_fail"] == 0.0 and "cua/replay/rescued" not in stats
 
 
 def test_a_group_of_episodes_this_worker_did_not_run_is_counted_not_guessed(worker):
-    groups.configure(GroupSettings(size=2, replay=_on(), training=RUN))
-    replay.pool().add(_recorded())
+    gf = GroupFilter(GroupSettings(size=2, replay=_on(), training=RUN))
+    gf.pool.add(_recorded())
     traj = concat_padded_tensors([_row(0.0, next(_ids)), _row(0.0, next(_ids))])
-    assert complete_groups(traj)
+    assert gf.complete_groups(traj)
     stats = _stats()
     assert stats["cua/replay/unknown_task"] == 1.0 and "cua/replay/rescued" not in stats
 
 
 def test_the_shuffled_control_moves_the_replayed_credit(worker):
     # Over many groups the control's permutation credits a fresh (failed) episode 3 times in 4.
-    groups.configure(GroupSettings(size=4, replay=_on(shuffle_rewards=True, seed=1), training=RUN))
-    replay.pool().add(_recorded())
+    gf = GroupFilter(GroupSettings(size=4, replay=_on(shuffle_rewards=True, seed=1), training=RUN))
+    gf.pool.add(_recorded())
     credited_replay = 0
     for _ in range(40):
-        traj, _ = _failed_group()
-        assert complete_groups(traj)
+        traj, _ = _failed_group(gf.pool)
+        assert gf.complete_groups(traj)
         advantages = traj["rewards"].tolist()
         assert sum(a > 0 for a in advantages) == 1
         credited_replay += advantages[-1] > 0

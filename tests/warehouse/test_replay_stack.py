@@ -21,22 +21,22 @@ import torch
 from areal.infra import workflow_context
 from areal.utils import stats_tracker
 
+from cua_rl.agent.service_driver import DriverConfig
+from cua_rl.clients.genv import GenvClient
 from cua_rl.gateway import Sampling
-from cua_rl.genv import GenvClient
-from cua_rl.mini_agent import DriverConfig
 from cua_rl.monitor.protocol import step_client_id
 from cua_rl.monitor.server.app import create_app
 from cua_rl.monitor.server.store import MonitorStore
 from cua_rl.reward import RewardConfig
 from cua_rl.rollout import groups
 from cua_rl.rollout.groups import GroupSettings
+from cua_rl.rollout.runtime import RolloutRuntime
 from cua_rl.rollout.settings import AgentSection, EndpointSection, GymSection, WorkflowSettings
 from cua_rl.rollout.workflow import CUAAgentWorkflow
 from cua_rl.serving import ThreadedServer
 from cua_rl.tasks import load_tasks_gym, task_row
 from cua_rl.trajectory.config import TrajectoryConfig
-from cua_rl.trajectory.row import stack_rows
-from cua_rl.warehouse import replay
+from cua_rl.trajectory.rows import stack_rows
 from cua_rl.warehouse.replay import ReplayConfig
 from tests.app.test_workflow import FAST_GYM, FakeEngine, agent, gym  # noqa: F401
 
@@ -75,15 +75,21 @@ def tasks(gym):  # noqa: F811
 
 @pytest.fixture
 def worker():
-    replay.reset_pool()
     workflow_context.set(workflow_context.WorkflowContext(is_eval=False))
     stats_tracker.get("rollout").export(reset=True)
-    yield
-    replay.reset_pool()
-    groups._settings = None
 
 
-def _workflow(gym, agent, vllm_server, model_dir, grid: int, **replay_changes):  # noqa: F811
+def _workflow(
+    gym,  # noqa: F811
+    agent,  # noqa: F811
+    vllm_server,
+    model_dir,
+    grid: int,
+    runtime: RolloutRuntime | None = None,
+    **replay_changes,
+):
+    """A train workflow whose lenient taps land on ``grid``'s cells; in ``runtime`` (a worker's,
+    shared with another workflow), else in its engine's."""
     return CUAAgentWorkflow(
         WorkflowSettings(
             gym=GymSection(base_url=gym.url, gym_id=gym.gym_id, timeouts=FAST_GYM),
@@ -104,7 +110,8 @@ def _workflow(gym, agent, vllm_server, model_dir, grid: int, **replay_changes): 
             group=GroupSettings(
                 size=3, replay=ReplayConfig(enabled=True, **replay_changes), training=RUN
             ),
-        )
+        ),
+        runtime=runtime,
     )
 
 
@@ -146,26 +153,28 @@ async def test_a_recorded_success_rescues_a_failed_group_with_its_exact_rows(
 ):
     addr = vllm_server.base_url.removesuffix("/v1").removeprefix("http://")
     failing = _workflow(gym, agent, vllm_server, tiny_vl_model_dir, grid=1)
+    # One rollout worker: the workflow that solves the task and the one whose group fails all
+    # run in its runtime (its replay pool, its group filter).
+    failing.runtime_for(FakeEngine([addr]))
     try:
         # A probe: the greedy reply to this task's prompt, and the grid that makes it a success.
         (probe,) = await _episodes(failing, FakeEngine([addr], version=3), tasks[ON], 1)
         assert float(probe["rewards"][0]) == 0.0
         grid = _grid_on_switch(_reply_char(probe, failing.processor))
-        solving = _workflow(gym, agent, vllm_server, tiny_vl_model_dir, grid=grid)
-        try:
-            (success,) = await _episodes(solving, FakeEngine([addr], version=3), tasks[ON], 1)
-        finally:
-            await solving.aclose()
+        solving = _workflow(
+            gym, agent, vllm_server, tiny_vl_model_dir, grid=grid, runtime=failing.runtime
+        )
+        (success,) = await _episodes(solving, FakeEngine([addr], version=3), tasks[ON], 1)
         assert float(success["rewards"][0]) == 1.0, f"grid {grid} did not solve {ON}"
         recorded = {k: v.clone() for k, v in success.items() if isinstance(v, torch.Tensor)}
         recorded_mm = success["multi_modal_input"][0]
 
-        # Two versions later, a group of the same task fails entirely.
-        groups.configure(dataclasses.replace(failing.settings.group))
+        # Two versions later, a group of the same task fails entirely; the worker's filter
+        # rescues it.
         engine = FakeEngine([addr], version=5)
         group = stack_rows(await _episodes(failing, engine, tasks[ON], 3))
         assert group["rewards"].tolist() == [0.0, 0.0, 0.0]
-        assert groups.complete_varied_groups(group)
+        assert failing.runtime.groups.complete_varied_groups(group)
         episodes, _, rows = groups.episode_rewards(group)
         assert episodes[-1] == int(recorded["episode_id"][0])
         advantages = group["rewards"].tolist()
@@ -177,7 +186,7 @@ async def test_a_recorded_success_rescues_a_failed_group_with_its_exact_rows(
 
         # The other task's group, failing as entirely, gets nothing: the success is not its own.
         other = stack_rows(await _episodes(failing, engine, tasks[OFF], 3))
-        assert not groups.complete_varied_groups(other)
+        assert not failing.runtime.groups.complete_varied_groups(other)
         assert groups.episode_rewards(other)[1] == [0.0, 0.0, 0.0]
     finally:
         await failing.aclose()
@@ -237,14 +246,14 @@ async def test_a_success_another_training_stored_in_the_monitor_rescues_a_group(
         await run_a.aclose()  # flushes the monitor client
     assert float(success["rewards"][0]) == 1.0
 
-    # Training B, in a fresh worker (nothing in its pool), fails a whole group of the same task.
-    replay.reset_pool()
+    # Training B, in a worker of its own (nothing in its pool), fails a whole group of the same
+    # task.
     run_b = recorded_by(RUN_B, 1, trainings=[RUN_A])
     try:
         group = stack_rows(await _episodes(run_b, FakeEngine([addr], version=5), tasks[ON], 3))
         # AReaL calls the filter in the rollout worker's event loop, before the worker closes.
-        groups.configure(run_b.settings.group)
-        assert groups.complete_varied_groups(group)
+        assert run_b.runtime.groups.complete_varied_groups(group)
+        assert run_b.runtime.replay is not run_a.runtime.replay
     finally:
         await run_b.aclose()  # flushes what the filter sent the monitor
     episodes, _, rows = groups.episode_rewards(group)

@@ -274,7 +274,7 @@ class MonitorReader:
         )
 
     def pause_table(self, training_id: int) -> list[Row]:
-        """The training's service pauses, newest first (cua_rl/rollout/pause.py)."""
+        """The training's service pauses, newest first (cua_rl/rollout/service_pauses.py)."""
         return self._rows(
             "SELECT service, reason, error_message, phase, worker, start_time, end_time, "
             "duration_s, probes FROM service_pause WHERE training_id = ? "

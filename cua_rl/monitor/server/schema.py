@@ -479,8 +479,9 @@ def _migration_3() -> str:
     )
 
 
-# Migration 4: one row per service pause of a training (cua_rl/rollout/pause.py): which service
-# failed, why, when new episodes stopped and when they started again, how many probes failed.
+# Migration 4: one row per service pause of a training (cua_rl/rollout/service_pauses.py): which
+# service failed, why, when new episodes stopped and when they started again, how many probes
+# failed.
 _PAUSE_SQL = """
 CREATE TABLE service_pause (
     id INTEGER PRIMARY KEY AUTOINCREMENT,

@@ -10,7 +10,7 @@ import httpx
 from fastapi import FastAPI, HTTPException, Request
 from fastapi.responses import JSONResponse
 
-from cua_rl.agent_loop.run import BadRunRequest, Run, parse_time
+from cua_rl.agent.run import BadRunRequest, Run, parse_time
 from cua_rl.serving import ThreadedServer
 from cua_rl.sim.agent.service import AgentServerConfig, AgentService
 

@@ -1,5 +1,5 @@
 """The local agent service's runs: each ``POST /runs`` is a task running the shared agent loop
-(``cua_rl.agent_loop``), kept for the GET routes until ``max_runs_kept`` newer ones end.
+(``cua_rl.agent``), kept for the GET routes until ``max_runs_kept`` newer ones end.
 
 A run's record moves to disk as soon as it ends (``Run.spill``, into unnamed files freed when
 the service stops or dies): the driver reads it once more after the end, nothing reads it often, and
@@ -17,12 +17,12 @@ from dataclasses import dataclass
 
 import httpx
 
-from cua_rl.agent_loop.loop import AgentLoop, LoopConfig
-from cua_rl.agent_loop.run import Run, validate_run_body
+from cua_rl.agent.context import DEFAULT_HISTORY_N, POLICIES
+from cua_rl.agent.loop import AgentLoop, LoopConfig
+from cua_rl.agent.run import Run, validate_run_body
 from cua_rl.core.fields import doc
 from cua_rl.core.spill import Spill
 from cua_rl.errors import ConfigError
-from cua_rl.sim.context import DEFAULT_HISTORY_N, POLICIES
 
 log = logging.getLogger(__name__)
 

@@ -20,8 +20,8 @@ from __future__ import annotations
 
 import json
 
-from cua_rl.sim.actions import LENIENT_GRID, Action, ActionParseError
-from cua_rl.sim.flavours.toolcall import (
+from cua_rl.agent.actions import LENIENT_GRID, Action, ActionParseError
+from cua_rl.agent.flavours.toolcall import (
     call_of,
     canonical_call,
     first_tool_call,

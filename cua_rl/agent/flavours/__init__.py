@@ -1,16 +1,16 @@
 """Agent flavours: how the local agent prompts the model and reads an action from its reply.
 
-- ``sim``: the local action language (``tap(X, Y)``, ...; ``cua_rl.sim.actions``), which the
+- ``sim``: the local action language (``tap(X, Y)``, ...; ``cua_rl.agent.actions``), which the
   tiny random models' tests constrain decoding to.
 - ``mai-ui``: MAI-UI's ``<thinking>`` + ``mobile_use`` tool call, with answering, asking the user
-  and MCP tool calls (``cua_rl.sim.flavours.mai_ui``).
+  and MCP tool calls (``cua_rl.agent.flavours.mai_ui``).
 - ``qwen3-vl``: Qwen3-VL's ``mobile_use`` / ``computer_use`` function calls declared in a
-  ``<tools>`` block (``cua_rl.sim.flavours.qwen3_vl``).
+  ``<tools>`` block (``cua_rl.agent.flavours.qwen3_vl``).
 
 Every flavour turns a reply into the same ``Action`` the agent executes on the gym, so a real
 checkpoint's replies run against the sim unchanged, and renders a parsed action back into its
 canonical text (``render``: an assistant message; ``describe``: one line of a list of earlier
-actions), which the context policies (``cua_rl.sim.context``) put in the history. The prompt
+actions), which the context policies (``cua_rl.agent.context``) put in the history. The prompt
 and the function names follow the device (``standardActionSpace``: ``mobile`` or ``pc``).
 docs/agent.md documents each format.
 """
@@ -21,7 +21,7 @@ from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Protocol
 
-from cua_rl.sim.actions import Action
+from cua_rl.agent.actions import Action
 
 
 class ReadReply(Protocol):
@@ -46,14 +46,14 @@ DEVICES = ("mobile", "pc")
 
 
 def _sim_text(action: Action, width: int, height: int, device: str = "mobile") -> str:
-    from cua_rl.sim.actions import format_action
+    from cua_rl.agent.actions import format_action
 
     return format_action(action)
 
 
 def get_flavour(name: str) -> Flavour:
-    from cua_rl.sim import actions
-    from cua_rl.sim.flavours import mai_ui, qwen3_vl
+    from cua_rl.agent import actions
+    from cua_rl.agent.flavours import mai_ui, qwen3_vl
 
     if name == "sim":
         return Flavour(

@@ -2,7 +2,7 @@
 
 The run is the one the workflow would ask an agent service for (``RunSpec``, checked as a
 ``POST /runs`` body is), run by the same loop the local agent service runs
-(``cua_rl.agent_loop.loop``) inside the episode's task, and answered in the driver's shape
+(``cua_rl.agent.loop``) inside the episode's task, and answered in the driver's shape
 (``RunResult``: summary and event log), so everything after it (evaluation, rows, monitor
 records, rejection reasons) is the service mode's. The model endpoint is the episode's URL on
 the rollout gateway, called over loopback: the capture path of every model call is the
@@ -17,10 +17,10 @@ import asyncio
 import itertools
 import time
 
-from cua_rl.agent_loop.loop import AgentLoop
-from cua_rl.agent_loop.run import BadRunRequest, Run, validate_run_body
+from cua_rl.agent.loop import AgentLoop
+from cua_rl.agent.run import BadRunRequest, Run, validate_run_body
+from cua_rl.agent.spec import RunResult, RunSpec, RunSummary
 from cua_rl.errors import ConfigError
-from cua_rl.mini_agent import RunResult, RunSpec, RunSummary
 
 _IDS = itertools.count(1)
 

@@ -36,14 +36,14 @@ from urllib.parse import quote, urlsplit
 import httpx
 
 from cua_rl.aio import within
-from cua_rl.core.fields import doc
-from cua_rl.errors import ConfigError, GymError
-from cua_rl.genv_answers import (
+from cua_rl.clients.genv_answers import (
     CreatedExecution,
     EvaluationResult,
     parse_created,
     parse_evaluation,
 )
+from cua_rl.core.fields import doc
+from cua_rl.errors import ConfigError, GymError
 from cua_rl.logs import get_logger
 
 log = get_logger(__name__)

@@ -73,7 +73,7 @@ class Action:
     params: dict = field(default_factory=dict)
     text: str = ""  # the matched call, verbatim
     # The flavour's own call with canonical arguments (tool-call flavours): what a context
-    # policy re-renders into the history instead of the sampled text (cua_rl.sim.context).
+    # policy re-renders into the history instead of the sampled text (cua_rl.agent.context).
     call: dict | None = None
     thought: str = ""  # the reasoning the reply gave before its call, stripped
 

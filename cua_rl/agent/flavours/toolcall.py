@@ -11,7 +11,7 @@ import json
 import math
 import re
 
-from cua_rl.sim.actions import LENIENT_GRID, Action, ActionParseError, grid_cell_centre
+from cua_rl.agent.actions import LENIENT_GRID, Action, ActionParseError, grid_cell_centre
 
 GRID = 999
 _BLOCK = re.compile(r"<tool_call>\s*(.*?)\s*(?:</tool_call>|$)", re.S)

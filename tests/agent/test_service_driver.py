@@ -12,15 +12,10 @@ import json
 import httpx
 import pytest
 
+from cua_rl.agent.event_log import EventLog, event_key
+from cua_rl.agent.service_driver import DriverConfig, RunDriver, drive_run
+from cua_rl.clients.gbox_mini_agent import MiniAgentClient
 from cua_rl.errors import AgentError, ConfigError
-from cua_rl.mini_agent import (
-    DriverConfig,
-    EventLog,
-    MiniAgentClient,
-    RunDriver,
-    drive_run,
-    event_key,
-)
 from tests.agent.conftest import FaultyTransport, _spec
 
 

@@ -2,9 +2,9 @@
 
 One implementation, run by the local agent service (``cua_rl.sim.agent``: a run per ``POST
 /runs``, followed over HTTP) and by the rollout workflow itself (``agent.mode: builtin``,
-``cua_rl.agent_loop.builtin``: no agent process). A step takes the screenshot from the gym's box
+``cua_rl.agent.builtin``: no agent process). A step takes the screenshot from the gym's box
 API (``POST .../executions/{id}/screenshot``), builds the request with the run's flavour and
-context policy (``cua_rl.sim.flavours``, ``cua_rl.sim.context``), sends it to the run's OpenAI
+context policy (``cua_rl.agent.flavours``, ``cua_rl.agent.context``), sends it to the run's OpenAI
 endpoint (the episode's URL on the rollout gateway, which captures the exact tokens), parses one
 action and executes it on the gym (``.../actions``). The run's events are gbox-mini-agent's, so
 whoever reads them (the workflow's row builder, the monitor) cannot tell the two apart.
@@ -19,24 +19,24 @@ from typing import Any
 
 import httpx
 
-from cua_rl.agent_loop.run import EndRun, Run, iso
-from cua_rl.core.fields import doc
-from cua_rl.errors import ConfigError
-from cua_rl.sim.actions import (
+from cua_rl.agent.actions import (
     LENIENT_GRID,
     ActionParseError,
     action_regex,
     to_event_args,
     to_gym_action,
 )
-from cua_rl.sim.context import (
+from cua_rl.agent.context import (
     DEFAULT_HISTORY_N,
     ContextPolicy,
     Screen,
     StepRecord,
     build_messages,
 )
-from cua_rl.sim.flavours import Flavour, get_flavour
+from cua_rl.agent.flavours import Flavour, get_flavour
+from cua_rl.agent.run import EndRun, Run, iso
+from cua_rl.core.fields import doc
+from cua_rl.errors import ConfigError
 
 IMAGE_CALL_ID = "__step_message_image__"
 END_TOKENS = ("<|im_end|>", "<|endoftext|>")

@@ -1,10 +1,11 @@
-"""The model-server outages a process's gateways are holding calls through, as the rollout sees them.
+"""The model-server outages a gateway is holding calls through, as the rollout sees them.
 
 A call whose server refuses, drops or answers 5xx is held and re-sent (``engine``); while it is,
 its server is out. ``Outages`` counts, per server, the calls held right now, from the first failed
 send of a call until that call is answered, fails past ``gateway.model_outage_s`` or is
-cancelled. The rollout side reads it before each new episode (``cua_rl.rollout.pause``): a server
-holding calls pauses new episodes instead of letting each one start and wait in its own call.
+cancelled. The rollout side reads it before each new episode (``cua_rl.rollout.service_pauses``):
+a server holding calls pauses new episodes instead of letting each one start and wait in its own
+call.
 Thread-safe: the gateway's loop writes, the rollout worker's loop reads. It logs one line when a
 server goes out and one when it answers again, not one per call (hundreds of episodes share a
 server).
@@ -32,6 +33,9 @@ class Held:
 
 
 class Outages:
+    """The held calls per server of one gateway (``Gateway.outages``; the rollout runtime hands
+    its own to its gateway and reads it before each new episode)."""
+
     def __init__(self) -> None:
         self._lock = threading.Lock()
         self._held: dict[str, list] = {}  # server -> [calls, since, last error]
@@ -84,7 +88,3 @@ class Outages:
                 for s, (calls, since, error) in self._held.items()
                 if server is None or s == server
             ]
-
-
-# One per process: every gateway of a rollout worker sends to the same servers.
-OUTAGES = Outages()

@@ -20,8 +20,8 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from cua_rl.sim.actions import Action
-from cua_rl.sim.flavours import Flavour
+from cua_rl.agent.actions import Action
+from cua_rl.agent.flavours import Flavour
 
 POLICIES = ("full", "mai-ui", "current")
 DEFAULT_HISTORY_N = 3

@@ -11,7 +11,7 @@ read here: ``left_click``, ``double_click``, ``right_click``, ``type``, ``key`` 
 ``scroll`` (``pixels``, negative is down), ``wait``, ``answer``, ``terminate``.
 Source: the Qwen3-VL model card and cookbooks (mobile agent, computer use).
 
-The sim executes them as the MAI-UI flavour does (``cua_rl.sim.flavours.mai_ui``): clicks and
+The sim executes them as the MAI-UI flavour does (``cua_rl.agent.flavours.mai_ui``): clicks and
 long presses tap, keys other than back/home go to the gym's key action.
 """
 
@@ -19,9 +19,9 @@ from __future__ import annotations
 
 import json
 
-from cua_rl.sim.actions import LENIENT_GRID, Action, ActionParseError
-from cua_rl.sim.flavours.mai_ui import parse_mobile_use
-from cua_rl.sim.flavours.toolcall import (
+from cua_rl.agent.actions import LENIENT_GRID, Action, ActionParseError
+from cua_rl.agent.flavours.mai_ui import parse_mobile_use
+from cua_rl.agent.flavours.toolcall import (
     TOOLS_POSTAMBLE,
     TOOLS_PREAMBLE,
     call_of,

@@ -15,10 +15,8 @@ from __future__ import annotations
 
 import threading
 import time
-import weakref
 from collections.abc import Callable
 from dataclasses import dataclass
-from typing import Any
 
 
 @dataclass(frozen=True)
@@ -44,9 +42,10 @@ class PauseBound:
         )
 
 
-class Pauses:
+class WeightPauses:
     """The pauses of one rollout engine, as the gateway's waiting calls see them (thread-safe:
-    calls of several gateways' loops may share one engine)."""
+    the gateway's loop and the rollout worker's read and write it). One per engine: the rollout
+    runtime bound to it owns it (``cua_rl.rollout.runtime``)."""
 
     def __init__(self, clock: Callable[[], float] = time.monotonic):
         self.clock = clock
@@ -72,17 +71,3 @@ class Pauses:
             length, self.started = now - self.started, None
             self.longest_s = length if self.longest_s is None else max(self.longest_s, length)
             self.ended += 1
-
-
-# One Pauses per AReaL engine (every episode of a worker shares it; weak, so an engine a test
-# drops takes its record with it).
-_BY_ENGINE: weakref.WeakKeyDictionary[Any, Pauses] = weakref.WeakKeyDictionary()
-_BY_ENGINE_LOCK = threading.Lock()
-
-
-def pauses_of(engine: Any) -> Pauses:
-    with _BY_ENGINE_LOCK:
-        found = _BY_ENGINE.get(engine)
-        if found is None:
-            found = _BY_ENGINE[engine] = Pauses()
-        return found

@@ -14,10 +14,10 @@ import time
 from datetime import UTC, datetime
 from typing import Any
 
+from cua_rl.agent.actions import ACTION_NAMES
+from cua_rl.agent.context import POLICIES
+from cua_rl.agent.flavours import FLAVOUR_NAMES
 from cua_rl.core.spill import Spill, Spilled
-from cua_rl.sim.actions import ACTION_NAMES
-from cua_rl.sim.context import POLICIES
-from cua_rl.sim.flavours import FLAVOUR_NAMES
 
 
 class BadRunRequest(ValueError):

@@ -4,9 +4,9 @@ When an episode is rejected because the gym failed its create (5xx, refused, no 
 service failed to start its run, or the model server stayed out past ``gateway.model_outage_s``,
 every episode started next would burn a box and a task on the same failure. A model server that
 is out pauses new episodes before any is rejected: while the gateway holds calls for it
-(``cua_rl.gateway.outages``), a new episode would only wait in its own call, so
-``pause_for_held_calls`` opens the pause at the next episode's start. ``Pauses`` (one per
-rollout worker event loop) then holds each new episode at its start (``admit``, before it reads
+(``cua_rl.gateway.model_outages``), a new episode would only wait in its own call, so
+``pause_for_held_calls`` opens the pause at the next episode's start. ``ServicePauses`` (the
+rollout runtime keeps one per event loop) then holds each new episode at its start (``admit``, before it reads
 the policy version, opens a gateway session or creates a box) and probes the failing service with
 a growing, bounded backoff (``pause.probe_initial_s`` doubling up to ``pause.probe_max_s``); the
 first probe that succeeds lets them all go. Episodes already in flight go on and are counted by
@@ -27,7 +27,6 @@ import asyncio
 import os
 import socket
 import time
-import weakref
 from collections.abc import Awaitable, Callable
 from dataclasses import dataclass
 
@@ -38,7 +37,7 @@ from cua_rl.core.fields import doc
 from cua_rl.core.reasons import Reason, agent_reason, gateway_reason
 from cua_rl.errors import ConfigError, CuaRlError, GymError, ModelServerError, RejectedEpisode
 from cua_rl.gateway.engine import server_url
-from cua_rl.gateway.outages import OUTAGES, Held
+from cua_rl.gateway.model_outages import Held, Outages
 from cua_rl.logs import get_logger
 from cua_rl.monitor.protocol import pause_client_id
 from cua_rl.monitor.worker.batches import ref
@@ -174,8 +173,8 @@ class PauseRecords:
         client.enqueue("pauses", record)
 
 
-class Pauses:
-    """The open pauses of one event loop; see the module docstring."""
+class ServicePauses:
+    """The open pauses of one event loop of a rollout runtime; see the module docstring."""
 
     def __init__(self, config: PauseConfig, records: PauseRecords):
         self.config = config
@@ -228,14 +227,24 @@ class Pauses:
         self.records.closed(pause)
 
     async def aclose(self) -> None:
-        """Stop probing (the run ends; waiting episodes are the drain's to cancel) and forget
-        the loop's pauses: a later workflow on this loop starts with none."""
+        """Stop probing (the run ends; waiting episodes are the drain's to cancel)."""
         for task in list(self._probers):
             task.cancel()
         await asyncio.gather(*self._probers, return_exceptions=True)
-        loop = asyncio.get_running_loop()
-        if _PER_LOOP.get(loop) is self:
-            del _PER_LOOP[loop]
+
+    def pause_for_held_calls(self, outages: Outages, http, *, phase: str) -> None:
+        """Before a new episode starts: when the gateway is holding calls because a model
+        server is out (``outages``), pause new episodes (probed until the gateway's calls are
+        answered and the server's ``/health`` answers) instead of starting one more that would
+        wait in its own call."""
+        for held in outages.held():
+            if MODEL_SERVER in self.open:
+                return
+            probe = probe_for(
+                MODEL_SERVER, self.config, genv=None, agent=None, http=http, task_id="",
+                model_server=held.server, outages=outages,
+            )  # fmt: skip
+            self.report(Outage(MODEL_SERVER, MODEL_OUTAGE, held_error(held)), probe, phase=phase)
 
 
 async def gym_probe(genv, task_id: str) -> None:
@@ -251,11 +260,11 @@ def held_error(held: Held) -> str:
     )
 
 
-async def model_server_probe(http: httpx.AsyncClient, server: str) -> None:
-    """Down while the gateway still holds calls for ``server`` (it re-sends them itself: the
-    first answered ends the outage); else vLLM and SGLang both answer ``GET /health`` with 200
-    once they serve."""
-    for held in OUTAGES.held(server):
+async def model_server_probe(http: httpx.AsyncClient, server: str, outages: Outages) -> None:
+    """Down while the gateway still holds calls for ``server`` (``outages``; it re-sends them
+    itself: the first answered ends the outage); else vLLM and SGLang both answer
+    ``GET /health`` with 200 once they serve."""
+    for held in outages.held(server):
         raise ModelServerError(held_error(held))
     resp = await http.get(f"{server_url(server)}/health")
     if resp.status_code != 200:
@@ -265,46 +274,19 @@ async def model_server_probe(http: httpx.AsyncClient, server: str) -> None:
 
 
 def probe_for(
-    service: str, config: PauseConfig, *, genv, agent, http, task_id: str, model_server: str
+    service: str,
+    config: PauseConfig,
+    *,
+    genv,
+    agent,
+    http,
+    task_id: str,
+    model_server: str,
+    outages: Outages,
 ) -> Probe:
     """The probe of ``service``: what an episode would ask of it first, bounded."""
     if service == GYM:
         return lambda: gym_probe(genv, task_id)  # the gym client's own timeouts bound it
     if service == AGENT:
         return lambda: within(config.probe_timeout_s, agent.probe())
-    return lambda: within(config.probe_timeout_s, model_server_probe(http, model_server))
-
-
-def pause_for_held_calls(pauses: Pauses, config: PauseConfig, http, *, phase: str) -> None:
-    """Before a new episode starts: when the gateway is holding calls because a model server is
-    out, pause new episodes (probed until the gateway's calls are answered and the server's
-    ``/health`` answers) instead of starting one more that would wait in its own call."""
-    for held in OUTAGES.held():
-        if MODEL_SERVER in pauses.open:
-            return
-        probe = probe_for(
-            MODEL_SERVER, config, genv=None, agent=None, http=http, task_id="",
-            model_server=held.server,
-        )  # fmt: skip
-        pauses.report(Outage(MODEL_SERVER, MODEL_OUTAGE, held_error(held)), probe, phase=phase)
-
-
-_PER_LOOP: weakref.WeakKeyDictionary[asyncio.AbstractEventLoop, Pauses] = (
-    weakref.WeakKeyDictionary()
-)
-
-
-async def close_loop_pauses() -> None:
-    """Stop the running loop's probes, if it has any (the run's drain, before the loop stops)."""
-    pauses = _PER_LOOP.get(asyncio.get_running_loop())
-    if pauses is not None:
-        await pauses.aclose()
-
-
-def loop_pauses(config: PauseConfig, records: Callable[[], PauseRecords]) -> Pauses:
-    """The running loop's ``Pauses`` (made on first use): every workflow of a worker, train and
-    eval alike, waits on the same services."""
-    loop = asyncio.get_running_loop()
-    if loop not in _PER_LOOP:
-        _PER_LOOP[loop] = Pauses(config, records())
-    return _PER_LOOP[loop]
+    return lambda: within(config.probe_timeout_s, model_server_probe(http, model_server, outages))
