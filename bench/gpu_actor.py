@@ -42,6 +42,7 @@ import importlib.machinery
 import json
 import os
 import sys
+import tempfile
 import time
 import types
 from pathlib import Path
@@ -122,8 +123,7 @@ def model_dir(small: bool) -> str:
     from cua_rl.testing.cache import ensure_model
 
     src = Path(os.environ.get("BENCH_MODEL_FILES") or ensure_model("qwen2-vl-wide"))
-    dst = Path("/tmp/cua-gpu-actor-model")
-    dst.mkdir(parents=True, exist_ok=True)
+    dst = Path(tempfile.mkdtemp(prefix="cua-gpu-actor-model-"))
     for f in src.iterdir():
         if f.is_file() and not f.name.endswith((".safetensors", ".bin")):
             (dst / f.name).write_bytes(f.read_bytes())

@@ -4,9 +4,11 @@
 # on an H200 (docs/gpu.md). Output: the terminal, and $OUT (gpu_actor.txt, gpu_actor.json, log.txt).
 #   bash bench/gpu_device.sh [bench/gpu_actor.py arguments]   (default: --smoke --turns 30 --budget-s 415)
 set -uo pipefail
+# Inside the repository's git-ignored .cache/, as on this machine.
+SITE=$PWD/.cache/gpu-site
 python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade \
-  --target /tmp/site .whl/*.whl || exit 1
-export PYTHONPATH=/tmp/site:$PWD PYTHONUNBUFFERED=1 CUA_RL_CACHE=/tmp/cua-cache
+  --target "$SITE" .whl/*.whl || exit 1
+export PYTHONPATH=$SITE:$PWD PYTHONUNBUFFERED=1 CUA_RL_CACHE=$PWD/.cache
 OUT=${OUT:-runs/gpu-actor}
 mkdir -p "$OUT"
 nvidia-smi --query-gpu=name,memory.total,driver_version --format=csv
