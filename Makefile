@@ -97,7 +97,7 @@ browser:
 
 # Proof of learning: the tiny model learns the sim gym's "learn" tasks on CPU in minutes; prints the
 # success rate per step and writes success.png under runs/learn-<time> (docs/learning.md).
-# More runs: make learn LEARN_ARGS="--offpolicyness 0 2 --seeds 1 2 3"; the control: --control.
+# More runs: make learn LEARN_ARGS="--offpolicyness 0 2 --seeds 1 2 3"; the negative control: --control.
 learn: envs
 	$(PY) -m cua_rl.app.learn $(LEARN_ARGS)
 

@@ -5,5 +5,5 @@
 - ``config``: ``CUAConfig(GRPOConfig)`` with one section per concern, validated at load.
 - ``failfast``: stops a training in which one reason rejected every episode for a while.
 - ``demo`` / ``progress``: ``make demo`` and its terminal; ``learn`` / ``learning``: ``make learn``
-  and its curves; ``controls``: the negative-control workflow.
+  and its curves; ``controls``: the negative-control workflows.
 """

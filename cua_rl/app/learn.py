@@ -14,7 +14,8 @@ all-fail groups (cua_rl/warehouse/replay.py), ``--replay shuffled`` is its contr
 
     python -m cua_rl.app.learn [--family learn|learn2|learn-hard] [--context POLICY] [--history-n N]
         [--offpolicyness 0 1 2] [--seeds 1 2 3] [--steps N]
-        [--control] [--replay on|shuffled] [--run-dir DIR] [key=value overrides for train.py]
+        [--control [shifted-credit|shifted-mask]] [--replay on|shuffled] [--run-dir DIR]
+        [key=value overrides for train.py]
 """
 
 from __future__ import annotations
@@ -46,7 +47,11 @@ from cua_rl.app.learning_curves import (
 )
 
 ROOT = Path(__file__).resolve().parents[2]
-CONTROL_WORKFLOW = "cua_rl.app.controls.ShiftedMaskWorkflow"
+# --control NAME: the negative controls' workflows (cua_rl/app/controls.py; docs/learning.md).
+CONTROLS = {
+    "shifted-credit": "cua_rl.app.controls.ShiftedCreditWorkflow",
+    "shifted-mask": "cua_rl.app.controls.ShiftedMaskWorkflow",
+}
 # The config of each task family (docs/learning.md); --config still wins when given.
 FAMILY_CONFIGS = {
     "learn": "configs/learn.yaml",
@@ -236,8 +241,13 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     )
     parser.add_argument(
         "--control",
-        action="store_true",
-        help=f"train the negative control {CONTROL_WORKFLOW} (loss mask one token late)",
+        nargs="?",
+        const="shifted-credit",
+        choices=CONTROLS,
+        default=None,
+        help="train a negative control instead (cua_rl/app/controls.py): shifted-credit (the "
+        "default: each episode gets the next one's reward, which cannot learn) or shifted-mask "
+        "(the loss mask one token late)",
     )
     parser.add_argument(
         "--replay",
@@ -305,13 +315,13 @@ def print_table(summaries: list[dict]) -> None:
 
 def run_label(args: argparse.Namespace, off: int | None, seed: int | None) -> str:
     """A run's name (its folder among several); without a seed, its arm's."""
-    parts = ["control"] if args.control else []
+    parts = [f"control-{args.control}"] if args.control else []
     parts += [args.family] if args.family != "learn" else []
     parts += [f"replay-{args.replay}"] if args.replay else []
     parts += [f"context-{args.context}"] if args.context else []
     parts += [f"offpolicy{off}"] if off is not None else []
     parts += [f"seed{seed}"] if seed is not None else []
-    return "-".join(parts) or ("control" if args.control else args.family)
+    return "-".join(parts) or args.family
 
 
 def format_arm(label: str, arm: ArmSummary, target: float) -> str:
@@ -346,7 +356,7 @@ def main(argv: list[str] | None = None) -> int:
     if args.steps is not None:
         extra.append(f"total_train_steps={args.steps}")
     if args.control:
-        extra.append(f"workflow={CONTROL_WORKFLOW}")
+        extra.append(f"workflow={CONTROLS[args.control]}")
     if args.replay:
         extra += REPLAY_ARMS[args.replay]
 
