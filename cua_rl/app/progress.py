@@ -233,8 +233,7 @@ class DemoProgress:
                 return f"starting: AReaL workers and the vLLM server ({started})"
             label = f"step {step['step']}/{total}"
             source = ("step", step["id"])
-            # The step's own phase: the training's is whatever was set last, "evaluation" for
-            # the whole of step 1 after the baseline.
+            # The step's own phase: the training's is whatever was set last, by a step or a pass.
             phase = _phase(step["current_phase"] or step["status"], "rollout")
         counts = self._counts(db, *source)
         last = db.last_completed_rollout(*source)

@@ -57,9 +57,10 @@ def test_a_running_step_shows_one_live_line(tmp_path):
 
 
 def test_the_live_line_shows_the_phase_the_step_is_in(tmp_path):
-    """After the baseline the training's phase stays "evaluation" while step 1 rolls out (the
-    monitor client sets it per pass); the line shows the step's own phase, as the hooks record
-    it: rollout, then training (ppo_update), then the weight update (update_weights)."""
+    """The training's record names one phase for the whole run (a step's, or "evaluation" while
+    a pass runs); the line shows the step's own phase, as the hooks record it, whatever the
+    training's says: rollout, then training (ppo_update), then the weight update
+    (update_weights)."""
     store = MonitorStore(tmp_path / "m.db")
     batch = _batch("rollout_running", ("running", "running"))
     batch["training"]["current_phase"] = "evaluation"

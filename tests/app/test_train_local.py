@@ -168,8 +168,8 @@ def test_demo_trains_and_records_everything(demo_run):
 def test_the_progress_line_names_the_phase_of_its_step(demo_run):
     """Every change of the live line the demo read (logs/progress.log): a step's line names the
     step's own phase (its rollouts, ppo_update, update_weights; the last step, once committed,
-    while the drain closes the episodes beyond it: completed), never the "evaluation" the
-    baseline left on the training's record, and the steps were seen rolling out."""
+    while the drain closes the episodes beyond it: completed), never a pass's "evaluation", and
+    the steps were seen rolling out."""
     assert demo_run.returncode == 0, demo_run.output[-3000:]
     lines = (demo_run.run_dir / "logs" / "progress.log").read_text().splitlines()
     step_lines = [ln.split(" ", 1)[1] for ln in lines if re.match(r"\S+ step \d+/\d+ · ", ln)]

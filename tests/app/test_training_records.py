@@ -207,6 +207,34 @@ def test_hooks_pass_calls_through_and_record_phases(monitor, tmp_path):
         failing.actor.ppo_update("b")
 
 
+def test_the_training_s_phase_is_its_step_s_again_after_the_baseline_and_an_eval(monitor, tmp_path):
+    tm = _tm(monitor.url, tmp_path)
+    db = sqlite3.connect(monitor.db_path)
+
+    def phase() -> str:
+        assert tm.flush(20)
+        return db.execute(
+            "SELECT current_phase FROM training WHERE run_name = ?", (RUN,)
+        ).fetchone()[0]
+
+    tm.training_started(config=_Config(), total_steps=2)
+    trainer = _FakeTrainer()
+    TrainerHooks(tm, total_steps=2, model_path="m", eval_tasks=1).attach(trainer)  # opens step 1
+    assert phase() == "rollout"
+    tm.baseline_started(model_path="m", total_tasks=1)  # as app/train.py's run_baseline, after
+    assert phase() == "evaluation"
+    tm.baseline_finished({"eval-rollout/cua/success": 0.0})
+    assert phase() == "rollout"  # step 1's episodes run on
+    trainer.actor.ppo_update(["row"])
+    assert phase() == "training"
+    trainer._evaluate_fn(eval_workflow="w")
+    assert phase() == "evaluation"
+    tm.eval_finished(1, {"eval-rollout/cua/success": 1.0}, total_tasks=1)
+    assert phase() == "training"
+    tm.close()
+    db.close()
+
+
 @pytest.mark.parametrize(
     ("error", "status"),
     [(KeyboardInterrupt("SIGTERM"), "cancelled"), (RuntimeError("oom"), "failed")],

@@ -492,7 +492,7 @@ class MonitorClient:
         if self._waiting_since is None:
             self._waiting_since = now
             log.info(
-                "monitor: a record names a %s not recorded yet; it waits in the spool", missing
+                "monitor: a record names its %s, not recorded yet; it waits in the spool", missing
             )
         if now - self._waiting_since > self.config.reference_wait_s:
             self._waiting_since = None

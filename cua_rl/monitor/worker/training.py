@@ -153,6 +153,9 @@ class TrainingMonitor:
         # Evals and the baseline that started and have not finished: a run that dies closes them.
         self._open_evals: set[int] = set()
         self._baseline_open = False
+        # The phase steps last set: an evaluation's end gives it back (the baseline runs after
+        # the first step has opened, so no step event would).
+        self._step_phase: str | None = None
         self._finished = False
         self._config_json: Any = None  # what config_json last recorded
 
@@ -269,6 +272,8 @@ class TrainingMonitor:
         return changed
 
     def _training(self, **fields: Any) -> None:
+        if fields.get("current_phase") not in (None, "evaluation"):
+            self._step_phase = fields["current_phase"]
         self._send("training", {"run_name": self.run, "last_heartbeat": utc_now(), **fields})
 
     def tasks(self, rows: Iterable[Mapping[str, Any]]) -> int:
@@ -438,6 +443,7 @@ class TrainingMonitor:
                 **counts,
             },
         )
+        self._end_evaluation()
 
     def baseline_started(self, *, model_path: str, total_tasks: int | None) -> None:
         self._baseline_open = True
@@ -467,3 +473,9 @@ class TrainingMonitor:
         self._send("baselines", record)
         # "baseline evaluation" would otherwise stay the training's message for the whole run.
         self._training(status_message=None)
+        self._end_evaluation()
+
+    def _end_evaluation(self) -> None:
+        """The training's phase back to its step's once no evaluation is open."""
+        if not self._open_evals and not self._baseline_open and self._step_phase is not None:
+            self._training(current_phase=self._step_phase)
