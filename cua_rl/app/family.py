@@ -42,6 +42,9 @@ class ModelFamily:
     context: int  # the text model's max_position_embeddings
     min_pixels: int | None
     max_pixels: int | None
+    # The output layer shares the input embedding (Qwen3-VL-2B) or not (Qwen3-VL-8B, MAI-UI-8B):
+    # AReaL makes every embedding an FSDP unit of its own when they are untied.
+    tied_embeddings: bool = False
 
     @property
     def pixels_per_token(self) -> int:
@@ -111,6 +114,8 @@ def detect_family(model_dir: str | Path) -> ModelFamily | None:
         context=int(text.get("max_position_embeddings", 0)),
         min_pixels=lo,
         max_pixels=hi,
+        # transformers' default for every family here is untied.
+        tied_embeddings=bool(cfg.get("tie_word_embeddings", False)),
     )
 
 
