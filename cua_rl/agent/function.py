@@ -12,9 +12,10 @@ methods block.
 
 The run answers in the driver's shape (``RunResult``) with gbox-mini-agent's events, built when it
 ends (``run_events``) from what the box saw (each screenshot and action, with the number of model
-calls the gateway had captured when it came) and the calls themselves: a step is the calls made
-since the previous action and the actions after them, so evaluation, rows, the monitor's turns,
-actions and screenshots, and rejection reasons are the other modes'. What goes wrong ends the run
+calls the gateway had captured when it came) and the calls themselves. A step is the agent
+loop's (look, ask, act): a screenshot after calls or actions begins one, and so do calls after an
+action. So evaluation, rows, the monitor's turns, actions and screenshots, and rejection reasons
+are the other modes'. What goes wrong ends the run
 with a reason (the episode's rejection is ``agent_<reason>``): ``function_error`` (it raised; the
 exception and the task are in the detail, the traceback in the log), ``env_error`` (a box call
 failed and the function let the error out), ``deadline`` (the nearer of ``agent.max_run_time_s``
@@ -421,23 +422,41 @@ class _Step:
 def _steps(
     log: Sequence[BoxCall], calls: Sequence[Any], answer: str | None, started: float, ended: float
 ) -> list[_Step]:
-    """The run's steps: each the model calls since the previous action, then the actions that
-    came before the next call; calls after the last action (or the answer) make a last step."""
-    steps: list[_Step] = []
+    """The run's steps, as the agent loop's are (look, ask, act): a screenshot after calls or
+    actions begins a step, and so do calls after an action; a step's calls are those the
+    gateway captured before its actions. The answer becomes the last step's ``finished``
+    action (``run_events``)."""
+    steps = [_Step(started, started)]
     consumed = 0
+
+    def close(at: float) -> _Step:
+        """End the step (at its last action, else at ``at``) and begin the next."""
+        if not steps[-1].acts:
+            steps[-1].end = max(steps[-1].end, at)
+        steps.append(_Step(steps[-1].end, steps[-1].end))
+        return steps[-1]
+
+    def take(upto: int, at: float) -> None:
+        nonlocal consumed
+        new = list(calls[consumed:upto])
+        consumed = max(consumed, upto)
+        if new and steps[-1].acts:
+            close(at)
+        steps[-1].calls.extend(new)
+
     for call in log:
-        if call.kind != "act":
-            continue
-        new = list(calls[consumed : call.calls])
-        if new or not steps:
-            start = steps[-1].end if steps else started
-            steps.append(_Step(start, call.ended, new))
-            consumed = call.calls
-        steps[-1].acts.append(call)
-        steps[-1].end = call.ended
-    trailing = list(calls[consumed:])
-    if trailing or answer is not None:
-        steps.append(_Step(steps[-1].end if steps else started, ended, trailing))
+        take(call.calls, call.started)
+        if call.kind == "act":
+            steps[-1].acts.append(call)
+            steps[-1].end = call.ended
+        elif steps[-1].calls or steps[-1].acts:
+            close(call.started).start = call.started
+    take(len(calls), ended)
+    if not steps[-1].acts:
+        steps[-1].end = ended
+    steps = [s for s in steps if s.calls or s.acts]
+    if answer is not None and not steps:
+        steps.append(_Step(started, ended))
     return steps
 
 

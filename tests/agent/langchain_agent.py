@@ -51,6 +51,8 @@ def uses_langchain(task_data) -> bool:
 
 
 async def example_or_langchain(episode) -> str | None:
-    """The example agent or this one, by task; each called unchanged."""
+    """The example agent or this one, by task; each called unchanged. The line it prints lands
+    in the rollout worker's log, where the training's test reads who ran which task."""
     agent = run if uses_langchain(episode.task.data) else openai_agent.run
+    print(f"[example_or_langchain] {agent.__module__} on {episode.task.id}", flush=True)
     return await agent(episode)
