@@ -58,6 +58,28 @@ def _function_settings(gym, agent, vllm_server, model_dir, path, monitor=None, *
     return settings
 
 
+async def _rejected(stack, path: str, reason: str, **agent_changes) -> tuple[dict, str]:
+    """One episode of the agent function at ``path`` on ``stack`` (gym, agent, vLLM, model,
+    monitor, task): rejected with ``reason``, counted and recorded, its box terminated. (Its
+    stats, the rollout's error message.)"""
+    gym, agent, vllm_server, model_dir, monitor, task = stack
+    settings = _function_settings(
+        gym, agent, vllm_server, model_dir, path, monitor, **agent_changes
+    )
+    row, stats = await _episode(settings, vllm_server, task)
+    assert row is None
+    assert stats.get(f"rollout/cua/rejected/{reason}") == 1.0, stats
+    status, message, error = _rollout_record(monitor.db_path)
+    assert (status, message) == ("failed", reason)
+    assert await _open_executions(gym) == []
+    return stats, error
+
+
+@pytest.fixture
+def stack(gym, agent, vllm_server, tiny_vl_model_dir, monitor, easy_task):  # noqa: F811
+    return gym, agent, vllm_server, tiny_vl_model_dir, monitor, easy_task
+
+
 def _rollout_record(db_path) -> tuple:
     db = sqlite3.connect(db_path)
     try:
@@ -87,56 +109,30 @@ async def test_an_agent_written_with_langchain_trains_an_episode_unchanged(
 
 @pytest.mark.slow
 async def test_a_function_that_raises_is_rejected_naming_the_exception_and_the_task(
-    gym, agent, vllm_server, tiny_vl_model_dir, monitor, easy_task
+    stack, easy_task
 ):
-    settings = _function_settings(
-        gym,
-        agent,
-        vllm_server,
-        tiny_vl_model_dir,
-        "tests.agent.agents:raising_agent",
-        monitor,
+    stats, error = await _rejected(
+        stack, "tests.agent.agents:raising_agent", "agent_function_error"
     )
-    row, stats = await _episode(settings, vllm_server, easy_task)
-    assert row is None
-    assert stats.get("rollout/cua/rejected/agent_function_error") == 1.0, stats
     # Its one model call was made and captured (the gateway's counters are the episode's).
     assert stats["rollout/cua/gateway/calls"] == 1.0, stats
-    status, reason, error = _rollout_record(monitor.db_path)
-    assert (status, reason) == ("failed", "agent_function_error")
     for named in ("AgentBroke", "the agent broke", easy_task["task_id"], "raising_agent"):
         assert named in error, (named, error)
-    assert await _open_executions(gym) == []
 
 
 @pytest.mark.parametrize(
-    ("limits", "reason", "setting"),
+    ("limits", "setting"),
     [
-        ({"driver": DriverConfig(deadline_s=0.3)}, "agent_deadline", "agent.driver.deadline_s"),
-        ({"max_run_time_s": 0.3}, "agent_deadline", "agent.max_run_time_s"),
+        ({"driver": DriverConfig(deadline_s=0.3)}, "agent.driver.deadline_s"),
+        ({"max_run_time_s": 0.3}, "agent.max_run_time_s"),
     ],
 )
 @pytest.mark.slow
-async def test_a_function_that_hangs_is_cancelled_at_its_deadline(
-    gym, agent, vllm_server, tiny_vl_model_dir, monitor, easy_task, limits, reason, setting
-):
+async def test_a_function_that_hangs_is_cancelled_at_its_deadline(stack, limits, setting):
     """The agent awaits an event nobody sets: only the deadline ends its episode."""
-    settings = _function_settings(
-        gym,
-        agent,
-        vllm_server,
-        tiny_vl_model_dir,
-        "tests.agent.agents:hanging_agent",
-        monitor,
-        **limits,
-    )
-    row, stats = await _episode(settings, vllm_server, easy_task)
-    assert row is None
-    assert stats.get(f"rollout/cua/rejected/{reason}") == 1.0, stats
-    status, message, error = _rollout_record(monitor.db_path)
-    assert (status, message) == ("failed", reason)
+    path = "tests.agent.agents:hanging_agent"
+    _stats, error = await _rejected(stack, path, "agent_deadline", **limits)
     assert f"ran past {setting}=0.3s: cancelled" in error, error
-    assert await _open_executions(gym) == []
 
 
 @pytest.mark.slow
@@ -169,25 +165,11 @@ async def test_a_sync_function_that_hangs_is_left_behind_and_its_box_is_closed(
 
 
 @pytest.mark.slow
-async def test_a_function_that_never_calls_the_model_is_a_counted_rejection(
-    gym, agent, vllm_server, tiny_vl_model_dir, monitor, easy_task
-):
-    settings = _function_settings(
-        gym,
-        agent,
-        vllm_server,
-        tiny_vl_model_dir,
-        "tests.agent.agents:silent_agent",
-        monitor,
-    )
-    row, stats = await _episode(settings, vllm_server, easy_task)
-    assert row is None
-    assert stats.get("rollout/cua/rejected/agent_no_model_call") == 1.0, stats
+async def test_a_function_that_never_calls_the_model_is_a_counted_rejection(stack, easy_task):
+    path = "tests.agent.agents:silent_agent"
+    stats, error = await _rejected(stack, path, "agent_no_model_call")
     assert stats["rollout/cua/gateway/calls"] == 0.0, stats
-    status, reason, error = _rollout_record(monitor.db_path)
-    assert (status, reason) == ("failed", "agent_no_model_call")
     assert "without calling the model" in error and easy_task["task_id"] in error, error
-    assert await _open_executions(gym) == []
 
 
 BAD_PATHS = [
