@@ -177,7 +177,11 @@ class CUAConfig(GRPOConfig):
         factory=CuaActorConfig,
     )
     gym: GymSection = doc(help="The gym server", factory=GymSection)
-    agent: AgentSection = doc(help="The gbox-mini-agent service", factory=AgentSection)
+    agent: AgentSection = doc(
+        help="The agent: a gbox-mini-agent service, the built-in loop, or your own Python "
+        "function (agent.mode)",
+        factory=AgentSection,
+    )
     endpoint: EndpointSection = doc(help="Model endpoint the agent calls", factory=EndpointSection)
     trajectory: TrajectoryConfig = doc(
         help="Event log -> training row policies", factory=TrajectoryConfig

@@ -9,7 +9,8 @@ builds its own and passes it to the workflow. It owns:
 
 - the gateway (started on first use), the model-server outages it holds calls through and the
   engine's weight-update pauses (``cua_rl.gateway``);
-- the service clients (``ServiceClients``: gym, agent service or built-in agent loop, monitor),
+- the service clients (``ServiceClients``: gym, agent service or built-in agent loop, monitor)
+  and, with ``agent.mode: function``, the user's agent function, imported once,
   per event loop: httpx clients are bound to the loop they were made on, and AReaL may run
   episodes on a new loop after a restart;
 - the service pauses, per event loop (``service_pauses``: new episodes wait while a service

@@ -136,8 +136,12 @@ def test_every_sampled_token_of_every_call_is_trained(run):
                 "ORDER BY t.turn",
                 (rid,),
             ).fetchall()
-            trained = [i for r in ep.rows for i, m in zip(r.input_ids, r.loss_mask) if m]
-            trained_lp = [p for r in ep.rows for p, m in zip(r.logprobs, r.loss_mask) if m]
+            trained = [
+                i for r in ep.rows for i, m in zip(r.input_ids, r.loss_mask, strict=True) if m
+            ]
+            trained_lp = [
+                p for r in ep.rows for p, m in zip(r.logprobs, r.loss_mask, strict=True) if m
+            ]
             (fields,) = conn.execute(
                 "SELECT fields_json FROM extra_field WHERE entity_type = 'rollout' "
                 "AND entity_id = ?",
