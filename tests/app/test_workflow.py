@@ -247,6 +247,22 @@ def _builtin(settings: WorkflowSettings) -> WorkflowSettings:
     return settings
 
 
+# agent.mode=function with the local agent's loop written as an agent function (tests/agent/
+# agents.py): async, and sync (run in a thread with a blocking box).
+FUNCTION_AGENTS = {
+    "function": "tests.agent.agents:loop_agent",
+    "function-sync": "tests.agent.agents:loop_agent_sync",
+}
+
+
+def _function(settings: WorkflowSettings, path: str) -> WorkflowSettings:
+    """The same settings in ``agent.mode: function`` with the agent function at ``path``."""
+    settings.agent = AgentSection(
+        **{**settings.agent.__dict__, "mode": "function", "base_url": "", "function": path}
+    )
+    return settings
+
+
 FAULTS = [
     ("gym_create", "gym_error"),
     ("gym_evaluate", "gym_error"),
@@ -368,13 +384,18 @@ async def test_a_gym_failing_every_create_holds_new_episodes_until_it_answers(
     assert await _open_executions(gym) == []
 
 
-@pytest.mark.parametrize("mode", ["service", "builtin"])
+@pytest.mark.parametrize("mode", ["service", "builtin", "function"])
 async def test_cancelled_episode_leaves_no_open_execution(
     gym, agent, vllm_server, tiny_vl_model_dir, easy_task, mode
 ):
     workflow_context.set(workflow_context.WorkflowContext(is_eval=False))
     settings = _settings(gym, agent, vllm_server, tiny_vl_model_dir)
-    wf = CUAAgentWorkflow(_builtin(settings) if mode == "builtin" else settings)
+    if mode == "builtin":
+        _builtin(settings)
+    if mode == "function":
+        # An agent that never ends by itself: only the cancel (the run's drain) ends it.
+        _function(settings, "tests.agent.agents:hanging_agent")
+    wf = CUAAgentWorkflow(settings)
     task = asyncio.create_task(wf.arun_episode(_engine(vllm_server), dict(easy_task)))
     # Cancel while the agent is running (the execution exists by then).
     for _ in range(1200):  # up to a minute: a bound for a hung episode, not its speed
@@ -644,22 +665,6 @@ def _monitor_episode(db_path, rollout_id: int) -> dict:
         }
     finally:
         db.close()
-
-
-# agent.mode=function with the local agent's loop written as an agent function (tests/agent/
-# agents.py): async, and sync (run in a thread with a blocking box).
-FUNCTION_AGENTS = {
-    "function": "tests.agent.agents:loop_agent",
-    "function-sync": "tests.agent.agents:loop_agent_sync",
-}
-
-
-def _function(settings: WorkflowSettings, path: str) -> WorkflowSettings:
-    """The same settings in ``agent.mode: function`` with the agent function at ``path``."""
-    settings.agent = AgentSection(
-        **{**settings.agent.__dict__, "mode": "function", "base_url": "", "function": path}
-    )
-    return settings
 
 
 async def test_builtin_and_function_modes_act_record_and_train_as_the_agent_service(
