@@ -22,6 +22,7 @@ from urllib.parse import urlsplit
 
 import httpx
 
+from cua_rl.agent.function import describe as describe_agent_function
 from cua_rl.app.check_result import CheckResult
 from cua_rl.app.config import CUAConfig
 from cua_rl.clients.genv import GenvClient
@@ -66,6 +67,11 @@ async def check_gym(config: CUAConfig) -> CheckResult:
 async def check_agent(config: CUAConfig, http: httpx.AsyncClient) -> CheckResult:
     if config.agent.mode == "builtin":
         return CheckResult("agent", True, "builtin: the rollout workers run the agent loop")
+    if config.agent.mode == "function":
+        try:
+            return CheckResult("agent", True, describe_agent_function(config.agent.function))
+        except ConfigError as exc:  # the config's load imported it; a check run imports again
+            return CheckResult("agent", False, str(exc))
     # No health endpoint is known; any HTTP answer to a run lookup proves it serves.
     agent_url = config.agent.base_url.rstrip("/")
     try:
