@@ -352,23 +352,36 @@ def _install_rollout_export(app: FastAPI, pages: _Pages, read: MonitorReader, sh
         if denied is not None:
             return denied
 
-        def build() -> tuple[bytes | None, str]:
-            try:
-                from cua_rl.monitor.export import ExportError, parquet_bytes, rollout_examples
-            except ImportError as exc:  # a monitor installed without the datasets package
-                return None, f"the export needs the datasets package: {exc}"
-            try:
-                return parquet_bytes(rollout_examples(read.conn(), shots, rollout_id)), ""
-            except ExportError as exc:
-                return None, str(exc)
+        def build() -> tuple[bytes | None, str, int]:
+            from cua_rl.monitor.export import ExportError, parquet_bytes, rollout_examples
 
-        data, why = await anyio.to_thread.run_sync(build)
+            try:
+                return parquet_bytes(rollout_examples(read.conn(), shots, rollout_id)), "", 200
+            except ExportError as exc:
+                return None, str(exc), 404
+            except ImportError as exc:
+                # A monitor served from a light install (pip install -e .): the export decodes
+                # with transformers and writes with datasets, which only the extra brings.
+                return None, export_missing(exc), 501
+
+        data, why, status = await anyio.to_thread.run_sync(build)
         headers = {"Cache-Control": "no-store", "X-Content-Type-Options": "nosniff"}
         if data is None:
-            return PlainTextResponse(f"no export: {why}\n", status_code=404, headers=headers)
+            return PlainTextResponse(f"no export: {why}\n", status_code=status, headers=headers)
         name = f"rollout-{rollout_id}-examples.parquet"
         headers["Content-Disposition"] = f'attachment; filename="{name}"'
         return Response(data, media_type="application/vnd.apache.parquet", headers=headers)
+
+
+def export_missing(exc: ImportError) -> str:
+    """What a monitor without the export's packages says instead of a server error."""
+    name = exc.name or str(exc)
+    return (
+        f"this monitor's environment lacks {name}, which the export needs: install the "
+        "monitor's export extra there (pip install -e '.[export]': datasets and transformers) "
+        "and restart it, or export with python -m cua_rl.monitor export from the training's "
+        "environment (docs/warehouse.md)"
+    )
 
 
 def _install_static(app: FastAPI, pages: _Pages) -> None:
