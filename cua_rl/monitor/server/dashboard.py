@@ -45,6 +45,7 @@ from cua_rl.monitor.protocol import SOURCE_TYPES
 from cua_rl.monitor.server import views
 from cua_rl.monitor.server.read import MonitorReader
 from cua_rl.monitor.server.screenshots import default_root
+from cua_rl.monitor.server.views import parse_time
 
 HERE = Path(__file__).parent
 STATIC = HERE / "static"
@@ -137,6 +138,28 @@ def _fmt_duration(seconds: Any) -> str:
     return f"{float(seconds):.1f}s" if seconds < 60 else _span(int(seconds))
 
 
+def _fmt_when(value: Any) -> str:
+    """Every timestamp of the pages in one form, to the second, UTC (the database keeps some to
+    the microsecond, some to the millisecond, some as ISO with a T); the value as stored stays in
+    a template's ``title``."""
+    parsed = parse_time(value)
+    if parsed is None:
+        return "–" if not value else str(value)
+    return parsed.astimezone(UTC).strftime("%Y-%m-%d %H:%M:%S")
+
+
+def _fmt_model_name(path: Any) -> str:
+    """A model's name for a narrow column: a local checkpoint's folder name (cutting a long path
+    at its start left a fragment such as ``t/i55/.cache/...``), a hub id (``org/name``) whole.
+    The full path is the column's ``title`` and is shown whole on the training's page."""
+    if not path:
+        return "–"
+    text = str(path).rstrip("/")
+    if text.startswith(("/", ".", "~")):
+        return text.rsplit("/", 1)[-1] or text
+    return text
+
+
 def _environment() -> Environment:
     env = Environment(
         loader=FileSystemLoader(HERE / "templates"),
@@ -148,6 +171,8 @@ def _environment() -> Environment:
     env.filters["pct"] = _fmt_pct
     env.filters["age"] = _fmt_age
     env.filters["duration"] = _fmt_duration
+    env.filters["when"] = _fmt_when
+    env.filters["model_name"] = _fmt_model_name
     return env
 
 
