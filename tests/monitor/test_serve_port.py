@@ -73,4 +73,8 @@ def test_port_0_serves_on_the_free_port_it_announces(tmp_path):
                 time.sleep(0.1)
     finally:
         os.killpg(proc.pid, signal.SIGTERM)
-        proc.communicate(timeout=30)
+        try:
+            proc.communicate(timeout=30)
+        except subprocess.TimeoutExpired:  # one that never started serving ignores SIGTERM
+            os.killpg(proc.pid, signal.SIGKILL)
+            proc.communicate()
