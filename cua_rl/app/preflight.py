@@ -82,8 +82,10 @@ def _agent_host(config: Any) -> str:
 
 
 def _agent_is_local(config: Any) -> bool:
-    # A builtin agent runs in the rollout worker, beside its gateway.
-    return _agent_host(config) in LOOPBACK or lookup(config, "agent.mode") == "builtin"
+    # Only an agent service runs elsewhere: any other agent (the builtin loop, ...) runs in the
+    # rollout worker, beside its gateway.
+    service = lookup(config, "agent.mode") in ("service", None)
+    return _agent_host(config) in LOOPBACK or not service
 
 
 GATEWAY_FIX = (
