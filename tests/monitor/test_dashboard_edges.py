@@ -33,7 +33,7 @@ from cua_rl.monitor.worker.recorder import RolloutRecorder
 from cua_rl.trajectory.events import Turn
 
 from .conftest import MonitorProcess, uid
-from .test_dashboard_browser import Browser, _login
+from .test_dashboard_browser import _login, browser  # noqa: F401 (the fixture)
 
 pytestmark = [pytest.mark.slow, pytest.mark.timeout(900)]
 
@@ -118,13 +118,6 @@ def served(tmp_path_factory):
     proc.start()
     yield proc
     proc.stop()
-
-
-@pytest.fixture
-def browser(tmp_path):
-    b = Browser(tmp_path / "profile")
-    yield b
-    b.close()
 
 
 def _ids(server: MonitorProcess, names: dict[str, str]) -> dict[str, int]:
