@@ -32,8 +32,8 @@ from cua_rl.monitor.worker.context import MonitorContext
 from cua_rl.monitor.worker.recorder import RolloutRecorder
 from cua_rl.trajectory.events import Turn
 
+from .browser import login as _login
 from .conftest import MonitorProcess, uid
-from .test_dashboard_browser import _login, browser  # noqa: F401 (the fixture)
 
 pytestmark = [pytest.mark.slow, pytest.mark.timeout(900)]
 
