@@ -76,6 +76,43 @@ def _cpu_seconds(fn) -> float:
     return time.process_time() - start
 
 
+def bookkeeping(turns: int, image_tokens: int = 1296, hidden: int = 1536) -> None:
+    """The project's own work per micro-batch at the GPU bench's sizes (Qwen2-VL-2B's hidden
+    size, ~1 MP screenshots of 1,296 merged tokens), current-only rows of 2 episodes: the image
+    plan, and the gather of the tower's output (forward and gradient) that rows whose images
+    all differ no longer need (``plan.token_index`` is None for them)."""
+    import torch
+
+    from cua_rl.areal.vision_dedup import plan_images
+
+    side = int(image_tokens**0.5) * 2
+    patch_dim = 3 * 2 * 14 * 14
+    gen = torch.Generator().manual_seed(0)
+    media = [
+        {
+            "pixel_values": torch.randn(side * side, patch_dim, generator=gen),
+            "image_grid_thw": torch.tensor([[1, side, side]]),
+            "image_keys": torch.tensor([i]),
+        }
+        for i in range(2 * turns)
+    ]
+    start = time.process_time()
+    plan = plan_images(media, merge=2)
+    planned = time.process_time() - start
+    tokens = 2 * turns * image_tokens
+    out = torch.randn(tokens, hidden, dtype=torch.bfloat16, requires_grad=True)
+    index = torch.arange(tokens)
+    start = time.process_time()
+    out[index].sum().backward()
+    gathered = time.process_time() - start
+    print(
+        f"bookkeeping, {2 * turns} current-only rows of {image_tokens} image tokens: image plan "
+        f"{planned:.2f} CPU s (index {'none' if plan.token_index is None else 'planned'}); "
+        f"the tower-output gather it skips: {gathered:.2f} CPU s forward and backward "
+        f"({tokens} x {hidden} bf16)"
+    )
+
+
 def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawTextHelpFormatter)
     ap.add_argument("--turns", type=int, default=10)
@@ -84,6 +121,7 @@ def main() -> int:
         "--profile", default="", choices=["", *_actors()], help="its operators against AReaL's"
     )
     ap.add_argument("--actors", nargs="+", default=list(_actors()), choices=list(_actors()))
+    ap.add_argument("--bookkeeping-turns", type=int, default=30, help="0: skip that part")
     args = ap.parse_args()
 
     import gpu_actor
@@ -93,6 +131,8 @@ def main() -> int:
     from cua_rl.testing.actor import actor_config, make_actor
 
     torch.set_num_threads(1)  # one core: the shared machine's other core does not move it
+    if args.bookkeeping_turns:
+        bookkeeping(args.bookkeeping_turns)
     folder = gpu_actor.model_dir(small=True)
     gpu_actor.random_init_instead_of_loading()
     times: dict[str, float] = {}
