@@ -33,14 +33,14 @@ from dataclasses import dataclass
 import httpx
 
 from cua_rl.aio import within
-from cua_rl.core.fields import doc
 from cua_rl.core.reasons import Reason, agent_reason, gateway_reason
-from cua_rl.errors import ConfigError, CuaRlError, GymError, ModelServerError, RejectedEpisode
+from cua_rl.errors import CuaRlError, GymError, ModelServerError, RejectedEpisode
 from cua_rl.gateway.engine import server_url
 from cua_rl.gateway.model_outages import Held, Outages
 from cua_rl.logs import get_logger
 from cua_rl.monitor.protocol import pause_client_id
 from cua_rl.monitor.worker.batches import ref
+from cua_rl.rollout.settings import PauseConfig
 
 log = get_logger(__name__)
 
@@ -49,37 +49,6 @@ MODEL_OUTAGE = gateway_reason("model_server_error")
 AGENT_CREATE_FAILED = agent_reason("create_failed")
 
 Probe = Callable[[], Awaitable[object]]
-
-
-@dataclass
-class PauseConfig:
-    enabled: bool = doc(
-        True,
-        "Hold new episodes while the gym, the agent service or the model server fails, and "
-        "probe it until it answers (docs/rejections.md). false: every episode is started and "
-        "rejected as the failure goes on.",
-    )
-    probe_initial_s: float = doc(1.0, "Wait before the first probe of a failing service (s).")
-    probe_max_s: float = doc(
-        10.0,
-        "Longest wait between two probes (s); the wait doubles from probe_initial_s. Each "
-        "failed probe is one entry of failfast's streak: 10 s gives failfast.window=16 its "
-        "entries well within failfast.persist_s=180 even with few episodes in flight.",
-    )
-    probe_timeout_s: float = doc(
-        60.0,
-        "Bound on one probe of the agent service or the model server (s). The gym's probe is an "
-        "execution's create and terminate, bounded by gym.timeouts (a box may take minutes).",
-    )
-
-    def __post_init__(self) -> None:
-        if not 0 < self.probe_initial_s <= self.probe_max_s:
-            raise ConfigError(
-                f"pause.probe_initial_s={self.probe_initial_s} and pause.probe_max_s="
-                f"{self.probe_max_s}: need 0 < probe_initial_s <= probe_max_s, e.g. 1 and 30"
-            )
-        if self.probe_timeout_s <= 0:
-            raise ConfigError("pause.probe_timeout_s must be positive (seconds), e.g. 120")
 
 
 @dataclass(frozen=True)
