@@ -26,10 +26,10 @@ import asyncio
 import threading
 import time
 from collections.abc import Awaitable, Callable, Coroutine, Iterable
-from dataclasses import dataclass
 from typing import Any
 
 from cua_rl.logs import get_logger
+from cua_rl.rollout.episode import BoxChanged, EpisodeObserver
 from cua_rl.rollout.settings import (  # noqa: F401  (DrainConfig: its documented home was here)
     AREAL_RUNNER_JOIN_S,
     LAST_FLUSH_S,
@@ -43,20 +43,19 @@ log = get_logger(__name__)
 DRAIN_REASON = "run ended: drained"
 
 
-@dataclass
-class LiveEpisode:
+class LiveEpisode(EpisodeObserver):
     """What the drain names of an episode in flight: its rollout, and its gym execution once the
-    box is open (it observes the episode's events for it)."""
+    box is open (it observes the episode's box for it)."""
 
-    rollout_uuid: str
-    execution_id: str | None = None
+    name = "drain"
 
-    async def on(self, event: Any) -> None:
-        # Read off the episode's events by shape (``BoxChanged`` carries the box): the episode's
-        # module imports the settings, which import this module's ``DrainConfig``.
-        box = getattr(event, "box", None)
-        if box is not None:
-            self.execution_id = box.execution_id
+    def __init__(self, rollout_uuid: str):
+        self.rollout_uuid = rollout_uuid
+        self.execution_id: str | None = None
+
+    async def box_changed(self, event: BoxChanged) -> None:
+        if event.box is not None:
+            self.execution_id = event.box.execution_id
 
 
 Flush = Callable[[float], Awaitable[bool]]
