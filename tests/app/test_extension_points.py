@@ -33,15 +33,19 @@ gym, agent, monitor, easy_task = stack.gym, stack.agent, stack.monitor, stack.ea
 
 pytestmark = pytest.mark.slow
 
-KINDS = [
+# What an accepted episode emits, in order: every event kind, the box's three states.
+EMITTED = [
     "started",
-    "box_changed",
+    "box_changed",  # creating
+    "box_changed",  # running
     "agent_ran",
+    "box_changed",  # terminated
     "capture_closed",
     "evaluated",
     "converted",
     "ended",
 ]
+KINDS = set(EMITTED)
 
 
 class Lines(logging.Handler):
@@ -98,10 +102,10 @@ async def test_an_observer_raising_at_every_event_changes_nothing_and_is_counted
     observers after the raising one are all told), and the raising one is counted at every event
     and logged once per event kind, not once per episode."""
     workflow_context.set(workflow_context.WorkflowContext(is_eval=False))
-    engine = _engine(vllm_server)
     _rollout_stats()
     reference_settings = _greedy(_settings(gym, agent, vllm_server, tiny_vl_model_dir, monitor))
     reference_settings.outcome_dir = str(tmp_path / "reference")
+    engine = _engine(vllm_server)  # an engine per training: each has its runtime
     (reference,) = await _episodes(CUAAgentWorkflow(reference_settings), engine, easy_task, 1)
     assert reference is not None, _rollout_stats()
     reference_stats = _rollout_stats()
@@ -111,10 +115,10 @@ async def test_an_observer_raising_at_every_event_changes_nothing_and_is_counted
     settings.outcome_dir = str(tmp_path / "raising")
     wf = workflows.WithRaisingObserver(settings)
     with Lines(observers.log) as lines:
-        rows = await _episodes(wf, engine, easy_task, 2)
+        rows = await _episodes(wf, _engine(vllm_server), easy_task, 2)
     stats = _rollout_stats()
 
-    assert wf.raising.kinds == [*KINDS, *KINDS], wf.raising.kinds  # told every event, twice
+    assert wf.raising.kinds == [*EMITTED, *EMITTED], wf.raising.kinds  # every event, twice
     for row in rows:
         assert row is not None and set(row) == ROW_KEYS
         for key in ROW_KEYS - {"multi_modal_input", "episode_id", "logprobs"}:
@@ -126,14 +130,14 @@ async def test_an_observer_raising_at_every_event_changes_nothing_and_is_counted
             )
     # Counted at every event of both episodes; the episodes' own stats as the reference's.
     assert stats["rollout/cua/observer_errors/raising"] == 1.0
-    assert stats["rollout/cua/observer_errors/raising__count"] == 2 * len(KINDS), stats
+    assert stats["rollout/cua/observer_errors/raising__count"] == 2 * len(EMITTED), stats
     assert stats["rollout/cua/accepted"] == reference_stats["rollout/cua/accepted"] == 1.0
     assert stats["rollout/cua/reward"] == reference_stats["rollout/cua/reward"]
     assert stats["rollout/cua/trained_tokens"] == reference_stats["rollout/cua/trained_tokens"]
     # Logged with its traceback once per event kind, naming the observer and the kind.
     logged = [r for r in lines.records if r.levelno >= logging.ERROR]
     assert len(logged) == len(KINDS), [r.getMessage() for r in logged]
-    assert {r.getMessage().split(" raised at ")[1].split()[0] for r in logged} == set(KINDS)
+    assert {r.getMessage().split(" raised at ")[1].split()[0] for r in logged} == KINDS
     assert all(r.exc_info and "observer raising" in r.getMessage() for r in logged)
     # The monitor (told after the raising observer) recorded all three alike; so did the outcomes.
     first, *others = _rollouts(monitor.db_path)
