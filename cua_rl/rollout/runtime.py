@@ -107,33 +107,40 @@ class LoopScope:
         outages: Outages,
         outcomes: OutcomeLog | None,
     ):
+        self._settings = s
         self._http = httpx.AsyncClient(timeout=httpx.Timeout(60.0, connect=10.0))
-        self._gym = GenvClient(
-            s.gym.base_url, s.gym.gym_id, client=self._http, timeouts=s.gym.timeouts
-        )
-        service = s.agent.mode == "service" and s.agent.base_url
-        self._agent = MiniAgentClient(s.agent.base_url, client=self._http) if service else None
+        # Made on first use: a runtime need not name every service (an eval-only test, no agent).
+        self._gym: GenvClient | None = None
+        self._agent: MiniAgentClient | None = None
         self._agent_loops: dict[str, AgentLoop] = {}
         self._monitor_config = monitor
         self._monitor: MonitorClient | None = None
-        self._pause_parts = (s, outages, outcomes)
+        self._pause_parts = (outages, outcomes)
         self.pauses = self._new_pauses()
 
     def _new_pauses(self) -> ServicePauses:
-        s, outages, outcomes = self._pause_parts
+        s, (outages, outcomes) = self._settings, self._pause_parts
         records = PauseRecords(
             s.training_ref, outcomes.record if outcomes else None, lambda: self._monitor
         )
         targets = ProbeTargets(
-            self._gym, self._agent, self._http, outages, s.gateway.model_server_url
+            self.gym, self.agent, self._http, outages, s.gateway.model_server_url
         )
         return ServicePauses(s.pause, records, targets)
 
     def gym(self) -> GenvClient:
+        if self._gym is None:
+            g = self._settings.gym
+            self._gym = GenvClient(g.base_url, g.gym_id, client=self._http, timeouts=g.timeouts)
         return self._gym
 
     def agent(self) -> MiniAgentClient | None:
         """The agent service's client; None without an agent service."""
+        a = self._settings.agent
+        if a.mode != "service" or not a.base_url:
+            return None
+        if self._agent is None:
+            self._agent = MiniAgentClient(a.base_url, client=self._http)
         return self._agent
 
     def http(self) -> httpx.AsyncClient:
@@ -167,7 +174,7 @@ class LoopScope:
 
     def background(self) -> set[asyncio.Future]:
         """The gym's terminates still running in the background."""
-        return set(self._gym.background())
+        return set(self._gym.background()) if self._gym is not None else set()
 
     async def end_pauses(self) -> None:
         """Stop probing (the run ends; waiting episodes are the drain's to cancel): a later

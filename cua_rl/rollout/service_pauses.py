@@ -150,12 +150,12 @@ class PauseRecords:
 
 @dataclass(frozen=True)
 class ProbeTargets:
-    """What one event loop's probes reach: its gym and agent clients, its plain HTTP client, the
-    calls the gateway holds, and the model server the gateway is configured with (empty: the
-    engine's, chosen when a probe is made)."""
+    """What one event loop's probes reach: its gym and agent clients (``gym()``, ``agent()``:
+    made when a probe needs them), its plain HTTP client, the calls the gateway holds, and the
+    model server the gateway is configured with (empty: the engine's, chosen for a probe)."""
 
-    genv: Any
-    agent: Any
+    gym: Callable[[], Any]
+    agent: Callable[[], Any]
     http: httpx.AsyncClient
     outages: Outages
     model_server: str = ""
@@ -207,7 +207,7 @@ class ServicePauses:
             raise ValueError("these pauses were made without probe targets")
         server = t.model_server or (str(choose_server()) if service == MODEL_SERVER else "")
         return probe_for(
-            service, self.config, genv=t.genv, agent=t.agent, http=t.http, task_id=task_id,
+            service, self.config, genv=t.gym(), agent=t.agent(), http=t.http, task_id=task_id,
             model_server=server, outages=t.outages,
         )  # fmt: skip
 
