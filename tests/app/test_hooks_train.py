@@ -76,7 +76,7 @@ def test_a_hook_that_always_raises_stops_the_training_through_failfast_naming_it
     # Stopped within the window: the rejections that tripped it, plus at most the episodes
     # already running when it did (4 groups of 2) and those ending during one poll and the stop.
     assert window <= rejected[0][1] <= window + 2 * 4 * 2, rejected
-    print(f"stopped after {took:.0f}s and {rejected[0][1]} rejected episodes")
+    print(f"stopped after {took:.0f}s and {rejected[0][1]} rejected episodes: {line}")
 
 
 @pytest.mark.timeout(900)
@@ -87,6 +87,9 @@ def test_a_workflow_that_overrides_only_the_reward_trains(tmp_path, tiny_vl_mode
             tmp_path, tiny_vl_model_dir, gym, agent,
             f"workflow={workflows.RewardPlusBonus.__module__}.RewardPlusBonus",
             "total_train_steps=1",
+            # The step alone: no baseline or eval pass (their episodes take the hook too).
+            "evaluator.eval_before_train=false",
+            "evaluator.freq_steps=null",
         )  # fmt: skip
         took = time.monotonic() - t0
     assert proc.returncode == 0, proc.stderr[-3000:]
