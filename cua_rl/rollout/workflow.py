@@ -35,6 +35,7 @@ from areal.api.workflow_api import RolloutWorkflow
 from cua_rl import reward as rewards
 from cua_rl.agent.spec import RunResult, RunSpec
 from cua_rl.clients.genv_answers import EvaluationResult
+from cua_rl.core.images import fetch_images
 from cua_rl.core.reasons import hook_reason
 from cua_rl.errors import ConfigError, RejectedEpisode
 from cua_rl.heap import hold_mmap_threshold
@@ -44,7 +45,7 @@ from cua_rl.rollout import observers as obs
 from cua_rl.rollout.groups import complete_groups  # noqa: F401  (an older dotted path)
 from cua_rl.rollout.runtime import EpisodeScope, RolloutRuntime
 from cua_rl.rollout.settings import WorkflowSettings
-from cua_rl.trajectory import ConversionResult, convert_turns, fetch_images, image_urls_needed
+from cua_rl.trajectory.rows import ConversionResult, convert_turns, image_urls_needed
 
 log = get_logger(__name__)
 
