@@ -8,7 +8,6 @@ drew another task forever). Minutes each: run them one at a time."""
 from __future__ import annotations
 
 import subprocess
-import sys
 import time
 from pathlib import Path
 
@@ -19,6 +18,7 @@ from cua_rl.sim.agent import AgentServer
 from cua_rl.sim.gym import GymServer
 from tests.app import workflows
 from tests.conftest import db_rows as _rows
+from tests.conftest import train_command
 
 ROOT = Path(__file__).resolve().parents[2]
 
@@ -26,20 +26,9 @@ pytestmark = pytest.mark.slow
 
 
 def _train(tmp_path: Path, model_dir, gym, agent, *overrides: str, timeout: int = 800):
-    return subprocess.run(
-        [
-            sys.executable, "-m", "examples.cua_agent.train",
-            "--config", "configs/local.yaml",
-            f"actor.path={model_dir}",
-            f"gym.base_url={gym.url}",
-            f"agent.base_url={agent.url}",
-            f"monitor.db_path={tmp_path / 'monitor.db'}",
-            f"cluster.fileroot={tmp_path / 'areal'}",
-            f"cluster.name_resolve.nfs_record_root={tmp_path / 'name_resolve'}",
-            *overrides,
-        ],
-        cwd=ROOT, capture_output=True, text=True, timeout=timeout,
-    )  # fmt: skip
+    monitor = f"monitor.db_path={tmp_path / 'monitor.db'}"
+    argv = train_command(model_dir, gym.url, agent.url, monitor, tmp_path, *overrides)
+    return subprocess.run(argv, cwd=ROOT, capture_output=True, text=True, timeout=timeout)
 
 
 @pytest.mark.timeout(900)
