@@ -380,6 +380,33 @@ class GenvClient:
             ) from None
         raise AssertionError("unreachable")
 
+    # -- box routes (the local gym's; docs/agent.md) -------------------------------------
+    async def screenshot(self, execution_id: str) -> dict:
+        """``POST /executions/{id}/screenshot``: ``{index, url, data_url, width, height}``."""
+        path = f"/executions/{quote(execution_id, safe='')}/screenshot"
+        data = await self._call("POST", path, f"screenshot {execution_id}", self.timeouts.request_s)
+        if not isinstance(data, dict):
+            raise GymError(f"screenshot {execution_id} answered a non-object", body=data)
+        return data
+
+    async def act(self, execution_id: str, action: dict) -> dict:
+        """``POST /executions/{id}/actions`` with ``{name, args}``: ``{ok, error, screen}`` and,
+        where the gym can tell, ``changed``. A 400 (an action the gym refuses) is answered as
+        ``{ok: false, error, status: 400}``, as the agent loop records it; never retried (an
+        action is not idempotent)."""
+        path = f"/executions/{quote(execution_id, safe='')}/actions"
+        try:
+            data = await self._call(
+                "POST", path, f"act on {execution_id}", self.timeouts.request_s, json=action
+            )
+        except GymError as e:
+            if e.status != 400:
+                raise
+            return {"ok": False, "error": str(e), "status": 400}
+        if not isinstance(data, dict):
+            raise GymError(f"act on {execution_id} answered a non-object", body=data)
+        return data
+
     # -- execution scope ------------------------------------------------------------------
     @asynccontextmanager
     async def execution(

@@ -157,6 +157,10 @@ class BrowserDevice:
     def label(self) -> str:
         return "ended" if self._ended else "task"
 
+    async def state_key(self) -> str:
+        """The page's state as its task sees it, hashed (``miniwob.STATE_KEY_JS``)."""
+        return await self._run("reading the page's state", self.page.evaluate(miniwob.STATE_KEY_JS))
+
     async def close(self) -> None:
         self._closed = True
         if self._closing is None:

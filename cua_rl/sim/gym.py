@@ -97,6 +97,14 @@ def _parser() -> argparse.ArgumentParser:
     p.add_argument("--log-level", default="warning")
     p.add_argument("--backend", default="phone", choices=BACKENDS)
     p.add_argument(
+        "--task-file",
+        action="append",
+        default=[],
+        metavar="FILE",
+        help="phone: a YAML file of tasks served beside the built-in ones (repeatable; "
+        "docs/gym.md, 'Tasks of your own')",
+    )
+    p.add_argument(
         "--tasks", default="", help="browser: comma-separated MiniWoB task names (default: all)"
     )
     p.add_argument("--scale", type=float, default=2.0, help="browser: pixels per CSS pixel")
@@ -137,6 +145,7 @@ def main(argv: list[str] | None = None) -> int:
             height=args.height,
             faults=faults,
             backend=args.backend,
+            task_files=args.task_file,
             browser=BrowserConfig(
                 scale=args.scale,
                 tasks=[t for t in args.tasks.split(",") if t],
@@ -149,6 +158,9 @@ def main(argv: list[str] | None = None) -> int:
         return 2
     try:
         server = GymServer(cfg, host=args.host, port=args.port, log_level=args.log_level)
+    except ConfigError as e:  # a task file's mistake, a missing browser
+        print(f"error: {e}", file=sys.stderr)
+        return 2
     except OSError as e:
         print(f"error: cannot listen on {args.host}:{args.port}: {e}", file=sys.stderr)
         return 2
