@@ -221,11 +221,14 @@ def _keyed(exc: BaseException, overrides: list[str], config_file: Path, file_key
     return f"{message} ({_source(key, overrides, config_file) if key else f'in {config_file}'})"
 
 
-def load_config(argv: list[str], config_cls: type | None = None, *, write: bool = True) -> Any:
+def load_config(
+    argv: list[str], config_cls: type | None = None, *, write: bool = True, needs_model: bool = True
+) -> Any:
     """``--config FILE [key=value ...]`` to the config object. Every mistake found is raised at
     once: one ConfigError, or ``ConfigProblems`` holding each (unknown keys, wrong types and the
     table's rows are all looked at before any is reported). ``write=False`` (``--check``) writes
-    nothing: no ``config.yaml``, no name_resolve folders."""
+    nothing: no ``config.yaml``, no name_resolve folders. ``needs_model=False`` (the audit, which
+    runs no policy) does not ask for ``actor.path``."""
     from omegaconf import OmegaConf
 
     if config_cls is None:
@@ -258,7 +261,7 @@ def load_config(argv: list[str], config_cls: type | None = None, *, write: bool 
     _drop(composed, [k for k, _ in unknown])
     where = _Where(overrides, config_file, file_keys, plain)
     lines = [where.line(p) for p in problems]
-    return _build(config_cls, composed, where, lines, write=write)
+    return _build(config_cls, composed, where, lines, write=write, needs_model=needs_model)
 
 
 class _Where:
@@ -344,7 +347,9 @@ def _structured(config_cls: type, cfg: Any, where: _Where, lines: list[ConfigErr
     raise AssertionError("not reached: lines holds the error just caught")
 
 
-def _build(config_cls: type, cfg: Any, where: _Where, lines: list, *, write: bool) -> Any:
+def _build(
+    config_cls: type, cfg: Any, where: _Where, lines: list, *, write: bool, needs_model: bool = True
+) -> Any:
     """AReaL's ``load_expr_config`` after composition, with the range table run on the merged
     config first so a bad count is named before AReaL's dataclasses trip over it, and the
     paths the run writes looked at before anything is written."""
@@ -355,7 +360,7 @@ def _build(config_cls: type, cfg: Any, where: _Where, lines: list, *, write: boo
     from omegaconf.errors import OmegaConfBaseException
 
     cfg = _structured(config_cls, cfg, where, lines)
-    found = where.unrepeated([*field_problems(cfg), *launch_problems(cfg)])
+    found = where.unrepeated([*field_problems(cfg), *launch_problems(cfg, needs_model=needs_model)])
     lines += [where.line(p) for p in found]
     ConfigProblems.raise_for(lines)
     try:

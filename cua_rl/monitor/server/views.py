@@ -17,7 +17,9 @@ import math
 from datetime import UTC, datetime
 from typing import Any
 
-from cua_rl.monitor.protocol import SOURCE_ID_COLUMNS, TERMINAL
+from cua_rl.audit.live import FREE_REWARD, FREE_REWARD_UNKNOWN, step_count
+from cua_rl.monitor.protocol import AUDIT_LABELS, AUDIT_VERDICTS, SOURCE_ID_COLUMNS, TERMINAL
+from cua_rl.monitor.server import audits
 from cua_rl.monitor.server.read import MonitorReader
 from cua_rl.monitor.server.rollout_view import (
     action_overlay,
@@ -175,6 +177,9 @@ def training_page(read: MonitorReader, training_id: int, *, now: datetime, stale
             s[f"ep_{key}"] = _metric(metrics, key)
         for key in ("row_images", "distinct_images", "encoded_images"):
             s[key] = _metric(metrics, key)
+        # Rewarded episodes in which no action changed the state (cua_rl/audit/live.py).
+        s["free_reward"] = step_count(metrics, FREE_REWARD)
+        s["free_reward_unknown"] = step_count(metrics, FREE_REWARD_UNKNOWN)
         s["ep_dropped"] = (
             s["ep_trained_tokens"] is not None
             and s["ep_sampled_tokens"] is not None
@@ -249,6 +254,9 @@ def training_charts(steps: list[dict], baseline_success: float | None) -> list[d
          "series": [["rollout", col("rollout_s")], ["logprobs", col("logp_s")],
                     ["train", col("train_s")], ["weight sync", col("weights_s")],
                     ["eval", col("eval_s")]]},
+        {"id": "free_reward", "title": "Rewarded episodes whose actions changed nothing", "x": x,
+         "series": [["no action changed the state", col("free_reward")],
+                    ["the gym did not say", col("free_reward_unknown")]]},
         {"id": "episodes", "title": "Episodes", "x": x,
          "series": [["accepted", col("accepted")], ["rejected", col("rejected")],
                     ["stopped", col("stopped")]]},
@@ -390,3 +398,42 @@ def status_history(read: MonitorReader, entity_type: str, entity_id: int) -> lis
         r["entity_type"] = entity_type
         r["entity_id"] = entity_id
     return rows
+
+
+# ---------------------------------------------------------------------------- verifier audits
+
+
+def audits_page(read: MonitorReader, *, limit: int = 200) -> dict:
+    """Every audit, newest first (``python -m cua_rl.audit``)."""
+    rows = audits.list_audits(read.conn(), limit=limit)
+    return {
+        "audits": rows,
+        "labels": AUDIT_LABELS,
+        "live": any(a["status"] == "running" for a in rows) or not rows,
+    }
+
+
+def audit_page(read: MonitorReader, audit_id: int) -> dict | None:
+    """One audit: its header, the counts per verdict, and each task's verdict with its flags
+    and each agent's rewarded runs (flagged tasks first)."""
+    audit = audits.get_audit(read.conn(), audit_id, runs=False)
+    if audit is None:
+        return None
+    agents = ("stop", "wait", "random", "infeasible", "replay", "ablation")
+    for t in audit["tasks"]:
+        summary, skipped = t["summary"] or {}, t["skipped"] or {}
+        t["agents"] = [
+            {"agent": a, **summary[a]} if a in summary else {"agent": a, "skipped": skipped.get(a)}
+            for a in agents
+        ]
+    counts = audit["counts"] or {}
+    if not counts:  # still running: count what arrived
+        for t in audit["tasks"]:
+            counts[t["verdict"]] = counts.get(t["verdict"], 0) + 1
+    return {
+        "audit": audit,
+        "agents": agents,
+        "counts": [(v, counts.get(v, 0)) for v in AUDIT_VERDICTS],
+        "labels": AUDIT_LABELS,
+        "live": audit["status"] == "running",
+    }
