@@ -18,8 +18,11 @@ import argparse
 import asyncio
 import logging
 import os
+import shlex
 import signal
+import subprocess
 import sys
+import tempfile
 import time
 import uuid
 from dataclasses import asdict
@@ -31,13 +34,15 @@ import httpx
 
 from cua_rl.errors import ConfigError, ServiceError, problem_lines
 
-USAGE = """usage: python -m cua_rl.audit --config FILE.yaml [key=value ...]
+USAGE = """usage: python -m cua_rl.audit --config FILE.yaml [--local-gym "GYM ARGS"] [key=value ...]
 
 Runs scripted agents (stop at once, wait, random actions, claim infeasible, replays of recorded
 successes or known solutions) on every task of the config's task source, through its gym, and
 flags verifiers that give free reward, reject their own success or are flaky. The audit's own
 settings are the config's audit section (audit.repeats=5, audit.agents=[stop,wait], ...);
-docs/audit.md says what each does. Exit 0: no task flagged; 1: a task flagged."""
+docs/audit.md says what each does. --local-gym starts the local gym with those arguments
+(python -m cua_rl.sim gym's: "--backend browser", "--task-file my-tasks.yaml") and audits its
+tasks instead of the config's gym. Exit 0: no task flagged; 1: a task flagged."""
 
 EXIT_FLAGGED, EXIT_CONFIG, EXIT_UNCHECKED = 1, 2, 3
 
@@ -51,6 +56,67 @@ def main(argv: list[str] | None = None) -> int:
         level=os.environ.get("CUA_RL_LOG_LEVEL", "WARNING"),
         format="%(asctime)s %(levelname)s %(name)s: %(message)s",
     )
+    parser = argparse.ArgumentParser(add_help=False)
+    parser.add_argument("--config", default="")
+    parser.add_argument("--local-gym", default=None)
+    known, rest = parser.parse_known_args(argv)
+    argv = ["--config", known.config, *rest] if known.config else rest
+    if known.local_gym is None:
+        return _audit(argv, known.config)
+    try:
+        gym = LocalGym(known.local_gym)
+    except ConfigError as exc:
+        print(f"config error: --local-gym: {exc}", file=sys.stderr)
+        return EXIT_CONFIG
+    with gym:
+        print(f"local gym: {gym.url}/api/v1/{gym.gym_id} (its log: {gym.log})", flush=True)
+        return _audit([*argv, f"gym.base_url={gym.url}", f"gym.gym_id={gym.gym_id}"], known.config)
+
+
+class LocalGym:
+    """``python -m cua_rl.sim gym ARGS`` on a free loopback port, as a process of its own (the
+    audit is product code: it runs the local stand-in by module name, it does not import it),
+    stopped with its process group at the end; it terminates every box still open as it stops."""
+
+    def __init__(self, args: str, timeout_s: float = 120.0):
+        self.log = Path(tempfile.mkstemp(prefix="cua-rl-audit-gym-", suffix=".log")[1])
+        cmd = [sys.executable, "-m", "cua_rl.sim", "gym", "--port", "0", *shlex.split(args)]
+        with open(self.log, "wb") as out:
+            self.proc = subprocess.Popen(
+                cmd, stdout=out, stderr=subprocess.STDOUT, start_new_session=True
+            )
+        deadline = time.monotonic() + timeout_s
+        while True:
+            text = self.log.read_text(errors="replace")
+            ready = [line for line in text.splitlines() if line.startswith("ready ")]
+            if ready:
+                self.url, self.gym_id = ready[0].split()[1].split("/api/v1/")
+                return
+            if self.proc.poll() is not None or time.monotonic() > deadline:
+                self.stop()
+                lines = text.strip().splitlines() or ["no output"]
+                raise ConfigError(f"the local gym did not start: {lines[-1]}")
+            time.sleep(0.1)  # a poll of the gym's own ready line
+
+    def __enter__(self) -> LocalGym:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.stop()
+
+    def stop(self) -> None:
+        if self.proc.poll() is None:
+            os.killpg(self.proc.pid, signal.SIGTERM)
+            try:
+                self.proc.wait(60)
+            except subprocess.TimeoutExpired:
+                os.killpg(self.proc.pid, signal.SIGKILL)
+                self.proc.wait(10)
+        if self.proc.returncode == 0:  # stopped cleanly: nothing in its log to keep
+            self.log.unlink(missing_ok=True)
+
+
+def _audit(argv: list[str], config_path: str) -> int:
     from cua_rl.app import config_load
     from cua_rl.app.config import CUAConfig
 
@@ -60,9 +126,6 @@ def main(argv: list[str] | None = None) -> int:
         for line in problem_lines(exc):
             print(f"config error: {line}", file=sys.stderr)
         return EXIT_CONFIG
-    parser = argparse.ArgumentParser(add_help=False)
-    parser.add_argument("--config", default="")
-    config_path = parser.parse_known_args(argv)[0].config
     try:
         return asyncio.run(_interruptible(config, config_path))
     except ConfigError as exc:

@@ -1,10 +1,12 @@
 """Training leaves out the tasks an audit flagged (``curriculum.skip_flagged``, off by default).
 
-The flagged tasks come from the audit's JSON report (``curriculum.audit_file``) or, without one,
-from the newest completed audit of the training's gym (``gym.gym_id``) that its monitor recorded:
-over HTTP at ``monitor.base_url``, or read from the embedded monitor's ``monitor.db_path``. A
-switch that finds no audit is a configuration error (training on unaudited tasks while asking
-to leave out the flagged ones would say nothing); tasks the audit never saw train as usual.
+They are left out of the train and eval tasks ``gym.selection`` picks (after it, so a selection
+may name a flagged task). The flagged tasks come from the audit's JSON report
+(``curriculum.audit_file``) or, without one, from the newest completed audit of the training's
+gym (``gym.gym_id``) that its monitor recorded: over HTTP at ``monitor.base_url``, or read from
+the embedded monitor's ``monitor.db_path``. A switch that finds no audit is a configuration
+error (training on unaudited tasks while asking to leave out the flagged ones would say
+nothing); tasks the audit never saw train as usual.
 """
 
 from __future__ import annotations
@@ -16,9 +18,9 @@ from typing import Any
 
 import httpx
 
-from cua_rl.errors import ConfigError
+from cua_rl.errors import ConfigError, TaskSelectionError
 from cua_rl.monitor.protocol import AUDIT_FLAGS
-from cua_rl.tasks import Task
+from cua_rl.tasks import Task, TaskSplit, select_tasks
 
 
 @dataclass(frozen=True)
@@ -100,22 +102,39 @@ def from_monitor(config: Any) -> Flagged:
     return Flagged(flagged, f"audit {audit['client_id']} in the monitor at {where}")
 
 
-def leave_out_flagged(config: Any, tasks: list[Task]) -> tuple[list[Task], Flagged | None]:
-    """``tasks`` without the flagged ones when ``curriculum.skip_flagged`` is on."""
+def flagged_of(config: Any) -> Flagged | None:
+    """The flagged tasks ``curriculum.skip_flagged`` leaves out (None when it is off)."""
     c = config.curriculum
     if not c.skip_flagged:
-        return tasks, None
-    flagged = from_file(c.audit_file) if c.audit_file else from_monitor(config)
-    return [t for t in tasks if t.id not in flagged.tasks], flagged
+        return None
+    return from_file(c.audit_file) if c.audit_file else from_monitor(config)
 
 
-def left_out_line(tasks: list[Task], kept: list[Task], flagged: Flagged) -> str:
-    gone = [t.id for t in tasks if t.id in flagged.tasks]
+def select_unflagged(config: Any, tasks: list[Task]) -> tuple[TaskSplit, str]:
+    """``gym.selection``'s split, then without the flagged tasks; the line that says what was
+    left out ("" when the switch is off). Left out after the selection, so a selection may name
+    a flagged task; a train split left empty is an error that says so."""
+    split = select_tasks(tasks, config.gym.selection)
+    flagged = flagged_of(config)
+    if flagged is None:
+        return split, ""
+    kept = TaskSplit(
+        [t for t in split.train if t.id not in flagged.tasks],
+        [t for t in split.eval if t.id not in flagged.tasks],
+    )
+    selected = {t.id for t in (*split.train, *split.eval)}
+    gone = sorted(t for t in selected if t in flagged.tasks)
+    if not kept.train:
+        raise TaskSelectionError(
+            f"every train task the selection picks is flagged by the audit ({', '.join(gone)}; "
+            f"{flagged.source}): fix them (docs/audit.md), select others, or set "
+            "curriculum.skip_flagged=false"
+        )
     if not gone:
-        return f"audit: no task of this source is flagged ({flagged.source})"
+        return kept, f"audit: no selected task is flagged ({flagged.source})"
     names = ", ".join(f"{t} ({flagged.tasks[t]})" for t in gone[:10])
     more = f", ... {len(gone) - 10} more" if len(gone) > 10 else ""
-    return (
-        f"audit: leaving out {len(gone)} flagged tasks of {len(tasks)}: {names}{more} "
-        f"(curriculum.skip_flagged, from {flagged.source})"
+    return kept, (
+        f"audit: leaving out {len(gone)} flagged of the {len(selected)} selected tasks: "
+        f"{names}{more} (curriculum.skip_flagged, from {flagged.source})"
     )

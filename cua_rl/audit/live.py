@@ -1,14 +1,17 @@
 """The live free-reward signal: rewarded training episodes in which no action changed the state.
 
-Each episode that ends (cancelled ones aside) adds, under AReaL's rollout stats scope, whether it
-was rewarded (the verifier's score before shaping is positive, or it succeeded) while none of its
-actions changed the device's state (``cua_rl.audit.state``: the gym's ``changed`` per action):
-``cua/free_reward``. An episode rewarded while the gym said nothing about its actions' effect is
-``cua/free_reward_unknown``, and any episode whose effect is unknown ``cua/state_unknown``: a gym
-that gives no state is said so, never counted as changed or unchanged. AReaL averages scalars over
-a step's episodes and keeps their number (``<key>__count``), so a step's count of free-reward
-episodes is the mean times that number (``step_count``); the trainer logs a warning line for a
-step that has any, the demo's progress line shows it, and the dashboard draws it per step.
+Each episode that ends (cancelled ones aside) is judged with ``cua_rl.audit.state``: rewarded
+(the verifier's score before shaping is positive, or it succeeded) while none of its actions
+changed the device's state (the gym's ``changed`` per action) is *free reward*; rewarded while the
+gym said nothing of its actions' effect is *unknown*: a gym that gives no state is said so, never
+counted as changed or unchanged. Two records of it:
+
+- the rollout's own, in the monitor (``state_effect``, ``free_reward``, ``free_reward_unknown``,
+  kept in its extra fields): the dashboard counts a step's marked rollouts, its curve;
+- AReaL's rollout stats (``cua/free_reward``, ``cua/free_reward_unknown``, ``cua/state_unknown``):
+  AReaL averages them over the episodes that ended since the step before (its rollout
+  controller keeps no count of them), so a step's value is their share; the trainer logs a
+  warning line for a step with any, as does the demo's progress.
 """
 
 from __future__ import annotations
@@ -26,10 +29,11 @@ STATE_UNKNOWN = "rollout/cua/state_unknown"
 
 
 class FreeRewardObserver:
-    """The episode's free-reward scalars, under the stats ``scope`` read at its start."""
+    """The episode's free-reward scalars under the stats ``scope`` read at its start, and its
+    marks on its rollout (``recorder``: the episode's ``RolloutRecorder``)."""
 
-    def __init__(self, scope: str):
-        self.scope = scope
+    def __init__(self, scope: str, recorder):
+        self.scope, self.recorder = scope, recorder
         self.effect = UNKNOWN
         self.ran = False
 
@@ -42,7 +46,13 @@ class FreeRewardObserver:
         elif kind == "Ended" and event.outcome != "cancelled":
             from areal.utils import stats_tracker
 
-            stats_tracker.get(self.scope).scalar(**episode_scalars(event, self.effect, self.ran))
+            scalars = episode_scalars(event, self.effect, self.ran)
+            stats_tracker.get(self.scope).scalar(**scalars)
+            await self.recorder.note(
+                state_effect=self.effect if self.ran else None,
+                free_reward=int(scalars["cua/free_reward"]),
+                free_reward_unknown=int(scalars["cua/free_reward_unknown"]),
+            )
 
 
 def episode_scalars(ended, effect: str, ran: bool) -> dict[str, float]:
@@ -56,24 +66,21 @@ def episode_scalars(ended, effect: str, ran: bool) -> dict[str, float]:
     }
 
 
-def step_count(stats: Mapping[str, float], key: str = FREE_REWARD) -> int | None:
-    """Episodes of a step's stats that had ``key`` (its mean times its number); None without."""
-    mean, n = stats.get(key), stats.get(f"{key}__count")
-    if not isinstance(mean, int | float) or not isinstance(n, int | float):
-        return None
-    return round(mean * n)
+def step_share(stats: Mapping[str, float], key: str = FREE_REWARD) -> float | None:
+    """The share of a step's episodes (those that ended since the step before) with ``key``."""
+    value = stats.get(key)
+    return float(value) if isinstance(value, int | float) else None
 
 
 def warning_line(step: int, stats: Mapping[str, float]) -> str | None:
     """The step's warning when rewarded episodes changed nothing (None when none did)."""
-    free = step_count(stats)
-    if not free:
+    share = step_share(stats)
+    if not share:
         return None
-    n = step_count(stats, "rollout/cua/accepted") or 0
     return (
-        f"warning: step {step}: {free} of {n} episodes were rewarded though no action of theirs "
-        "changed the state (free reward?): audit the tasks with python -m cua_rl.audit "
-        "--config <this config> (docs/audit.md)"
+        f"warning: step {step}: {share:.0%} of the episodes that ended since the step before "
+        "were rewarded though no action of theirs changed the state (free reward?): audit the "
+        "tasks with python -m cua_rl.audit --config <this config> (docs/audit.md)"
     )
 
 

@@ -12,7 +12,8 @@ flaky verifier. The agents:
   answer only);
 - ``replay``: a known success, as the gym ran it (a recorded success from the warehouse, or the
   task's own solution), and its ``ablation``\\ s: the same with one action removed that changed
-  the state when the success was replayed.
+  the state when the success was replayed; and, for a success that changed the state and gave a
+  final answer, ``answer``: that answer at once, with none of its actions.
 """
 
 from __future__ import annotations
@@ -169,6 +170,15 @@ def _play(actions: Sequence[Action]) -> tuple[tuple[dict, ...], str | None]:
         if body is not None:
             steps.append(body)
     return tuple(steps), None
+
+
+def answer_only(replay: Plan) -> Plan | None:
+    """The replay's final answer at once, with none of its actions (None: it has no answer)."""
+    if not replay.answer:
+        return None
+    return Plan(
+        "answer", replay.key, (), replay.answer, source=replay.source, replay_key=replay.key
+    )
 
 
 def ablations(replay: Plan, changed: Sequence[int], most: int) -> list[Plan]:

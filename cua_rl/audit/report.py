@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import json
 import sys
+import time
 from collections import Counter
 from collections.abc import Sequence
 from pathlib import Path
@@ -19,7 +20,7 @@ from typing import Any, TextIO
 from cua_rl.audit.session import TaskResult
 from cua_rl.audit.verdict import LABELS, VERDICTS
 
-AGENT_ORDER = ("stop", "wait", "random", "infeasible", "replay", "ablation")
+AGENT_ORDER = ("stop", "wait", "random", "infeasible", "replay", "ablation", "answer")
 
 
 def agents_line(result: TaskResult) -> str:
@@ -41,13 +42,14 @@ class Progress:
     def __init__(self, total: int, out: TextIO = sys.stdout, width: int = 24):
         self.total, self.out, self.done = total, out, 0
         self.width = width  # the longest task id
+        self.started = time.monotonic()
 
     def task(self, result: TaskResult) -> None:
         self.done += 1
         label = LABELS[result.verdict.verdict]
         print(
             f"[{self.done:>{len(str(self.total))}}/{self.total}] {result.task.id:<{self.width}} "
-            f"{label:<24} {agents_line(result)}  {result.seconds:.1f}s",
+            f"{label:<24} {agents_line(result)}  (at {time.monotonic() - self.started:.0f}s)",
             file=self.out,
             flush=True,
         )

@@ -11,7 +11,6 @@ runs, whose boxes are terminated on the way out, and reports the tasks it finish
 from __future__ import annotations
 
 import asyncio
-import time
 from collections.abc import Awaitable, Callable
 from dataclasses import dataclass, field
 from typing import Any
@@ -113,7 +112,6 @@ class Audit:
         return sorted(self.results, key=lambda r: order[r.task.id])
 
     async def audit_task(self, task: Task) -> TaskResult:
-        t0 = time.monotonic()
         detail = await self._detail(task)
         todo = await self.plans(task, detail)
         runs = await self._run_all(task, todo.plans)
@@ -121,11 +119,14 @@ class Audit:
         for replay in replays:
             plan = next(p for p in todo.plans if p.name == replay.plan)
             extra = P.ablations(plan, replay.changed_steps(), self.config.max_ablations)
+            answer = P.answer_only(plan) if replay.changed_steps() else None
+            extra += [answer] if answer is not None else []
             todo.plans += extra
             runs += await self._run_all(task, extra)
         self._note_missing_routes(runs, todo.skipped)
         result = TaskResult(task, judge(runs), runs, todo.plans, todo.skipped, todo.notes)
-        result.seconds = time.monotonic() - t0
+        # What the task cost: its runs' box time (its runs wait on the bound with the others').
+        result.seconds = sum(r.seconds for r in runs)
         self.results.append(result)
         self.on_task(result)
         return result

@@ -2,7 +2,8 @@
 
 Flags, in the order the verdict names the first:
 
-- ``free_reward``: a run that does nothing is rewarded (``stop``, ``wait``, ``infeasible``), a
+- ``free_reward``: a run that does nothing is rewarded (``stop``, ``wait``, ``infeasible``, or
+  ``answer``: the final answer of a success that changed the state, without its actions), a
   random run is rewarded though none of its actions changed the state, or a replayed success
   stays rewarded, as much as before, with any one of its state-changing actions removed (no
   single one of them is needed: the reward does not follow from what the agent did). One
@@ -35,6 +36,7 @@ DO_NOTHING = {
     "stop": "stopping at once",
     "wait": "looking at the screen, then stopping",
     "infeasible": "answering at once that the task cannot be done",
+    "answer": "giving a known success's final answer at once, with none of its actions,",
 }
 
 

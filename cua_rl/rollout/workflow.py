@@ -143,7 +143,7 @@ class CUAAgentWorkflow(RolloutWorkflow):
         emit = obs.Observers(
             live,
             obs.StatsObserver(workflow_context.stat_scope(), s.phase, runtime.outcomes),
-            FreeRewardObserver(workflow_context.stat_scope()),
+            FreeRewardObserver(workflow_context.stat_scope(), recorder),
             obs.PauseObserver(runtime.pause_for, s.phase, lambda: engine.choose_server()),
             *self.observers(task, recorder),
         )

@@ -332,7 +332,12 @@ class BrowserBackend:
                 "scale": cfg.scale,
                 "episode_max_time_s": cfg.episode_max_time_s,
             },
-            "evaluation": {"reward": cfg.reward, "validators": [{"id": "miniwob_reward"}]},
+            # The page's own reward function decides; it reads no final answer.
+            "evaluation": {
+                "reward": cfg.reward,
+                "validators": [{"id": "miniwob_reward"}],
+                "reads_answer": False,
+            },
         }
 
     async def open(self, task_id: str, seed: int) -> BrowserDevice:

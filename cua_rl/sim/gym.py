@@ -119,8 +119,8 @@ def _parser() -> argparse.ArgumentParser:
     return p
 
 
-def main(argv: list[str] | None = None) -> int:
-    args = _parser().parse_args(argv)
+def config_of(args: argparse.Namespace) -> SimGymConfig:
+    """The command line's ``SimGymConfig`` (a ``ConfigError`` names what is wrong)."""
     faults = {}
     for op in OPS:
         f = {
@@ -133,26 +133,36 @@ def main(argv: list[str] | None = None) -> int:
         }
         if any(f.values()):
             faults[op] = f
+    return SimGymConfig(
+        gym_id=args.gym_id,
+        seed=args.seed,
+        max_live=args.max_live,
+        idle_ttl_s=args.idle_ttl,
+        screenshot_retention_s=args.screenshot_retention,
+        screenshot_spill_dir=args.screenshot_spill_dir,
+        width=args.width,
+        height=args.height,
+        faults=faults,
+        backend=args.backend,
+        task_files=args.task_file,
+        browser=BrowserConfig(
+            scale=args.scale,
+            tasks=[t for t in args.tasks.split(",") if t],
+            reward=args.reward,
+            episode_max_time_s=args.episode_max_time,
+        ),
+    )
+
+
+def parse_config(argv: list[str]) -> tuple[argparse.Namespace, SimGymConfig]:
+    """``python -m cua_rl.sim gym``'s arguments and the config they give."""
+    args = _parser().parse_args(argv)
+    return args, config_of(args)
+
+
+def main(argv: list[str] | None = None) -> int:
     try:
-        cfg = SimGymConfig(
-            gym_id=args.gym_id,
-            seed=args.seed,
-            max_live=args.max_live,
-            idle_ttl_s=args.idle_ttl,
-            screenshot_retention_s=args.screenshot_retention,
-            screenshot_spill_dir=args.screenshot_spill_dir,
-            width=args.width,
-            height=args.height,
-            faults=faults,
-            backend=args.backend,
-            task_files=args.task_file,
-            browser=BrowserConfig(
-                scale=args.scale,
-                tasks=[t for t in args.tasks.split(",") if t],
-                reward=args.reward,
-                episode_max_time_s=args.episode_max_time,
-            ),
-        )
+        args, cfg = parse_config(argv)
     except ConfigError as e:
         print(f"error: {e}", file=sys.stderr)
         return 2

@@ -108,6 +108,21 @@ def _answer(value: str) -> Check:
     return check
 
 
+def _answer_from_calculator(value: str) -> Check:
+    """The answer states ``value`` and the calculator shows it: an answer computed elsewhere (the
+    instruction gives the sum away) earns nothing. The audit found the plain answer check paying
+    half the task's reward for answering at once, with no action (docs/gym.md)."""
+    stated = _answer(value)
+
+    def check(s: PhoneState, a: str | None) -> tuple[bool, str]:
+        ok, msg = stated(s, a)
+        if ok and s.calc_result != value:
+            return False, f"{msg}, but the calculator shows {s.calc_result!r}, not {value!r}"
+        return ok, msg
+
+    return check
+
+
 def _set(**kw: object) -> Callable[[PhoneState], None]:
     def setup(s: PhoneState) -> None:
         for k, v in kw.items():
@@ -240,7 +255,10 @@ TASKS: tuple[SimTask, ...] = (
         "calculator",
         "Compute 37*3 with the Calculator and give the result as your final answer.",
         _set(),
-        (V("calculator_result", 1, _calc("111")), V("answer", 1, _answer("111"), True)),
+        (
+            V("calculator_result", 1, _calc("111")),
+            V("answer", 1, _answer_from_calculator("111"), True),
+        ),
     ),
 )
 

@@ -1,5 +1,5 @@
-"""Fixtures for the audit: a real local gym serving the planted task file, a genv client for it,
-and a config file that points the training's config at that gym (what a user audits with)."""
+"""Fixtures for the audit: the gym area's real local gym and genv client, serving the planted task
+file, and the training's config pointed at that gym (what a user audits with)."""
 
 from __future__ import annotations
 
@@ -10,10 +10,10 @@ import pytest
 from cua_rl.audit.config import AuditConfig
 from cua_rl.audit.session import Audit
 from cua_rl.clients.genv import GenvClient
-from cua_rl.sim.gym import GymServer, SimGymConfig
+from cua_rl.sim.gym import SimGymConfig
 from cua_rl.tasks import load_tasks_gym
 from tests.audit import planted
-from tests.gym.conftest import FAST
+from tests.gym.conftest import genv, gym, http  # noqa: F401  (fixtures, on gym_config below)
 
 HERE = Path(__file__).parent
 REPO = HERE.parents[1]
@@ -24,26 +24,20 @@ COIN_SEED = 0
 
 @pytest.fixture
 def gym_config():
+    """The gym area's ``gym`` and ``genv`` fixtures serve the planted task file."""
     return SimGymConfig(task_files=[str(PLANTED)])
 
 
-@pytest.fixture
-def gym(gym_config):
+@pytest.fixture(autouse=True)
+def _seeded_coin():
+    """The planted coin starts afresh in every test (the gym runs in this process)."""
     planted.reset(COIN_SEED)
-    with GymServer(gym_config) as server:
-        yield server
 
 
-@pytest.fixture
-async def genv(gym):
-    async with GenvClient(gym.url, gym.gym_id, timeouts=FAST) as client:
-        yield client
-
-
-async def run_audit(genv: GenvClient, names: list[str], concurrency: int = 4, **settings):
+async def run_audit(client: GenvClient, names: list[str], concurrency: int = 4, **settings):
     """``Audit.run`` on the tasks named (ids), with the audit settings given."""
-    tasks = {t.id: t for t in await load_tasks_gym(genv)}
-    audit = Audit(AuditConfig(**settings), genv, concurrency)
+    tasks = {t.id: t for t in await load_tasks_gym(client)}
+    audit = Audit(AuditConfig(**settings), client, concurrency)
     results = await audit.run([tasks[n] for n in names])
     return audit, {r.task.id: r for r in results}
 

@@ -12,8 +12,8 @@ import pytest
 
 from tests.audit.conftest import run_audit
 
-PLANTED = ["user-free-start", "user-coin-flip", "user-wrong-field", "user-clean-wifi"]
-PLANTED += ["user-clean-note"]
+PLANTED = ["user-free-start", "user-coin-flip", "user-wrong-field", "user-free-answer"]
+PLANTED += ["user-clean-wifi", "user-clean-note"]
 
 
 async def test_planted_faults_are_flagged_and_clean_tasks_are_not(gym, genv):
@@ -23,6 +23,7 @@ async def test_planted_faults_are_flagged_and_clean_tasks_are_not(gym, genv):
         "user-free-start": "free_reward",
         "user-coin-flip": "flaky",
         "user-wrong-field": "rejects_success",
+        "user-free-answer": "free_reward",
         "user-clean-wifi": "clean",
         "user-clean-note": "clean",
     }
@@ -72,6 +73,19 @@ async def test_the_oracles_replay_rejected_by_a_wrong_validator(gym, genv):
     # The replay did change the state: Settings opened, Wi-Fi switched on.
     replay = next(r for r in result.runs if r.plan == "replay:solution")
     assert replay.effects == ["changed", "changed"]
+
+
+async def test_an_answer_that_pays_without_the_actions_is_free_reward(gym, genv):
+    """The solution's answer at once, no action: the plain answer check pays half (the
+    instruction gives the product away); sim-013 had this check before the audit found it."""
+    _, results = await run_audit(genv, ["user-free-answer", "sim-013-calc-answer"])
+    (flag,) = results["user-free-answer"].verdict.flags
+    assert flag.kind == "free_reward" and flag.agent == "answer"
+    assert "rewarded in 3 of 3 runs (score 0.5;" in flag.message
+    assert flag.evidence["effect"] == "unchanged"
+    fixed = results["sim-013-calc-answer"]
+    assert fixed.verdict.verdict == "clean"
+    assert fixed.verdict.summary["answer"] == {"runs": 3, "rewarded": 0, "errors": 0}
 
 
 async def test_each_state_changing_step_of_a_replay_is_removed_once(gym, genv):

@@ -22,12 +22,11 @@ import pytest
 
 from cua_rl.app import config_load
 from cua_rl.app.config import CUAConfig
-from cua_rl.audit.flagged import leave_out_flagged
+from cua_rl.audit.flagged import select_unflagged
 from cua_rl.errors import ConfigError
 from cua_rl.sim.gym import Fault, GymServer, SimGymConfig
 from cua_rl.tasks import load_tasks_gym
-from tests.audit import planted
-from tests.audit.conftest import COIN_SEED, PLANTED, REPO, audit_config
+from tests.audit.conftest import PLANTED, REPO, audit_config
 from tests.monitor.conftest import MonitorProcess
 from tests.monitor.test_dashboard_browser import Browser
 
@@ -45,7 +44,6 @@ def run(cmd: list[str], timeout: float = 600) -> subprocess.CompletedProcess:
 
 @pytest.fixture
 def planted_gym():
-    planted.reset(COIN_SEED)
     with GymServer(SimGymConfig(task_files=[str(PLANTED)])) as server:
         yield server
 
@@ -63,20 +61,20 @@ def test_flagged_tasks_exit_1_with_a_report_a_monitor_record_and_a_page(planted_
     )
     assert proc.returncode == 1, proc.stdout + proc.stderr
     lines = proc.stdout.splitlines()
-    assert lines[0].startswith("auditing 5 tasks of gym 'sim' at http://127.0.0.1:")
+    assert lines[0].startswith("auditing 6 tasks of gym 'sim' at http://127.0.0.1:")
     progress = [line for line in lines if line.startswith("[")]
-    assert len(progress) == 5 and progress[-1].startswith("[5/5] ")
+    assert len(progress) == 6 and progress[-1].startswith("[6/6] ")
     assert "flagged tasks:" in lines
     summary = next(line for line in lines if line.startswith("audited "))
-    assert summary.endswith(": 1 free reward, 1 rejects its own success, 1 flaky, 2 clean")
+    assert summary.endswith(": 2 free reward, 1 rejects its own success, 1 flaky, 2 clean")
     assert "boxes terminated" in summary
     assert lines[-1] == f"report: {out}"
 
     report = json.loads(out.read_text())
     head = report["audit"]
-    assert head["status"] == "completed" and head["tasks"] == head["audited"] == 5
+    assert head["status"] == "completed" and head["tasks"] == head["audited"] == 6
     assert head["counts"] == {
-        "free_reward": 1,
+        "free_reward": 2,
         "rejects_success": 1,
         "flaky": 1,
         "clean": 2,
@@ -102,7 +100,7 @@ def test_flagged_tasks_exit_1_with_a_report_a_monitor_record_and_a_page(planted_
         headers = monitor.headers()
         audits = httpx.get(f"{monitor.base_url}/api/audits", headers=headers).json()["audits"]
         assert [(a["client_id"], a["status"], a["flagged"]) for a in audits] == [
-            (head["id"], "completed", 3)
+            (head["id"], "completed", 4)
         ]
         one = httpx.get(f"{monitor.base_url}/api/audits/{audits[0]['id']}", headers=headers)
         verdicts = {t["task_id"]: t["verdict"] for t in one.json()["audit"]["tasks"]}
@@ -111,29 +109,33 @@ def test_flagged_tasks_exit_1_with_a_report_a_monitor_record_and_a_page(planted_
     finally:
         monitor.stop()
 
-    # A training with curriculum.skip_flagged leaves them out: from the report, or the monitor.
+    # A training with curriculum.skip_flagged leaves them out of what its selection picks: from
+    # the report, or from the monitor.
     tasks = asyncio.run(_planted_tasks(planted_gym))
+    flagged = {"user-free-start", "user-coin-flip", "user-wrong-field", "user-free-answer"}
     for source in (f"curriculum.audit_file={out}", f"monitor.db_path={db}"):
-        config = config_load.load_config(
-            audit_config(tmp_path, planted_gym.url, "curriculum.skip_flagged=true", source),
-            CUAConfig,
-            write=False,
-            needs_model=False,
-        )
-        kept, flagged = leave_out_flagged(config, tasks)
-        assert set(flagged.tasks) == {"user-free-start", "user-coin-flip", "user-wrong-field"}
-        assert {t.id for t in tasks} - {t.id for t in kept} == set(flagged.tasks)
-    config = config_load.load_config(
-        audit_config(
-            tmp_path, planted_gym.url, "curriculum.skip_flagged=true", "gym.gym_id=other",
-            f"monitor.db_path={db}",
-        ),
-        CUAConfig,
-        write=False,
-        needs_model=False,
+        config = _training_config(tmp_path, planted_gym, "curriculum.skip_flagged=true", source)
+        split, line = select_unflagged(config, tasks)
+        assert {t.id for t in split.train} == {"user-clean-wifi", "user-clean-note"}
+        assert line.startswith("audit: leaving out 4 flagged of the 6 selected tasks: ")
+        assert all(t in line for t in flagged)
+    config = _training_config(
+        tmp_path, planted_gym, "curriculum.skip_flagged=true", f"monitor.db_path={db}",
+        "gym.gym_id=other",
     )  # fmt: skip
     with pytest.raises(ConfigError, match="holds no completed audit of gym 'other'"):
-        leave_out_flagged(config, tasks)
+        select_unflagged(config, tasks)
+    config = _training_config(
+        tmp_path, planted_gym, "curriculum.skip_flagged=true", f"curriculum.audit_file={out}",
+        "gym.selection.task_names=[user-free-start]",
+    )  # fmt: skip
+    with pytest.raises(ConfigError, match="every train task the selection picks is flagged"):
+        select_unflagged(config, tasks)
+
+
+def _training_config(tmp_path, gym, *overrides: str):
+    args = audit_config(tmp_path, gym.url, "gym.selection.task_names=[user-]", *overrides)
+    return config_load.load_config(args, CUAConfig, write=False, needs_model=False)
 
 
 async def _planted_tasks(gym):
@@ -153,11 +155,11 @@ def _page_shows_the_verdicts(tmp_path, monitor, audit_id: int) -> None:
             page.click("button[type=submit]")
         page.wait_for_load_state("networkidle")
         rows = page.locator("tr.audit-task")
-        assert rows.count() == 5
+        assert rows.count() == 6
         # Flagged tasks first, each with its verdict and the flag's evidence.
-        first = rows.nth(0)
-        assert first.locator(".verdict").inner_text() == "free reward"
-        assert "stopping at once is rewarded in 3 of 3 runs" in first.inner_text()
+        assert rows.nth(0).locator(".verdict").inner_text() == "free reward"
+        free = page.locator("tr.audit-task", has_text="user-free-start")
+        assert "stopping at once is rewarded in 3 of 3 runs" in free.inner_text()
         assert page.locator("tr.audit-task.clean").count() == 2
         page.screenshot(path=str(tmp_path / "audit-page.png"), full_page=True)
         page.goto(f"{monitor.base_url}/audits")

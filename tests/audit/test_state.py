@@ -7,7 +7,7 @@ from types import SimpleNamespace
 
 import pytest
 
-from cua_rl.audit.live import episode_scalars, step_count, warning_line
+from cua_rl.audit.live import episode_scalars, step_share, warning_line
 from cua_rl.audit.state import action_effect, episode_effect, rewarded, run_effect
 
 
@@ -81,16 +81,14 @@ def test_an_episodes_free_reward_scalars():
     assert episode_scalars(_ended(False, 1.0, True), "unchanged", True)["cua/free_reward"] == 0.0
 
 
-def test_a_steps_count_is_the_mean_times_the_number_and_warns_when_positive():
-    stats = {
-        "rollout/cua/free_reward": 0.25,
-        "rollout/cua/free_reward__count": 8,
-        "rollout/cua/accepted": 1.0,
-        "rollout/cua/accepted__count": 8,
-    }
-    assert step_count(stats) == 2
+def test_a_step_with_free_reward_warns_with_its_share():
+    stats = {"rollout/cua/free_reward": 0.25, "rollout/cua/accepted": 1.0}
+    assert step_share(stats) == 0.25
     line = warning_line(3, stats)
-    assert line.startswith("warning: step 3: 2 of 8 episodes were rewarded though no action")
+    assert line.startswith(
+        "warning: step 3: 25% of the episodes that ended since the step before were rewarded "
+        "though no action of theirs changed the state"
+    )
     assert "python -m cua_rl.audit" in line
     assert warning_line(3, {**stats, "rollout/cua/free_reward": 0.0}) is None
-    assert step_count({"rollout/cua/free_reward": 0.25}) is None  # no number: not a count
+    assert warning_line(3, {"rollout/cua/accepted": 1.0}) is None  # not measured: no warning

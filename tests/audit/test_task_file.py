@@ -28,14 +28,6 @@ async def act(http, gym, eid: str, name: str, **args) -> dict:
     return r.json()
 
 
-@pytest.fixture
-async def http():
-    import httpx
-
-    async with httpx.AsyncClient(timeout=10) as client:
-        yield client
-
-
 async def test_the_files_tasks_are_served_beside_the_built_in_ones(genv):
     listed = {t["task_id"]: t for t in await genv.list_tasks()}
     assert {t.task_id for t in TASKS} < set(listed)
@@ -46,9 +38,10 @@ async def test_the_files_tasks_are_served_beside_the_built_in_ones(genv):
         "user-wrong-field",
         "user-clean-wifi",
         "user-clean-note",
+        "user-free-answer",
     ]
     # Numbered after the built-in tasks, in file order; tagged with their level and app.
-    assert [t["task_number"] for t in user.values()] == [21, 22, 23, 24, 25]
+    assert [t["task_number"] for t in user.values()] == [21, 22, 23, 24, 25, 26]
     assert user["user-clean-note"]["tags"] == ["user", "notes"]
     detail = await genv.get_task("user-clean-note")
     assert detail["solution"][2] == 'type("buy eggs")'

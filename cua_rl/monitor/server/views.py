@@ -17,7 +17,6 @@ import math
 from datetime import UTC, datetime
 from typing import Any
 
-from cua_rl.audit.live import FREE_REWARD, FREE_REWARD_UNKNOWN, step_count
 from cua_rl.monitor.protocol import AUDIT_LABELS, AUDIT_VERDICTS, SOURCE_ID_COLUMNS, TERMINAL
 from cua_rl.monitor.server import audits
 from cua_rl.monitor.server.read import MonitorReader
@@ -68,6 +67,7 @@ ACTIVE_TRAINING = ("pending", "initializing", "running", "paused")
 HEARTBEAT_LOST = "heartbeat lost"
 FINISHED = TERMINAL["rollout"]
 _NO_OUTCOMES = {"accepted": 0, "rejected": 0, "stopped": 0, "running": 0}
+_NO_FREE_REWARD = {"free_reward": 0, "free_reward_unknown": 0}
 
 
 def parse_time(value: Any) -> datetime | None:
@@ -167,6 +167,7 @@ def training_page(read: MonitorReader, training_id: int, *, now: datetime, stale
         else:
             per["running"] += r["n"]
 
+    free = read.free_reward_counts(training_id)
     eval_by_step = {e["step"]: e for e in evals}
     for s in steps:
         metrics = _json(s.pop("metrics_json")) or {}
@@ -177,9 +178,8 @@ def training_page(read: MonitorReader, training_id: int, *, now: datetime, stale
             s[f"ep_{key}"] = _metric(metrics, key)
         for key in ("row_images", "distinct_images", "encoded_images"):
             s[key] = _metric(metrics, key)
-        # Rewarded episodes in which no action changed the state (cua_rl/audit/live.py).
-        s["free_reward"] = step_count(metrics, FREE_REWARD)
-        s["free_reward_unknown"] = step_count(metrics, FREE_REWARD_UNKNOWN)
+        # Its rollouts rewarded while no action changed the state (cua_rl/audit/live.py).
+        s.update(free.get(s["id"], _NO_FREE_REWARD))
         s["ep_dropped"] = (
             s["ep_trained_tokens"] is not None
             and s["ep_sampled_tokens"] is not None
@@ -419,7 +419,7 @@ def audit_page(read: MonitorReader, audit_id: int) -> dict | None:
     audit = audits.get_audit(read.conn(), audit_id, runs=False)
     if audit is None:
         return None
-    agents = ("stop", "wait", "random", "infeasible", "replay", "ablation")
+    agents = ("stop", "wait", "random", "infeasible", "replay", "ablation", "answer")
     for t in audit["tasks"]:
         summary, skipped = t["summary"] or {}, t["skipped"] or {}
         t["agents"] = [
