@@ -46,7 +46,7 @@ from cua_rl.areal.support import check_areal
 from cua_rl.audit.flagged import select_unflagged
 from cua_rl.audit.live import step_share
 from cua_rl.errors import ConfigError, ServiceError, problem_lines
-from cua_rl.logs import get_logger
+from cua_rl.logs import get_logger, warnings_only
 from cua_rl.monitor.worker.training import TrainingMonitor
 from cua_rl.tasks import to_dataset
 
@@ -67,10 +67,12 @@ def split_argv(argv: list[str]) -> tuple[bool, list[str]]:
     return known.check, rest
 
 
-def load_config(argv: list[str], *, write: bool = True) -> CUAConfig:
+def load_config(argv: list[str], *, write: bool = True, launch: bool = False) -> CUAConfig:
     # AReaL's load_expr_config, with known fields settable without "+" and every mistake one
-    # line (config_load.py); write=False for --check, which writes nothing.
-    return config_load.load_config(argv, CUAConfig, write=write)
+    # line (config_load.py); write=False for --check, which writes nothing; launch=True adds
+    # what the values point at on this machine (model folder and family, workflow, gateway:
+    # preflight.py), for a launch and --check alike.
+    return config_load.load_config(argv, CUAConfig, write=write, launch=launch)
 
 
 def config_errors(exc: ConfigError) -> int:
@@ -373,17 +375,17 @@ def main(argv: list[str] | None = None) -> int:
         # --check writes nothing, the workflow module's bytecode cache included.
         sys.dont_write_bytecode = True
     try:
-        config = load_config(rest, write=not check)
+        config = load_config(rest, write=not check, launch=True)
     except ConfigError as exc:
         return config_errors(exc)
     if check:
-        return run_check(config)
+        # Its report is its table: a client's retry lines (the gym's while it is down) would
+        # land among its lines, and the line of the service they are about says the outcome.
+        with warnings_only():
+            return run_check(config)
     try:
         # Before anything starts: a local GPU run without CUDA would fail in the workers.
         use_cpu_harness(config, cuda_available())
-        from cua_rl.app.family import check_family
-
-        check_family(config)
     except ConfigError as exc:
         return config_errors(exc)
     try:

@@ -116,7 +116,7 @@ def box_routes_missing(runs: list[Run]) -> bool:
     return bool(runs) and all(
         r.error is not None
         and " answered 404" in r.error
-        and ("gym screenshot" in r.error or "gym act on" in r.error)
+        and ("gym screenshot " in r.error or "gym action " in r.error)
         for r in runs
     )
 

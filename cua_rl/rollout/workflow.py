@@ -156,7 +156,7 @@ class CUAAgentWorkflow(RolloutWorkflow):
             ),
             open_box=lambda t: runtime.clients.gym().execution(t.task_id),
             build_run_spec=self.build_run_spec,
-            run_agent=runtime.run_agent,
+            run_agent=lambda spec: runtime.run_agent(spec, task),
             compute_reward=self.compute_reward,
             build_rows=self.build_rows,
         )

@@ -27,8 +27,8 @@ from cua_rl.errors import ConfigError
 from cua_rl.sim.gym import Fault, GymServer, SimGymConfig
 from cua_rl.tasks import load_tasks_gym
 from tests.audit.conftest import PLANTED, REPO, audit_config
+from tests.monitor.browser import Browser, login
 from tests.monitor.conftest import MonitorProcess
-from tests.monitor.test_dashboard_browser import Browser
 
 pytestmark = pytest.mark.slow
 
@@ -148,12 +148,9 @@ async def _planted_tasks(gym):
 def _page_shows_the_verdicts(tmp_path, monitor, audit_id: int) -> None:
     browser = Browser(tmp_path / "profile")
     try:
+        login(browser, monitor.base_url, monitor.token)
         page = browser.page
         page.goto(f"{monitor.base_url}/audits/{audit_id}")
-        page.fill("#token", monitor.token)
-        with page.expect_navigation():
-            page.click("button[type=submit]")
-        page.wait_for_load_state("networkidle")
         rows = page.locator("tr.audit-task")
         assert rows.count() == 6
         # Flagged tasks first, each with its verdict and the flag's evidence.
