@@ -136,3 +136,33 @@ async def test_the_shipped_phone_tasks_are_clean(gym, genv):
     assert all(r.verdict.verdict == "clean" for r in results.values())
     assert all(r.verdict.summary["replay"]["rewarded"] == 3 for r in results.values())
     assert audit.executions()["open"] == 0 and gym.gym.live == {}
+
+
+async def test_a_gym_without_box_routes_gets_the_agents_that_need_none(gym):
+    """A gym serving the genv routes only (no screenshot, no actions: the production genv's are
+    not known here): stop and claim-infeasible still judge the task, the agents that act are
+    n/a with the gym's answer, and every box they opened is terminated."""
+    import httpx
+
+    from cua_rl.clients.genv import GenvClient
+    from tests.agent.conftest import FaultyTransport
+    from tests.gym.conftest import FAST
+
+    def no_box_routes(request: httpx.Request, _n: int):
+        if request.url.path.endswith(("/screenshot", "/actions")):
+            return lambda _real: httpx.Response(404, json={"detail": "Not Found"}, request=request)
+        return None
+
+    transport = FaultyTransport(no_box_routes)
+    async with httpx.AsyncClient(transport=transport) as http:
+        async with GenvClient(gym.url, gym.gym_id, client=http, timeouts=FAST) as genv:
+            audit, results = await run_audit(genv, ["user-free-start", "user-coin-flip"])
+    free, coin = results["user-free-start"], results["user-coin-flip"]
+    assert free.verdict.verdict == "free_reward"  # stopping at once is enough to tell
+    assert set(free.verdict.summary) == {"stop"}
+    for agent in ("wait", "random", "replay"):
+        assert free.skipped[agent].startswith("the gym serves no box routes"), free.skipped
+    assert coin.verdict.summary["infeasible"]["runs"] == 3
+    assert coin.verdict.verdict == "clean"
+    assert transport.injected > 0 and gym.gym.live == {}
+    assert audit.executions()["open"] == 0
