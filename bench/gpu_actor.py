@@ -20,7 +20,10 @@ cua's against AReaL's. Every statistic goes through ``export_stats``'s real all-
 tensor reaching NCCL fails the step, and the bench names each statistic made on the CPU.
 
 ``--smoke`` first runs ``--check``'s GPU step (``cua_rl.testing.gpu_step``) for each tiny
-family and prints its check lines.
+family (Qwen3-VL first, untied and tied, then with AReaL's vision path; then Qwen2-VL,
+Qwen2.5-VL and Qwen3-VL-MoE), bf16 with gradient checkpointing, each with its recompute check
+(the same update with and without checkpointing, gradients compared), and prints its check
+lines.
 
 On a lent GPU machine with PyTorch and CUDA but nothing else (docs/gpu.md has the recipe: AReaL
 1.0.4 and its light imports carried as py3.12 wheels; Ray and the trackers, which the actor never
@@ -55,7 +58,6 @@ RESULTS: list[dict] = []
 LAYOUTS = {"full": None, "window-3": 3, "current": 1, "window-5": 5}
 # Imported at module level by AReaL but never called by the actor; stand-ins where missing.
 STUBBED = ("ray", "wandb", "swanlab", "trackio", "tensorboardX", "gradio_client", "pyecharts")
-SMOKE_FAMILIES = ("qwen2-vl", "qwen3-vl")
 
 
 def _stand_in(name: str) -> type:
@@ -335,23 +337,38 @@ def note_cpu_statistics() -> None:
 
 
 def smoke() -> None:
-    """--check's GPU step (cua_rl.testing.gpu_step), as the check prints it, per family."""
+    """--check's GPU step (cua_rl.testing.gpu_step), as the check prints it, per family: each a
+    PPO step in bf16 with gradient checkpointing and its recompute check (the same update with
+    and without checkpointing, gradients compared), MAI-UI's family first, untied as MAI-UI-8B
+    and tied as Qwen3-VL-2B."""
     from cua_rl.app.check_gpu import step_lines
     from cua_rl.areal.vision import VisionSection
     from cua_rl.testing.gpu_step import run
 
-    # Qwen3-VL failed its step on an H200 (2026-11-27: layer_norm "expected scalar type Float but
-    # found BFloat16" in a vision block recomputed by gradient checkpointing); the two variants
-    # after it tell whether checkpointing or cua-rl's vision path is the trigger.
-    variants = [(family, {}) for family in SMOKE_FAMILIES] + [
-        ("qwen3-vl", {"gradient_checkpointing": False}),
+    # Qwen3-VL stopped here on an H200 (2026-11-27) before cua_rl/areal/recompute.py: the
+    # recompute of torch <= 2.12 left a vision block's input in fp32.
+    variants = [
+        ("qwen3-vl", {}),
+        ("qwen3-vl", {"tied": True}),
         ("qwen3-vl", {"vision": VisionSection(dedup=False).__dict__, "selective": False}),
+        ("qwen2-vl", {}),
+        ("qwen2.5-vl", {}),
+        ("qwen3-vl-moe", {}),
+        # The control: the same Qwen3-VL step without the rule, which the node's torch must
+        # stop (<= 2.12) or pass (>= 2.13) on its own: it says which torch behaviour is here.
+        ("qwen3-vl", {"control": "rule off"}),
     ]
+    import cua_rl.areal.actor as actor_module
+
+    rule = actor_module.cast_recomputed_inputs
     for family, change in variants:
+        control = change.pop("control", "")
+        actor_module.cast_recomputed_inputs = (lambda model: 0) if control else rule
         spec = {
             "family": family,
+            "tied": False,
             "dtype": "bfloat16",
-            "attn_impl": "flash_attention_2" if family == "qwen3-vl" else "sdpa",
+            "attn_impl": "sdpa",
             "vision": VisionSection().__dict__,
             "selective": True,
             "gradient_checkpointing": True,
@@ -360,10 +377,15 @@ def smoke() -> None:
             result = run(spec)
         except Exception as exc:
             result = {"ok": False, "error": f"{type(exc).__name__}: {str(exc)[:400]}"}
-        RESULTS.append(dict(smoke=family, **result))
+        finally:
+            actor_module.cast_recomputed_inputs = rule
+        RESULTS.append(dict(smoke=family, spec=spec, control=control, **result))
         dump()
         for line in step_lines(spec, result):
-            log(line.line())
+            log(
+                (f"[control, {control}: expected to fail on torch <= 2.12] " if control else "")
+                + line.line()
+            )
 
 
 def main() -> None:

@@ -186,6 +186,20 @@ def to_gym_action(action: Action) -> dict | None:
     return {"name": action.name, "args": {}}
 
 
+def event_args_of_gym_action(action: dict) -> dict:
+    """gbox-mini-agent's ``action.args`` for a gym action body (``{name, args}``, what
+    ``to_gym_action`` makes): the args a parsed call of the same action records, so an agent that
+    acts on the box directly (``agent.mode: function``) is recorded as the loop is. A body
+    outside this language keeps its own args."""
+    name, args = action.get("name"), action.get("args")
+    args = dict(args) if isinstance(args, dict) else {}
+    params = {"text": args.get("text")} if name == "type" else args
+    try:
+        return to_event_args(Action(name=str(name), params=params))
+    except (KeyError, TypeError, ValueError):
+        return args
+
+
 _TEXT = '"[a-z ]{0,12}"'
 # Longest string the regex admits (swipe with four 4-digit numbers and ", " separators).
 REGEX_MAX_CHARS = len("swipe(9999, 9999, 9999, 9999)")

@@ -1,11 +1,13 @@
 """``--check``'s GPU step: one real PPO step on this node's first GPU before a cluster is spent.
 
-What only a GPU shows (NCCL refusing a CPU tensor, the attention kernels, bf16) shows here: on a
-machine with CUDA the check runs ``cua_rl.testing.gpu_step`` in a process of its own on the first
-visible GPU, with the config's dtype, ``attn_impl``, vision deduplication, selective logits and
-gradient checkpointing, on a tiny random model of ``actor.path``'s family, and reports one line
-per missing piece with its fix (flash-attn that does not import, a step that fails). Without
-CUDA, or with ``cpu: true``, it says it skipped the step and names what it would have run.
+What only a GPU shows (NCCL refusing a CPU tensor, the attention kernels, bf16, the node's torch
+recomputing checkpointed layers) shows here: on a machine with CUDA the check runs
+``cua_rl.testing.gpu_step`` in a process of its own on the first visible GPU, with the config's
+dtype, ``attn_impl``, vision deduplication, selective logits and gradient checkpointing, on a tiny
+random model of ``actor.path``'s family with its word embeddings tied or untied as the
+checkpoint's are, and reports one line per missing piece with its fix (flash-attn that does not
+import, a step that fails, a recompute whose gradients differ from the forward's). Without CUDA,
+or with ``cpu: true``, it says it skipped the step and names what it would have run.
 """
 
 from __future__ import annotations
@@ -32,9 +34,10 @@ TINY_KIND = {
 }
 
 
-def step_spec(config: Any, family: str) -> dict[str, Any]:
+def step_spec(config: Any, family: str, tied: bool = False) -> dict[str, Any]:
     return {
         "family": family,
+        "tied": tied,
         "dtype": config.actor.dtype,
         "attn_impl": config.actor.attn_impl,
         "vision": asdict(config.actor.vision),
@@ -46,6 +49,7 @@ def step_spec(config: Any, family: str) -> dict[str, Any]:
 def describe(spec: dict[str, Any]) -> str:
     vision = spec["vision"]
     parts = [
+        f"{'tied' if spec['tied'] else 'untied'} embeddings",
         spec["dtype"],
         f"attn_impl {spec['attn_impl']}",
         f"vision dedup {'on' if vision['dedup'] else 'off'}"
@@ -106,8 +110,25 @@ def step_lines(spec: dict[str, Any], result: dict[str, Any]) -> list[CheckResult
         f"{describe(spec)}{ran} on {result.get('device')} under {result.get('backend')} in "
         f"{result.get('step_s')} s{peak}{vision}"
     )
+    recompute = result.get("recompute")
+    if recompute is not None:
+        detail += (
+            f"; checkpointed gradients within {recompute['max_rel']:.1e} of the forward's "
+            f"(tolerance {recompute['tolerance']:.1e})"
+        )
     if not result.get("loss_finite", False):
         lines.append(CheckResult("gpu-step", False, f"{detail}: the loss is not finite"))
+    elif recompute is not None and not recompute["ok"]:
+        lines.append(
+            CheckResult(
+                "gpu-step",
+                False,
+                f"{detail}: gradient checkpointing recomputes something the forward did not "
+                f"(largest difference in {recompute['worst']}); set "
+                "actor.gradient_checkpointing=false and report this with the node's torch "
+                f"version ({result.get('torch')})",
+            )
+        )
     elif spec["selective"] and not result.get("selective"):
         lines.append(CheckResult("gpu-step", False, f"{detail}: selective logits fell back"))
     else:
@@ -126,7 +147,7 @@ def gpu_check(
     except Exception:
         family = None  # the family line says why
     name = family.name if family is not None else ""
-    spec = step_spec(config, name)
+    spec = step_spec(config, name, family.tied_embeddings if family is not None else False)
     if config.cpu:
         return [CheckResult.skip("gpu-step", "cpu=true trains on the CPU harness")]
     if not cuda:

@@ -18,12 +18,14 @@ from urllib.parse import urlsplit
 from areal.api.cli_args import GRPOConfig, vLLMConfig
 
 from cua_rl.agent.builtin import check_model_options
+from cua_rl.agent.function import load_agent_function
 from cua_rl.app.config_checks import FieldError, check_fields
 from cua_rl.app.failfast import FailFastConfig
 from cua_rl.app.placement import check_placement
 from cua_rl.areal.logits import LogitsConfig
 from cua_rl.areal.support import check_areal_version
 from cua_rl.areal.vision import CuaActorConfig, vision_packing_warning
+from cua_rl.audit.config import AuditConfig
 from cua_rl.core.fields import doc
 from cua_rl.curriculum.selector import CurriculumConfig
 from cua_rl.errors import ConfigError, ConfigProblems
@@ -176,7 +178,11 @@ class CUAConfig(GRPOConfig):
         factory=CuaActorConfig,
     )
     gym: GymSection = doc(help="The gym server", factory=GymSection)
-    agent: AgentSection = doc(help="The gbox-mini-agent service", factory=AgentSection)
+    agent: AgentSection = doc(
+        help="The agent: a gbox-mini-agent service, the built-in loop, or your own Python "
+        "function (agent.mode)",
+        factory=AgentSection,
+    )
     endpoint: EndpointSection = doc(help="Model endpoint the agent calls", factory=EndpointSection)
     trajectory: TrajectoryConfig = doc(
         help="Event log -> training row policies", factory=TrajectoryConfig
@@ -225,6 +231,11 @@ class CUAConfig(GRPOConfig):
         help="Where the rollout workers start the inference server from (docs/gpu.md)",
         factory=InferenceSection,
     )
+    audit: AuditConfig = doc(
+        help="The verifier audit (python -m cua_rl.audit, docs/audit.md): scripted agents run "
+        "on every task of the gym section's task source, before they train a policy",
+        factory=AuditConfig,
+    )
     cpu: bool = doc(
         False,
         "Train on this machine's CPU with the harness in cua_rl/cpu (make demo, make learn, "
@@ -254,6 +265,7 @@ class CUAConfig(GRPOConfig):
             self._validate_sampling,
             self._validate_workflow,
             self._validate_endpoint,
+            self._validate_agent_function,
             self._validate_model_endpoint,
             self._validate_normalisation,
             self.validate_curriculum,
@@ -310,6 +322,30 @@ class CUAConfig(GRPOConfig):
             self._validate_gateway()
         if self.agent.mode == "builtin":
             check_model_options(self.agent.model_options, self.agent.action_space)
+
+    def _validate_agent_function(self) -> None:
+        """agent.mode=function: the callable imports here (the workers import it the same way),
+        and its model calls go through the gateway, which records their tokens."""
+        if self.agent.mode != "function":
+            return
+        if not self.agent.function.strip():
+            raise FieldError(
+                "agent.function",
+                "agent.function='' must be set with agent.mode=function: your agent as "
+                "'package.module:callable', e.g. "
+                "agent.function=examples.cua_agent.openai_agent:run",
+            )
+        if self.endpoint.mode != "gateway":
+            raise FieldError(
+                "endpoint.mode",
+                f"endpoint.mode={self.endpoint.mode!r} with agent.mode=function: a function's "
+                "model calls are trained from what the rollout gateway captures; set "
+                "endpoint.mode=gateway",
+            )
+        try:
+            load_agent_function(self.agent.function)
+        except ConfigError as exc:
+            raise FieldError("agent.function", str(exc)) from exc
 
     def _validate_inference(self) -> None:
         self.inference.check(self)

@@ -15,11 +15,13 @@ from __future__ import annotations
 import argparse
 import io
 import os
+import re
 import shlex
 import signal
 import sqlite3
 import subprocess
 import sys
+import threading
 import time
 from datetime import datetime
 from pathlib import Path
@@ -31,6 +33,8 @@ from cua_rl.serving import bind_free_port
 from cua_rl.testing.cache import FAMILY_KINDS
 
 ROOT = Path(__file__).resolve().parents[2]
+# The agent function `--agent-mode function` trains unless an override names another.
+EXAMPLE_AGENT = "examples.cua_agent.openai_agent:run"
 
 
 class Child:
@@ -124,13 +128,28 @@ def launcher_parser(prog: str, description: str, config: str, run_dir: str):
     parser.add_argument("--run-dir", default="", help=f"default {run_dir}")
     parser.add_argument(
         "--agent-mode",
-        choices=("service", "builtin"),
+        choices=("service", "builtin", "function"),
         default="service",
         help="service: start the local agent service and give episodes to it; builtin: start "
-        "none, the rollout workers run the agent loop themselves (agent.mode)",
+        "none, the rollout workers run the agent loop themselves; function: start none, the "
+        f"rollout workers call a Python agent (agent.function, by default {EXAMPLE_AGENT}, "
+        "written with the openai SDK) (agent.mode)",
     )
     parser.add_argument("overrides", nargs="*", help="extra key=value overrides for train.py")
     return parser
+
+
+def _example_agent(args) -> bool:
+    """Whether ``--agent-mode function`` trains the example: no override names a function."""
+    named = any(o.startswith("agent.function=") for o in args.overrides)
+    return args.agent_mode == "function" and not named
+
+
+def agent_function(args) -> str:
+    """The agent function of ``--agent-mode function``: an ``agent.function=`` override's, else
+    the example's."""
+    given = [o.split("=", 1)[1] for o in args.overrides if o.startswith("agent.function=")]
+    return given[-1] if given else EXAMPLE_AGENT
 
 
 def parse_args(argv: list[str] | None) -> argparse.Namespace:
@@ -212,6 +231,9 @@ def start_services(args, db_path: Path, log_dir: Path, children: list[Child]) ->
     if args.agent_mode == "builtin":
         print("[demo] agent    builtin: run by the rollout workers", flush=True)
         return {"monitor": monitor_url, "gym": gym_url, "agent": ""}
+    if args.agent_mode == "function":
+        print(f"[demo] agent    {agent_function(args)}: called by the rollout workers", flush=True)
+        return {"monitor": monitor_url, "gym": gym_url, "agent": ""}
     agent_cmd = [py, "-m", "cua_rl.sim", "agent", "--port", "0"]
     agent = Child("agent", [*agent_cmd, "--step-latency", str(args.step_latency)], log_dir)
     children.append(agent)
@@ -220,17 +242,34 @@ def start_services(args, db_path: Path, log_dir: Path, children: list[Child]) ->
     return {"monitor": monitor_url, "gym": gym_url, "agent": agent_url}
 
 
+# Terminal colour and style sequences (CSI ... m): AReaL's logger writes them whatever the
+# stream, and a log file read with less, grep or an editor shows them as noise.
+ANSI_STYLE = re.compile(rb"\x1b\[[0-9;]*m")
+
+
+def copy_plain(source, log_file) -> None:
+    """Each line of ``source`` into ``log_file`` without colour sequences, as it comes."""
+    for line in iter(source.readline, b""):
+        log_file.write(ANSI_STYLE.sub(b"", line))
+        log_file.flush()
+
+
 def run_trainer(cmd: list[str], train_log: Path, progress: DemoProgress, env: dict) -> int:
-    """train.py in its own session, its output in ``train_log``, progress ticking meanwhile."""
+    """train.py in its own session, its output in ``train_log`` (colour codes left out),
+    progress ticking meanwhile."""
     with open(train_log, "wb") as log_file:
         proc = subprocess.Popen(
             cmd,
             cwd=ROOT,
-            stdout=log_file,
+            stdout=subprocess.PIPE,
             stderr=subprocess.STDOUT,
             start_new_session=True,
             env=env,
         )
+        copier = threading.Thread(
+            target=copy_plain, args=(proc.stdout, log_file), name="train-log", daemon=True
+        )
+        copier.start()
         try:
             while proc.poll() is None:
                 progress.tick()
@@ -253,6 +292,9 @@ def run_trainer(cmd: list[str], train_log: Path, progress: DemoProgress, env: di
             if proc.poll() is None:
                 os.killpg(proc.pid, signal.SIGKILL)
                 proc.wait(10)
+            # The pipe ends when the trainer's process group has closed it; a worker it left
+            # behind would hold it open, so the copy is waited for a while, not for ever.
+            copier.join(30)
 
 
 def train(
@@ -283,6 +325,8 @@ def train(
         f"gym.base_url={urls['gym']}",
         f"agent.mode={args.agent_mode}",
         *([f"agent.base_url={urls['agent']}"] if urls["agent"] else []),
+        # The example, unless an override names the function (a key may be given once).
+        *([f"agent.function={EXAMPLE_AGENT}"] if _example_agent(args) else []),
         # The builtin loop settles after each action as the local agent service does.
         f"agent.builtin.step_latency_s={args.step_latency}",
         f"monitor.base_url={urls['monitor']}",

@@ -8,7 +8,9 @@ engine (actor, reference, teacher) is made from a class defined here or in a mod
 it: ``CuaPPOActor`` (AReaL's ``FSDPPPOActor`` with the vision deduplication of
 ``cua_rl.areal.vision_dedup``, switched by ``actor.vision.dedup``) when ``logits.selective`` is
 off, ``logits_engine.SelectiveLogitsPPOActor`` (its subclass) when on. So an optimisation switch
-never decides whether a fix applies. ``CuaPPOActor.ppo_update`` returns the heap's free pages after
+never decides whether a fix applies. With gradient checkpointing, ``CuaPPOActor.initialize``
+makes each checkpointed layer's recompute cast its inputs as the forward did, which torch <= 2.12
+does not (``cua_rl.areal.recompute``). ``CuaPPOActor.ppo_update`` returns the heap's free pages after
 each update (``cua_rl.heap``); ``compute_advantages`` keeps each row's own images (AReaL's would
 hand every row a copy of the whole batch's).
 
@@ -29,6 +31,7 @@ from areal.utils.environ import is_single_controller
 
 from cua_rl.areal.attention import keep_packed_sequences_apart
 from cua_rl.areal.positions import fix_qwen2_5_vl_image_positions
+from cua_rl.areal.recompute import cast_recomputed_inputs
 from cua_rl.areal.vision_dedup import VisionDedupMixin
 from cua_rl.heap import hold_mmap_threshold, release_free_memory
 
@@ -45,6 +48,15 @@ class CuaPPOActor(VisionDedupMixin, FSDPPPOActor):
     """AReaL's FSDP PPO actor with each distinct screenshot of a micro-batch through the vision
     tower once (``actor.vision``, ``cua_rl.areal.vision_dedup``); its module applies the
     trainer-side fixes on import."""
+
+    def initialize(self, *args, **kwargs):
+        result = super().initialize(*args, **kwargs)
+        if self.config.gradient_checkpointing:
+            # The recompute casts as the forward did on every torch, not only >= 2.13
+            # (cua_rl/areal/recompute.py).
+            hooked = cast_recomputed_inputs(self.model)
+            self.logger.info(f"recompute casts as the forward: {hooked} FSDP units hooked")
+        return result
 
     def compute_advantages(self, data: list[dict[str, Any]], *args, **kwargs) -> list[dict]:
         # AReaL's batched_call splits the batch back into rows with split_and_unpad_tensor,

@@ -336,6 +336,30 @@ RELIANCES: tuple[Reliance, ...] = (
         "cua_rl/areal/attention.py calls it once per packed sequence",
         params=("module", "query", "key", "value", "attention_mask"),
     ),
+    # A checkpointed layer's recompute casts as its forward did (cua_rl/areal/recompute.py):
+    # which layers checkpointing wraps, and each FSDP unit's own cast.
+    Reliance(
+        "transformers.modeling_layers",
+        "GradientCheckpointingLayer",
+        "cua_rl/areal/recompute.py finds the recomputed layers by",
+    ),
+    Reliance(
+        "torch.distributed.fsdp",
+        "FSDPModule._get_fsdp_state",
+        "cua_rl/areal/recompute.py calls (a unit's mixed-precision policy)",
+    ),
+    Reliance(
+        "torch.distributed.fsdp._fully_shard._fsdp_state",
+        "FSDPState._mp_policy",
+        "cua_rl/areal/recompute.py reads",
+        set_by="init",
+    ),
+    Reliance(
+        "torch.distributed.fsdp._fully_shard._fsdp_common",
+        "_cast_fp_tensor",
+        "cua_rl/areal/recompute.py calls (FSDP2's own cast)",
+    ),
+    Reliance("torch.distributed.utils", "_apply_to_tensors", "cua_rl/areal/recompute.py calls"),
     Reliance("torch.distributed.rendezvous", "_create_c10d_store", "cua_rl/cpu/loopback.py wraps"),
     Reliance(
         "torch.distributed.rendezvous",

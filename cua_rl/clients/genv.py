@@ -380,6 +380,38 @@ class GenvClient:
             ) from None
         raise AssertionError("unreachable")
 
+    async def screenshot(self, execution_id: str) -> dict:
+        """``POST /executions/{id}/screenshot``, a box route (docs/agent.md): ``{url, data_url,
+        width, height}``. Not retried: an agent asks again if it wants to."""
+        path = f"/executions/{quote(execution_id, safe='')}/screenshot"
+        data = await self._call("POST", path, f"screenshot {execution_id}", self.timeouts.request_s)
+        if not isinstance(data, dict) or not all(
+            isinstance(data.get(k), int) for k in ("width", "height")
+        ):
+            raise GymError(
+                f"screenshot {execution_id} answered no {{url, data_url, width, height}}",
+                body=data,
+            )
+        return data
+
+    async def act(self, execution_id: str, action: dict) -> dict:
+        """``POST /executions/{id}/actions`` with the gym's ``{name, args}``, a box route: the
+        gym's answer (``{ok, error}``). A refused action (400: an off-screen tap, an unknown
+        key) is the agent's mistake, not the gym's failure: it comes back as ``{"ok": False,
+        "error": <the gym's message>, "status": 400}``. Never retried (an action is not
+        idempotent)."""
+        path = f"/executions/{quote(execution_id, safe='')}/actions"
+        op = f"action {action.get('name')!r} on {execution_id}"
+        try:
+            data = await self._call("POST", path, op, self.timeouts.request_s, json=action)
+        except GymError as e:
+            if e.status != 400:
+                raise
+            body = e.body if isinstance(e.body, dict) else {}
+            error = next((str(body[k]) for k in ("detail", "error", "message") if body.get(k)), "")
+            return {"ok": False, "error": (error or str(e))[:300], "status": 400}
+        return data if isinstance(data, dict) else {"ok": True, "answer": data}
+
     # -- execution scope ------------------------------------------------------------------
     @asynccontextmanager
     async def execution(

@@ -17,7 +17,7 @@ from collections.abc import Callable
 import httpx
 
 from cua_rl.gateway.app import create_app
-from cua_rl.gateway.capture import EpisodeCapture
+from cua_rl.gateway.capture import CapturedTurn, EpisodeCapture
 from cua_rl.gateway.config import GatewayConfig
 from cua_rl.gateway.model_outages import Outages
 from cua_rl.gateway.session import EpisodeSession, SessionSpec
@@ -106,6 +106,12 @@ class Gateway:
         with self._lock:
             session = self._episodes.pop(episode_id)
         return session.close()
+
+    def captured(self, episode_id: str) -> list[CapturedTurn]:
+        """The calls an open episode has captured so far (each is in the list before its answer
+        leaves the gateway); none once it is closed."""
+        session = self._lookup(episode_id)
+        return list(session.capture.turns) if session is not None else []
 
     @property
     def open_episodes(self) -> int:

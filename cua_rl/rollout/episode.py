@@ -4,7 +4,7 @@
 
     task ─► the model endpoint: this episode's gateway session (or, direct mode, a server URL)
          ─► box: the gym creates an execution, terminated on every exit
-              ─► agent run (the agent service, or the built-in loop) at that endpoint ─► RunResult
+              ─► agent run (the agent service, the built-in loop or an agent function) ─► RunResult
               ─► evaluation of the box                                          ─► EvaluationResult
          ─► captured calls: the gateway's capture and the agent's turns         ─► CapturedCalls
          ─► reward: the evaluation and the calls                                ─► RewardOutcome

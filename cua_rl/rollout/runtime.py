@@ -9,7 +9,8 @@ builds its own and passes it to the workflow. It owns:
 
 - the gateway (started on first use), the model-server outages it holds calls through and the
   engine's weight-update pauses (``cua_rl.gateway``);
-- the service clients (``ServiceClients``: gym, agent service or built-in agent loop, monitor),
+- the service clients (``ServiceClients``: gym, agent service or built-in agent loop, monitor)
+  and, with ``agent.mode: function``, the user's agent function, imported once,
   per event loop: httpx clients are bound to the loop they were made on, and AReaL may run
   episodes on a new loop after a restart;
 - the service pauses, per event loop (``service_pauses``: new episodes wait while a service
@@ -35,6 +36,7 @@ from typing import Any
 import httpx
 
 from cua_rl.agent.builtin import run_builtin
+from cua_rl.agent.function import AgentTask, FunctionRun, load_agent_function, run_function
 from cua_rl.agent.loop import AgentLoop, LoopConfig
 from cua_rl.agent.service_driver import RunDriver
 from cua_rl.agent.spec import RunResult, RunSpec
@@ -48,7 +50,7 @@ from cua_rl.logs import get_logger
 from cua_rl.monitor.worker.client import MonitorClient, MonitorClientConfig
 from cua_rl.rollout import groups
 from cua_rl.rollout.drain import Drain
-from cua_rl.rollout.episode import ModelEndpoint
+from cua_rl.rollout.episode import EpisodeTask, ModelEndpoint
 from cua_rl.rollout.outcomes import OutcomeLog
 from cua_rl.rollout.service_pauses import (
     MODEL_SERVER,
@@ -69,7 +71,7 @@ ENGINE_ATTRIBUTE = "cua_rl_runtime"
 def runtime_key(s: WorkflowSettings) -> str:
     """The settings a runtime is made of (the rest is per episode: phase, sampling, rows...)."""
     monitor = (s.monitor_base_url, s.monitor_token, s.monitor_spool_path)
-    agent = (s.agent.mode, s.agent.base_url, s.agent.builtin, s.agent.driver)
+    agent = (s.agent.mode, s.agent.base_url, s.agent.builtin, s.agent.driver, s.agent.function)
     return repr(
         (s.gym.base_url, s.gym.gym_id, s.gym.timeouts, agent, monitor, s.gateway, s.pause)
         + (s.drain, s.group, s.outcome_dir, s.training_ref)
@@ -201,6 +203,7 @@ class RolloutRuntime:
         self.groups = groups.GroupFilter(settings.group, self.replay, notes=self._notes)
         self._client_factory = client_factory
         self._gateway: Gateway | None = None
+        self._agent_function: Callable[..., Any] | None = None
         self._pauses: weakref.WeakKeyDictionary[asyncio.AbstractEventLoop, ServicePauses] = (
             weakref.WeakKeyDictionary()
         )
@@ -266,16 +269,39 @@ class RolloutRuntime:
 
     # ---- the agent ------------------------------------------------------------------------------
 
-    async def run_agent(self, spec: RunSpec) -> RunResult:
-        """The agent run, to its end: on the agent service (``agent.mode: service``) or, with
-        ``builtin``, the same loop as the local agent's, run here in the episode's task."""
+    async def run_agent(self, spec: RunSpec, task: EpisodeTask | None = None) -> RunResult:
+        """The agent run of ``task``, to its end: on the agent service (``agent.mode: service``);
+        with ``builtin``, the same loop as the local agent's, run here in the episode's task;
+        with ``function``, the user's agent function (``cua_rl.agent.function``), called here
+        with the task, the episode's gateway URL and its box."""
         a = self.settings.agent
         if a.mode == "builtin":
             return await run_builtin(self.clients.agent_loop(a.builtin), spec, a.driver.deadline_s)
+        if a.mode == "function":
+            return await run_function(self._function_run(task), spec, a.driver.deadline_s)
         agent = self.clients.agent()
         if agent is None:
             raise ConfigError("agent.mode=service needs agent.base_url (or agent.mode=builtin)")
         return await RunDriver(agent, a.driver).run(spec)
+
+    def _function_run(self, task: EpisodeTask | None) -> FunctionRun:
+        """What ``run_function`` needs of this runtime for ``task``: the callable (imported once
+        per runtime), the gym client, and the calls the gateway captures for the episode."""
+        if task is None:
+            raise ConfigError("agent.mode=function runs an episode's agent: pass its task")
+        if self.settings.endpoint.mode != "gateway":
+            raise ConfigError("agent.mode=function needs endpoint.mode=gateway")
+        if self._agent_function is None:
+            self._agent_function = load_agent_function(self.settings.agent.function)
+        gateway = self.gateway
+        return FunctionRun(
+            fn=self._agent_function,
+            path=self.settings.agent.function,
+            task=AgentTask(task.task_id, task.instruction, dict(task.data)),
+            gym=self.clients.gym(),
+            http=self.clients.http(),
+            captured=lambda: gateway.captured(task.rollout_uuid),
+        )
 
     # ---- service pauses -------------------------------------------------------------------------
 

@@ -40,7 +40,7 @@ class GymSection:
 
 
 CONTEXT_POLICIES = ("", "full", "mai-ui", "current")
-AGENT_MODES = ("service", "builtin")
+AGENT_MODES = ("service", "builtin", "function")
 
 
 def _logprobs_on() -> dict:
@@ -54,7 +54,14 @@ class AgentSection:
         "service: each episode's agent runs on an agent service (gbox-mini-agent, or the local "
         "one) at base_url. builtin: the rollout worker runs the local agent's loop itself "
         "(cua_rl/agent: the same prompts, context policies, parsing and actions), no agent "
-        "service; docs/agent.md",
+        "service. function: the rollout worker calls your own Python agent (agent.function) "
+        "with the episode's task, model URL and box; docs/agent.md",
+    )
+    function: str = doc(
+        "",
+        "mode=function: your agent, 'package.module:callable' (importable by the trainer and the "
+        "rollout workers), called once per episode with the task, the model endpoint (the "
+        "episode's gateway URL) and the box; docs/agent.md, 'Train your own agent'",
     )
     base_url: str = doc(
         "", "gbox-mini-agent URL, e.g. http://agent:3000 (required in service mode)"
@@ -94,8 +101,9 @@ class AgentSection:
     def __post_init__(self) -> None:
         if self.mode not in AGENT_MODES:
             raise ConfigError(
-                f"agent.mode={self.mode!r}; use service (an agent service at agent.base_url) or "
-                "builtin (the rollout worker runs the agent loop itself)"
+                f"agent.mode={self.mode!r}; use service (an agent service at agent.base_url), "
+                "builtin (the rollout worker runs the agent loop itself) or function (your own "
+                "Python agent, agent.function)"
             )
         if self.context not in CONTEXT_POLICIES:
             raise ConfigError(

@@ -24,6 +24,7 @@ from typing import Any
 from areal import workflow_context
 from areal.api.workflow_api import RolloutWorkflow
 
+from cua_rl.audit.live import FreeRewardObserver
 from cua_rl.errors import ConfigError
 from cua_rl.heap import hold_mmap_threshold
 from cua_rl.rollout import episode as ep
@@ -142,6 +143,7 @@ class CUAAgentWorkflow(RolloutWorkflow):
         emit = obs.Observers(
             live,
             obs.StatsObserver(workflow_context.stat_scope(), s.phase, runtime.outcomes),
+            FreeRewardObserver(workflow_context.stat_scope(), recorder),
             obs.PauseObserver(runtime.pause_for, s.phase, lambda: engine.choose_server()),
             *self.observers(task, recorder),
         )
@@ -154,7 +156,7 @@ class CUAAgentWorkflow(RolloutWorkflow):
             ),
             open_box=lambda t: runtime.clients.gym().execution(t.task_id),
             build_run_spec=self.build_run_spec,
-            run_agent=runtime.run_agent,
+            run_agent=lambda spec: runtime.run_agent(spec, task),
             compute_reward=self.compute_reward,
             build_rows=self.build_rows,
         )

@@ -28,9 +28,9 @@ BUILDERS = {
 }
 
 
-def _family_builder(family: str):
+def _family_builder(family: str, *, tied: bool = False):
     def build(dst, seed):
-        return build_tiny_vl_family(dst, family, seed=seed)
+        return build_tiny_vl_family(dst, family, seed=seed, tied=tied)
 
     return build
 
@@ -38,6 +38,13 @@ def _family_builder(family: str):
 # The production families, BPE tokenizer and the family's own chat template.
 FAMILY_KINDS = ("qwen2.5-vl", "qwen3-vl", "qwen3-vl-moe")
 BUILDERS.update({kind: _family_builder(kind) for kind in FAMILY_KINDS})
+# The same with tied word embeddings (the tiny models above are untied, as Qwen3-VL-8B is;
+# Qwen3-VL-2B ties them): AReaL wraps the FSDP units of the two differently.
+TIED = "-tied"
+BUILDERS[f"qwen2-vl-bpe{TIED}"] = lambda d, seed: build_tiny_qwen2_vl(
+    d, tokenizer="bpe", seed=seed, tied=True
+)
+BUILDERS.update({f"{kind}{TIED}": _family_builder(kind, tied=True) for kind in FAMILY_KINDS})
 
 
 def default_cache_dir() -> Path:

@@ -130,8 +130,11 @@ FAMILIES["qwen3-vl-moe"] = replace(
 )
 
 
-def build_tiny_vl_family(dst: str | os.PathLike, family: str, *, seed: int = 0) -> Path:
-    """Write a tiny random model of ``family`` (a key of ``FAMILIES``) into ``dst``."""
+def build_tiny_vl_family(
+    dst: str | os.PathLike, family: str, *, seed: int = 0, tied: bool = False
+) -> Path:
+    """Write a tiny random model of ``family`` (a key of ``FAMILIES``) into ``dst``; ``tied``:
+    the output layer shares the input embedding (Qwen3-VL-2B ties them, the 8B does not)."""
     import torch
     import transformers
 
@@ -139,12 +142,16 @@ def build_tiny_vl_family(dst: str | os.PathLike, family: str, *, seed: int = 0) 
     dst = Path(dst)
     dst.mkdir(parents=True, exist_ok=True)
     tok = _wrap_tokenizer(_build_tokenizer("bpe"), spec.template)
-    text = {**_text_config(len(tok)), **spec.text_extra, "rope_parameters": dict(spec.rope)}
+    text = {
+        **_text_config(len(tok), tied=tied),
+        **spec.text_extra,
+        "rope_parameters": dict(spec.rope),
+    }
     config = getattr(transformers, spec.config_class)(
         text_config=text,
         vision_config=dict(spec.vision),
         **VISION_TOKEN_IDS,
-        tie_word_embeddings=False,
+        tie_word_embeddings=tied,
     )
     torch.manual_seed(seed)
     model = getattr(transformers, spec.model_class)(config).to(torch.float32)

@@ -2,15 +2,19 @@
 
 ``--check`` on a machine with CUDA runs this module in a process of its own on the first GPU
 (``cua_rl.app.check_gpu``): a tiny random model of ``actor.path``'s family is built in a
-temporary folder, the production actor (``SelectiveLogitsPPOActor`` or ``CuaPPOActor``, as
-``logits.selective`` says) is created as an AReaL worker creates it, with the configured dtype,
-``attn_impl``, vision settings and gradient checkpointing, in a one-process group of the
-platform's backend (NCCL on a GPU), and it takes one step on two episodes of MAI-UI-style rows:
-``compute_logp``, ``compute_advantages``, ``ppo_update``, each followed by ``export_stats``,
-which all-reduces every statistic over that group (NCCL refuses CPU tensors; gloo, the only
-backend of a CPU run, does not). With ``attn_impl: flash_attention_2`` and no flash-attn the step
-runs with ``sdpa`` and the result says what is missing. Nothing is written outside the
-temporary folder.
+temporary folder, its word embeddings tied or not as the checkpoint's are (AReaL wraps the two
+into different FSDP units), the production actor (``SelectiveLogitsPPOActor`` or
+``CuaPPOActor``, as ``logits.selective`` says) is created as an AReaL worker creates it, with the
+configured dtype, ``attn_impl``, vision settings and gradient checkpointing, in a one-process
+group of the platform's backend (NCCL on a GPU), and it takes one step on two episodes of
+MAI-UI-style rows: ``compute_logp``, ``compute_advantages``, ``ppo_update``, each followed by
+``export_stats``, which all-reduces every statistic over that group (NCCL refuses CPU tensors;
+gloo, the only backend of a CPU run, does not). With gradient checkpointing the same update then
+runs with and without it (``cua_rl.testing.recompute_check``): the gradients must agree, or the
+recompute computes something the forward did not. With ``attn_impl: flash_attention_2`` and no
+flash-attn the step runs with ``sdpa`` and the result says what is missing. Nothing is written
+outside the temporary folder. ``CUA_RL_OLD_RECOMPUTE=1`` runs it under torch <= 2.12's recompute
+(``cua_rl.testing.old_recompute``): the CPU suite's way of stepping as a GPU node's torch does.
 
     python -m cua_rl.testing.gpu_step '{"family": "qwen3-vl", "dtype": "bfloat16", ...}'
 
@@ -32,7 +36,16 @@ from typing import Any
 from cua_rl.app.check_gpu import RESULT_PREFIX, TINY_KIND
 
 # The spec: what --check takes from the config.
-STEP_KEYS = ("family", "dtype", "attn_impl", "vision", "selective", "gradient_checkpointing")
+STEP_KEYS = (
+    "family",
+    "tied",
+    "dtype",
+    "attn_impl",
+    "vision",
+    "selective",
+    "gradient_checkpointing",
+)
+OLD_RECOMPUTE_ENV = "CUA_RL_OLD_RECOMPUTE"
 
 
 def attention_problem(attn_impl: str) -> str:
@@ -57,21 +70,36 @@ def _rows(actor, model_dir) -> list[dict[str, Any]]:
     return group_rows(4, window=3, vocab_size=vocab, patch_dim=patch_dim, merge=merge)
 
 
-def _step(actor, rows) -> dict[str, float]:
+def _step(actor, rows) -> tuple[dict[str, float], list[dict]]:
+    """One PPO step's statistics, and the batch its update trained (for the recompute check)."""
+    import copy
+
     from cua_rl.testing.actor import delivered
 
     logps = actor.compute_logp(delivered(rows))
     for row, lp in zip(rows, logps, strict=True):
         row["prox_logp"] = lp
     stats = actor.export_stats()
-    rows = actor.compute_advantages(delivered(rows))
+    batch = actor.compute_advantages(delivered(rows))
     stats.update(actor.export_stats())
-    actor.ppo_update(delivered(rows))
+    actor.ppo_update(delivered(copy.deepcopy(batch)))
     stats.update(actor.export_stats())
-    return stats
+    return stats, batch
+
+
+def _recomputed(actor, batch, cuda: bool) -> dict[str, Any]:
+    from cua_rl.testing.recompute_check import CPU_TOLERANCE, GPU_TOLERANCE, recompute_check
+
+    check = recompute_check(actor, batch)
+    check["tolerance"] = GPU_TOLERANCE if cuda else CPU_TOLERANCE
+    check["ok"] = check["max_rel"] <= check["tolerance"]
+    return check
 
 
 def run(spec: dict[str, Any]) -> dict[str, Any]:
+    import contextlib
+    import os
+
     import torch
     import torch.distributed as dist
     from areal.api.cli_args import MicroBatchSpec, OptimizerConfig
@@ -80,18 +108,22 @@ def run(spec: dict[str, Any]) -> dict[str, Any]:
     from cua_rl.areal.logits_engine import SelectiveLogitsPPOActor
     from cua_rl.areal.vision import VisionSection
     from cua_rl.testing.actor import actor_config, make_actor
-    from cua_rl.testing.cache import BUILDERS
+    from cua_rl.testing.cache import BUILDERS, TIED
+    from cua_rl.testing.old_recompute import old_fsdp_recompute
 
     cuda = torch.cuda.is_available()
+    old = os.environ.get(OLD_RECOMPUTE_ENV) == "1"
     result: dict[str, Any] = {
         "device": torch.cuda.get_device_name(0) if cuda else "cpu",
         "attention_problem": attention_problem(spec["attn_impl"]),
+        "torch": torch.__version__,
+        "old_recompute": old,
     }
     attn_impl = "sdpa" if result["attention_problem"] else spec["attn_impl"]
     result["attn_impl"] = attn_impl
     with tempfile.TemporaryDirectory(prefix="cua-gpu-step-") as tmp:
         t0 = time.perf_counter()
-        BUILDERS[TINY_KIND[spec["family"]]](tmp, 0)
+        BUILDERS[TINY_KIND[spec["family"]] + (TIED if spec["tied"] else "")](tmp, 0)
         config = actor_config(
             tmp,
             dtype=spec["dtype"],
@@ -109,12 +141,15 @@ def run(spec: dict[str, Any]) -> dict[str, Any]:
             if cuda:
                 torch.cuda.reset_peak_memory_stats()
             started = time.perf_counter()
-            stats = _step(actor, rows)
-            result["step_s"] = round(time.perf_counter() - started, 2)
-            result["setup_s"] = round(started - t0, 2)
-            result["peak_gib"] = (
-                round(torch.cuda.max_memory_allocated() / 2**30, 2) if cuda else None
-            )
+            with old_fsdp_recompute() if old else contextlib.nullcontext():
+                stats, batch = _step(actor, rows)
+                result["step_s"] = round(time.perf_counter() - started, 2)
+                result["setup_s"] = round(started - t0, 2)
+                result["peak_gib"] = (
+                    round(torch.cuda.max_memory_allocated() / 2**30, 2) if cuda else None
+                )
+                if spec["gradient_checkpointing"]:
+                    result["recompute"] = _recomputed(actor, batch, cuda)
         finally:
             actor.destroy()
             if dist.is_initialized():
@@ -124,7 +159,7 @@ def run(spec: dict[str, Any]) -> dict[str, Any]:
         v == v and abs(v) != float("inf") for k, v in stats.items() if "loss" in k
     )
     result["selective"] = bool(spec["selective"]) and actor._fallback == ""
-    result["ok"] = result["loss_finite"]
+    result["ok"] = result["loss_finite"] and result.get("recompute", {}).get("ok", True)
     return result
 
 

@@ -144,7 +144,7 @@ def _seeded_init(model, seed: int) -> None:
                 param.copy_(torch.randn(param.shape, generator=gen) * 0.05)
 
 
-def _text_config(vocab_size: int) -> dict:
+def _text_config(vocab_size: int, *, tied: bool = False) -> dict:
     # head_dim 64 (hidden 128 / 2 heads): vLLM's CPU attention rejects head_dim 16.
     return dict(
         vocab_size=vocab_size,
@@ -158,7 +158,7 @@ def _text_config(vocab_size: int) -> dict:
         bos_token_id=TOKEN_ID["<|endoftext|>"],
         eos_token_id=TOKEN_ID["<|im_end|>"],
         pad_token_id=TOKEN_ID["<|endoftext|>"],
-        tie_word_embeddings=False,
+        tie_word_embeddings=tied,
     )
 
 
@@ -177,12 +177,18 @@ def _save_generation_config(dst: Path) -> None:
 
 
 def build_tiny_qwen2_vl(
-    dst: str | os.PathLike, *, tokenizer: str = "bpe", seed: int = 0, vocab_size: int | None = None
+    dst: str | os.PathLike,
+    *,
+    tokenizer: str = "bpe",
+    seed: int = 0,
+    vocab_size: int | None = None,
+    tied: bool = False,
 ) -> Path:
     """Write a tiny random Qwen2-VL (vision + text, text head_dim 64) into ``dst``.
 
     ``vocab_size`` widens the embedding and output layers past the tokenizer (default: exactly
-    the tokenizer's size, so every id detokenizes).
+    the tokenizer's size, so every id detokenizes). ``tied``: the output layer shares the input
+    embedding (AReaL then makes no embedding an FSDP unit of its own).
     """
     import torch
     from transformers import (
@@ -198,7 +204,7 @@ def build_tiny_qwen2_vl(
     tok = _wrap_tokenizer(_build_tokenizer(tokenizer))
     if vocab_size is not None and vocab_size < len(tok):
         raise ValueError(f"vocab_size={vocab_size} is smaller than the tokenizer ({len(tok)} ids)")
-    text = _text_config(vocab_size or len(tok))
+    text = _text_config(vocab_size or len(tok), tied=tied)
     text["rope_parameters"] = {
         "rope_type": "default",
         "rope_theta": 1000000.0,
@@ -218,7 +224,7 @@ def build_tiny_qwen2_vl(
             temporal_patch_size=2,
         ),
         **VISION_TOKEN_IDS,
-        tie_word_embeddings=False,
+        tie_word_embeddings=tied,
         **{k: text[k] for k in ("vocab_size", "bos_token_id", "eos_token_id", "pad_token_id")},
     )
     torch.manual_seed(seed)

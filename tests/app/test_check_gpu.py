@@ -30,6 +30,7 @@ def _cua(*overrides):
 def _spec(**overrides):
     spec = {
         "family": "qwen2-vl",
+        "tied": False,
         "dtype": "float32",
         "attn_impl": "sdpa",
         "vision": {"dedup": True, "pack_episodes": True, "freeze": False},
@@ -47,9 +48,19 @@ def test_without_cuda_it_says_it_skipped_and_names_the_step(tmp_path):
     assert line.skipped and line.line().startswith("skip gpu-step")
     assert line.detail == (
         "no CUDA on this machine; on a GPU node --check runs one PPO step of a tiny "
-        "random qwen3-vl (bfloat16, attn_impl sdpa, vision dedup on, selective logits on, "
-        "gradient checkpointing) on the first GPU under NCCL"
+        "random qwen3-vl (untied embeddings, bfloat16, attn_impl sdpa, vision dedup on, "
+        "selective logits on, gradient checkpointing) on the first GPU under NCCL"
     )
+
+
+def test_the_step_model_ties_its_embeddings_as_the_checkpoint_does():
+    """AReaL wraps tied and untied models into different FSDP units: the step's tiny model
+    follows the checkpoint (Qwen3-VL-2B ties them; the 8B, MAI-UI-8B's base, does not)."""
+    from cua_rl.testing.cache import TIED, ensure_model
+
+    for kind, word in (("qwen3-vl", "untied"), ("qwen3-vl" + TIED, "tied")):
+        (line,) = gpu_check(_cua(f"actor.path={ensure_model(kind)}"), cuda=False)
+        assert f"tiny random qwen3-vl ({word} embeddings, bfloat16" in line.detail
 
 
 def test_a_cpu_config_skips_it():
@@ -87,13 +98,39 @@ def test_a_failed_step_is_one_line_with_the_command_to_see_why():
     assert "python -m cua_rl.testing.gpu_step '{" in line.detail
 
 
+def test_a_recompute_that_differs_from_the_forward_fails_the_step():
+    result = {
+        "ok": False, "loss_finite": True, "attn_impl": "sdpa", "device": "NVIDIA H200",
+        "backend": "nccl", "step_s": 1.0, "torch": "2.10.0", "selective": True,
+        "recompute": {"max_rel": 1.1e-2, "worst": "model.visual.blocks.0.norm1.weight",
+                      "tolerance": 2.0**-8, "ok": False},
+    }  # fmt: skip
+    (line,) = step_lines(_spec(gradient_checkpointing=True), result)
+    assert not line.ok
+    assert "checkpointed gradients within 1.1e-02 of the forward's (tolerance 3.9e-03)" in (
+        line.detail
+    )
+    assert "recomputes something the forward did not" in line.detail
+    assert "model.visual.blocks.0.norm1.weight" in line.detail and "2.10.0" in line.detail
+
+
 @pytest.mark.slow
-def test_the_step_runs_the_production_actor_and_reports_it():
-    family = "qwen3-vl"  # MAI-UI's; a lent GPU machine steps the others (docs/gpu.md)
+def test_the_step_runs_the_production_actor_as_a_node_does_and_reports_it():
+    """MAI-UI's family as MAI-UI-8B is (untied), in bf16 with checkpointing, on the recompute
+    of the torch a GPU node runs (emulated): the step and its recompute check pass."""
+    from cua_rl.testing.gpu_step import OLD_RECOMPUTE_ENV
+
+    family = "qwen3-vl"  # a lent GPU machine steps the others (docs/gpu.md)
     # flash_attention_2 where flash-attn does not import: reported, and the step runs with sdpa.
-    spec = _spec(family=family, attn_impl="flash_attention_2", gradient_checkpointing=True)
-    result = run_step(spec, dict(os.environ))
+    spec = _spec(
+        family=family, dtype="bfloat16", attn_impl="flash_attention_2",
+        gradient_checkpointing=True,
+    )  # fmt: skip
+    result = run_step(spec, {**os.environ, OLD_RECOMPUTE_ENV: "1"})
     assert result["ok"], result
+    assert result["old_recompute"] is True
+    assert result["recompute"]["max_rel"] <= result["recompute"]["tolerance"] == 1e-6
+    assert result["recompute"]["vision_params"] > 5
     assert result["backend"] == "gloo" and result["attn_impl"] == "sdpa"
     assert "flash_attn" in result["attention_problem"]
     assert result["selective"] is True
@@ -106,3 +143,4 @@ def test_the_step_runs_the_production_actor_and_reports_it():
     attention, step = step_lines(spec, result)
     assert not attention.ok and "set actor.attn_impl=sdpa" in attention.detail
     assert step.ok and f"tiny random {family}" in step.detail and "with sdpa on cpu" in step.detail
+    assert "checkpointed gradients within" in step.detail

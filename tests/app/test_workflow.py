@@ -247,6 +247,22 @@ def _builtin(settings: WorkflowSettings) -> WorkflowSettings:
     return settings
 
 
+# agent.mode=function with the local agent's loop written as an agent function (tests/agent/
+# agents.py): async, and sync (run in a thread with a blocking box).
+FUNCTION_AGENTS = {
+    "function": "tests.agent.agents:loop_agent",
+    "function-sync": "tests.agent.agents:loop_agent_sync",
+}
+
+
+def _function(settings: WorkflowSettings, path: str) -> WorkflowSettings:
+    """The same settings in ``agent.mode: function`` with the agent function at ``path``."""
+    settings.agent = AgentSection(
+        **{**settings.agent.__dict__, "mode": "function", "base_url": "", "function": path}
+    )
+    return settings
+
+
 FAULTS = [
     ("gym_create", "gym_error"),
     ("gym_evaluate", "gym_error"),
@@ -368,13 +384,18 @@ async def test_a_gym_failing_every_create_holds_new_episodes_until_it_answers(
     assert await _open_executions(gym) == []
 
 
-@pytest.mark.parametrize("mode", ["service", "builtin"])
+@pytest.mark.parametrize("mode", ["service", "builtin", "function"])
 async def test_cancelled_episode_leaves_no_open_execution(
     gym, agent, vllm_server, tiny_vl_model_dir, easy_task, mode
 ):
     workflow_context.set(workflow_context.WorkflowContext(is_eval=False))
     settings = _settings(gym, agent, vllm_server, tiny_vl_model_dir)
-    wf = CUAAgentWorkflow(_builtin(settings) if mode == "builtin" else settings)
+    if mode == "builtin":
+        _builtin(settings)
+    if mode == "function":
+        # An agent that never ends by itself: only the cancel (the run's drain) ends it.
+        _function(settings, "tests.agent.agents:hanging_agent")
+    wf = CUAAgentWorkflow(settings)
     task = asyncio.create_task(wf.arun_episode(_engine(vllm_server), dict(easy_task)))
     # Cancel while the agent is running (the execution exists by then).
     for _ in range(1200):  # up to a minute: a bound for a hung episode, not its speed
@@ -631,8 +652,12 @@ def _monitor_episode(db_path, rollout_id: int) -> dict:
                 "a.num_tokens FROM action a JOIN turn t ON a.turn_id = t.id "
                 "WHERE t.rollout_id = ? ORDER BY t.turn, a.id"
             ),
+            "turns": q(
+                "SELECT turn, model_response, json_extract(metrics_json, '$.trained') "
+                "FROM turn WHERE rollout_id = ? ORDER BY turn"
+            ),
             "obs": q(
-                "SELECT t.turn, o.obs_type FROM obs o "
+                "SELECT t.turn, o.obs_type, o.screenshot_uri FROM obs o "
                 "JOIN turn t ON o.turn_id = t.id WHERE t.rollout_id = ? ORDER BY t.turn, o.id"
             ),
             "validation": q("SELECT success FROM validation WHERE rollout_id = ?"),
@@ -642,20 +667,25 @@ def _monitor_episode(db_path, rollout_id: int) -> dict:
         db.close()
 
 
-async def test_builtin_mode_acts_records_and_trains_as_the_agent_service(
+async def test_builtin_and_function_modes_act_record_and_train_as_the_agent_service(
     gym, agent, vllm_server, tiny_vl_model_dir, monitor, easy_task
 ):
     """One task under one gym seed, greedy sampling (the same model answers): the episode the
-    workflow runs itself and the one the local agent service runs execute the same actions on
-    the box, record the same turns and actions in the monitor, and give the same row."""
+    workflow runs itself (builtin), the one an agent function written with the openai SDK runs
+    (function: async, and sync in a thread) and the one the local agent service runs execute the
+    same actions on the box, record the same turns, actions and screenshots in the monitor, and
+    give the same row."""
     workflow_context.set(workflow_context.WorkflowContext(is_eval=False))
     rows, episodes = {}, {}
-    for mode in ("service", "builtin"):
+    modes = ("service", "builtin", *FUNCTION_AGENTS)
+    for mode in modes:
         _rollout_stats()
         settings = _settings(gym, agent, vllm_server, tiny_vl_model_dir, monitor)
         settings.sampling = Sampling(greedy=True, max_new_tokens=24)
         if mode == "builtin":
             _builtin(settings)
+        if mode in FUNCTION_AGENTS:
+            _function(settings, FUNCTION_AGENTS[mode])
         runs_before = len(agent.service.runs)
         wf = CUAAgentWorkflow(settings)
         try:
@@ -663,26 +693,32 @@ async def test_builtin_mode_acts_records_and_trains_as_the_agent_service(
         finally:
             await wf.aclose()
         assert rows[mode] is not None, (mode, _rollout_stats())
-        # The builtin episode never asked the agent service for a run.
+        # Only the service's episode asked the agent service for a run.
         assert len(agent.service.runs) == runs_before + (mode == "service")
         db = sqlite3.connect(monitor.db_path)
         (rid,) = db.execute("SELECT MAX(id) FROM rollout").fetchone()
         db.close()
         episodes[mode] = _monitor_episode(monitor.db_path, rid)
 
-    service, builtin = episodes["service"], episodes["builtin"]
-    assert service["actions"], service
-    assert [a[:4] for a in builtin["actions"]] == [a[:4] for a in service["actions"]]
-    assert builtin["actions"] == service["actions"]
-    assert builtin["obs"] == service["obs"]
-    assert builtin["validation"] == service["validation"] and service["validation"]
-    assert builtin["rollout"] == service["rollout"] == [("completed",) + service["rollout"][0][1:]]
-    a, b = rows["service"], rows["builtin"]
-    assert set(a) == set(b) == ROW_KEYS
-    for key in ("input_ids", "loss_mask", "versions", "attention_mask", "mm_token_type_ids"):
-        assert torch.equal(a[key], b[key]), key
-    assert torch.allclose(a["logprobs"], b["logprobs"], atol=1e-4)
-    assert torch.equal(a["rewards"], b["rewards"])
-    for k in ("pixel_values", "image_grid_thw"):
-        assert torch.equal(a["multi_modal_input"][0][k], b["multi_modal_input"][0][k]), k
+    service = episodes["service"]
+    assert service["actions"] and service["turns"] and service["obs"], service
+    assert all(trained == 1 for _, _, trained in service["turns"]), service["turns"]
+    assert all(uri for *_, uri in service["obs"]), service["obs"]
+    for mode in modes[1:]:
+        other = episodes[mode]
+        assert [a[:4] for a in other["actions"]] == [a[:4] for a in service["actions"]], mode
+        assert other["actions"] == service["actions"], mode
+        assert other["turns"] == service["turns"], mode
+        assert other["obs"] == service["obs"], mode
+        assert other["validation"] == service["validation"] and service["validation"], mode
+        assert other["rollout"] == service["rollout"], mode
+        assert service["rollout"] == [("completed",) + service["rollout"][0][1:]]
+        a, b = rows["service"], rows[mode]
+        assert set(a) == set(b) == ROW_KEYS
+        for key in ("input_ids", "loss_mask", "versions", "attention_mask", "mm_token_type_ids"):
+            assert torch.equal(a[key], b[key]), (mode, key)
+        assert torch.allclose(a["logprobs"], b["logprobs"], atol=1e-4), mode
+        assert torch.equal(a["rewards"], b["rewards"]), mode
+        for k in ("pixel_values", "image_grid_thw"):
+            assert torch.equal(a["multi_modal_input"][0][k], b["multi_modal_input"][0][k]), k
     assert await _open_executions(gym) == []

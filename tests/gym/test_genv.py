@@ -468,3 +468,18 @@ async def test_a_spill_that_cannot_be_written_is_counted_not_silent(http, tmp_pa
             assert health["counters"]["spill_errors"] == 1
             assert health["screenshots"]["memory_bytes"] == 0
             assert (await http.get(url)).status_code == 404
+
+
+# -- the box routes (an agent function's box: cua_rl/agent/function.py) -----------------------
+async def test_the_box_routes_screenshot_act_and_a_refused_action_that_is_no_failure(genv):
+    async with genv.execution(WIFI_ON) as ex:
+        shot = await genv.screenshot(ex.execution_id)
+        png = base64.b64decode(shot["data_url"].split(",", 1)[1])
+        assert Image.open(io.BytesIO(png)).size == (shot["width"], shot["height"])
+        tap = {"name": "tap", "args": dict(zip("xy", SETTINGS_ICON, strict=True))}
+        done = await genv.act(ex.execution_id, tap)
+        assert done.get("ok") is True and done.get("screen") == "settings", done
+        refused = await genv.act(ex.execution_id, {"name": "tap", "args": {"x": -5, "y": 10}})
+        assert refused["ok"] is False and refused["status"] == 400 and refused["error"], refused
+        with pytest.raises(GymError, match="answered 404"):
+            await genv.act("no-such-execution", {"name": "back", "args": {}})

@@ -22,8 +22,8 @@ import pytest
 
 from cua_rl.monitor.export import Filters, export_episodes
 from tests.conftest import BUILTIN_MAI_UI, DEMO, SERVICE_CURRENT, db_rows
+from tests.monitor.browser import Browser
 from tests.monitor.conftest import MonitorProcess
-from tests.monitor.test_dashboard_browser import Browser
 
 pytestmark = [pytest.mark.slow, pytest.mark.timeout(1800)]
 
