@@ -33,14 +33,29 @@ ROOT = Path(__file__).resolve().parents[1]
 # Test files (or node ids) by group: each group is one pytest process beside the main one, which
 # runs everything else. Every file that reads a shared training is in the group that trains it.
 BESIDE = {
-    # The shared trainings (the demo's own, the built-in MAI-UI loop, the current-only agent)
-    # and every test that reads them.
+    # The shared trainings (the demo's own, the built-in MAI-UI loop, the current-only agent,
+    # the agent functions of one's own) and every test that reads them.
     "shared": (
         "tests/app/test_train_local.py",
+        "tests/app/test_function_train.py",
         "tests/monitor/test_dashboard_browser.py",
         "tests/app/test_context_train.py",
         "tests/warehouse/test_export_consumers.py",
         "tests/app/test_run_end.py::test_a_run_ending_on_a_busy_machine_leaves_no_execution_and_no_open_record",
+    ),
+    # Trainings that must end a particular way (SIGTERM, fail-fast, a killed trainer, an outage,
+    # a crash at start), the evaluation-only run and the audit's training, then one training per
+    # model family: trainings of one model next to each other, as the process keeps one shared
+    # server at a time (tests/conftest.py MAX_SHARED_SERVERS).
+    "ends": (
+        "tests/app/test_run_end.py::test_sigterm_mid_run_cancels_the_training_and_stops_every_worker",
+        "tests/app/test_run_end.py::test_systematic_rejection_stops_the_training_failed_with_its_reason",
+        "tests/app/test_model_outage.py",
+        "tests/monitor/test_safety_trainer_killed.py",
+        "tests/app/test_eval_only.py",
+        "tests/audit/test_free_reward_training.py",
+        "tests/app/test_train_local.py::test_a_crashing_run_leaves_the_training_failed_with_its_error",
+        "tests/app/test_families_train.py",
     ),
     # The proof of learning and the curriculum's restart (long trainings borrowing one server),
     # the Ray and Slurm trainings, AReaL's own PPO smoke steps, and the GPU environments'
@@ -51,16 +66,6 @@ BESIDE = {
         "tests/cluster",
         "tests/cpu/test_ppo_smoke.py",
         "tests/inference/test_environments.py",
-    ),
-    # Trainings that must end a particular way (SIGTERM, fail-fast, a killed trainer, an outage),
-    # the evaluation-only run, and one training per model family (a server each).
-    "ends": (
-        "tests/app/test_run_end.py::test_sigterm_mid_run_cancels_the_training_and_stops_every_worker",
-        "tests/app/test_run_end.py::test_systematic_rejection_stops_the_training_failed_with_its_reason",
-        "tests/app/test_model_outage.py",
-        "tests/monitor/test_safety_trainer_killed.py",
-        "tests/app/test_eval_only.py",
-        "tests/app/test_families_train.py",
     ),
 }
 SLOWEST = 20
@@ -79,9 +84,7 @@ def main(argv: list[str] | None = None) -> int:
     args = ap.parse_args(argv)
     args.log_dir.mkdir(parents=True, exist_ok=True)
     py = [sys.executable, "-m", "pytest", "-ra"]
-    every = [path for paths in BESIDE.values() for path in paths]
-    excluded = [f"--deselect={p}" if "::" in p else f"--ignore={p}" for p in every]
-    groups = {"main": [*excluded], **{group: list(paths) for group, paths in BESIDE.items()}}
+    groups = selections(BESIDE)
     reports = {group: args.log_dir / f"junit-{group}.xml" for group in groups}
     costs = {group: args.log_dir / f"costs-{group}.jsonl" for group in groups}
     for path in (*reports.values(), *costs.values()):
@@ -144,6 +147,18 @@ def main(argv: list[str] | None = None) -> int:
         f"{exits}, {took:.0f} s wall"
     )
     return main_rc or next((rc for rc in codes.values() if rc), 0)
+
+
+def selections(beside: dict[str, tuple[str, ...]]) -> dict[str, list[str]]:
+    """Each process's pytest arguments: a group's files and tests, less the tests another group
+    names inside them; the main process everything else."""
+    every = [path for paths in beside.values() for path in paths]
+    nodes = [p for p in every if "::" in p]
+    out = {"main": [f"--deselect={p}" if "::" in p else f"--ignore={p}" for p in every]}
+    for group, paths in beside.items():
+        inside = [n for n in nodes if n not in paths and n.split("::")[0] in paths]
+        out[group] = [*paths, *(f"--deselect={n}" for n in inside)]
+    return out
 
 
 def slowest(reports: dict[str, Path], n: int = SLOWEST) -> list[tuple[float, str, str]]:

@@ -63,9 +63,10 @@ def vllm_bpe_server(tiny_vl_bpe_model_dir):
 
 # ---------------------------------------------------------------------------- shared servers
 
-# Shared servers alive at once per pytest process (each holds ~2.5 GiB); the least recently
-# used one is stopped to start another.
-MAX_SHARED_SERVERS = 2
+# Shared servers alive at once per pytest process (each holds ~2.5 GiB, and several processes
+# run side by side on 24 GiB): another model's server replaces it (scripts/test_shards.py puts
+# the trainings of one model next to each other).
+MAX_SHARED_SERVERS = 1
 
 
 class ModelServers:
@@ -219,7 +220,25 @@ SERVICE_CURRENT = Regime(
     args=(*NO_LATENCY, "agent.context=current", *_CONTEXT),
     steps=CONTEXT_STEPS,
 )
-REGIMES = {r.name: r for r in (DEMO, BUILTIN_MAI_UI, SERVICE_CURRENT)}
+# Bring your own agent: ``--agent-mode function`` with an agent function that hands each task to
+# the example's agent written with the official openai SDK (examples/cua_agent/openai_agent.py)
+# or to one written with LangChain's OpenAI chat model (tests/agent/langchain_agent.py: even task
+# numbers), each called as it is; two asynchronous steps (one of staleness), every episode stored.
+FUNCTION_AGENTS = Regime(
+    name="function-agents",
+    what="agent functions of one's own (openai SDK, LangChain), asynchronous (staleness 1), "
+    "2 steps, borrowed server, no evaluation",
+    args=(
+        "--agent-mode=function",
+        *NO_LATENCY,
+        "agent.function=tests.agent.langchain_agent:example_or_langchain",
+        "rollout.max_head_offpolicyness=1",
+        "monitor.store_episodes=all",
+        *NO_EVAL,
+    ),
+    steps=2,
+)
+REGIMES = {r.name: r for r in (DEMO, BUILTIN_MAI_UI, SERVICE_CURRENT, FUNCTION_AGENTS)}
 
 
 @pytest.fixture(scope="session")

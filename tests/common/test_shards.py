@@ -17,7 +17,7 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parents[2]
 TESTS = ROOT / "tests"
 # The fixtures that give a test a shared training (tests/conftest.py).
-SHARED = {"shared_training", "demo_run"}
+SHARED = {"shared_training", "demo_run", "function_training"}
 # What a whole training is started with: the launcher, make demo's and make learn's, AReaL's smoke.
 LAUNCHERS = ("examples.cua_agent.train", "cua_rl.app.demo", "cua_rl.app.learn", "cua_rl.cpu.smoke")
 # Files that run a launcher only to see it stop before any training starts (a config error,
@@ -26,9 +26,11 @@ STOPS_BEFORE_TRAINING = {
     "tests/app/test_config_load.py",
     "tests/app/test_controls.py",
     "tests/app/test_harness.py",
+    "tests/app/test_launch_errors.py",
     "tests/app/test_service_errors.py",
     "tests/app/test_usage.py",
     "tests/common/test_harness_imports.py",
+    "tests/inference/test_gpu_recipe.py",  # reads the recipe's commands, runs make -n
 }
 
 
@@ -155,3 +157,21 @@ def test_the_runner_reports_the_slowest_tests_and_every_training(tmp_path, capsy
         "model outage",
         "shared vLLM server qwen2-vl-bpe",
     ]
+
+
+def test_a_test_named_in_one_group_runs_in_that_group_only():
+    runner = _runner()
+    beside = {
+        "a": ("tests/x/test_f.py", "tests/y"),
+        "b": ("tests/x/test_f.py::test_slow", "tests/z/test_g.py"),
+    }
+    assert runner.selections(beside) == {
+        "main": [
+            "--ignore=tests/x/test_f.py",
+            "--ignore=tests/y",
+            "--deselect=tests/x/test_f.py::test_slow",
+            "--ignore=tests/z/test_g.py",
+        ],
+        "a": ["tests/x/test_f.py", "tests/y", "--deselect=tests/x/test_f.py::test_slow"],
+        "b": ["tests/x/test_f.py::test_slow", "tests/z/test_g.py"],
+    }
