@@ -9,9 +9,10 @@ every drain that began ended with its summary.
   tests/conftest.py: asynchronous, two steps of staleness, eight episodes in flight, so a
   prefetched batch no step trains is in flight at the end), with two CPU-bound processes from the
   start of its last step to its end.
-- SIGTERM, as a scheduler sends it, while episodes wait on a stalled evaluate: the training is
-  recorded cancelled, train.py exits 143 and every process it started is gone, the vLLM server it
-  started included (this run starts its own).
+- SIGTERM to ``make demo``'s launcher while episodes wait on a stalled evaluate: the launcher
+  stops train.py with a SIGTERM, as a scheduler sends it, and exits 130; train.py exits 143, the
+  training is recorded cancelled, and every process either started is gone, the vLLM server
+  included (this run starts its own).
 - A fail-fast stop: an agent that returns no token data, called directly (no gateway), so every
   episode is rejected ``missing_tokens``; the run stops failed within the window, naming the
   reason and the fix, and exits 3.
@@ -19,8 +20,10 @@ every drain that began ended with its summary.
 
 from __future__ import annotations
 
+import os
 import signal
 import subprocess
+import sys
 import time
 from pathlib import Path
 
@@ -32,7 +35,7 @@ from cua_rl.sim.agent import AgentServer
 from cua_rl.sim.gym import GymServer
 from cua_rl.sim.gym_state import Fault
 from cua_rl.testing.procs import descendants
-from tests.conftest import NO_EVAL, db_rows, note_cost, train_command
+from tests.conftest import NO_EVAL, NO_LATENCY, db_rows, note_cost, train_command
 
 pytestmark = pytest.mark.slow
 
@@ -114,26 +117,25 @@ def test_a_run_ending_on_a_busy_machine_leaves_no_execution_and_no_open_record(d
 
 
 @pytest.mark.timeout(900)
-def test_sigterm_mid_run_cancels_the_training_and_stops_every_worker(
-    tmp_path, tiny_vl_bpe_model_dir
-):
-    """A scheduler's SIGTERM while episodes hold open executions: AReaL's workers and the vLLM
-    server the run started stop, the records say cancelled, the drain closed the episodes."""
-    db = tmp_path / "monitor.db"
-    log = tmp_path / "train.log"
+def test_sigterm_mid_run_cancels_the_training_and_stops_every_worker(tmp_path):
+    """SIGTERM to the launcher while episodes hold open executions: it stops train.py with a
+    SIGTERM (exit 143), AReaL's workers, the vLLM server, the agent and the monitor stop, the
+    records say cancelled, the drain closed the episodes, the launcher exits 130."""
+    run_dir = tmp_path / "demo"
+    db = run_dir / "monitor.db"
+    log = tmp_path / "demo.out"
     # Every evaluate stalls, so the signal surely lands while episodes hold open executions.
     slow_evaluate = {"evaluate": Fault(latency_s=300)}
     t0 = time.monotonic()
-    with GymServer() as gym, AgentServer() as agent, open(log, "wb") as out:
+    with GymServer() as gym, open(log, "wb") as out:
         gym.gym.config.faults.update(slow_evaluate)
         proc = subprocess.Popen(
-            train_command(
-                tiny_vl_bpe_model_dir, gym.url, agent.url, f"monitor.db_path={db}", tmp_path,
-                *ASYNC, *NO_EVAL,
-                # Enough steps that the signal lands mid-run, never after the end.
-                "total_train_steps=20", "total_train_epochs=20",
-            ),
+            [sys.executable, "-m", "cua_rl.app.demo", "--run-dir", str(run_dir), "--quiet",
+             "--gym-url", gym.url, *NO_LATENCY, *ASYNC, *NO_EVAL,
+             # Enough steps that the signal lands mid-run, never after the end.
+             "total_train_steps=20", "total_train_epochs=20"],
             cwd=ROOT, stdout=out, stderr=subprocess.STDOUT, start_new_session=True,
+            env={**os.environ, "PYTHONUNBUFFERED": "1"},
         )  # fmt: skip
         try:
             # Wait until episodes have run their agent (vLLM served them) and sit in evaluate.
@@ -145,22 +147,27 @@ def test_sigterm_mid_run_cancels_the_training_and_stops_every_worker(
             assert proc.poll() is None, log.read_text(errors="replace")[-3000:]
             assert httpx.get(f"{gym.base_url}/executions", timeout=10).json()["executions"]
             workers = descendants(proc.pid)
-            assert any("cua_rl.inference.vllm_server" in _cmd(p) for p in workers), workers
+            commands = [_cmd(p) for p in workers]
+            for role in ("examples.cua_agent.train", "cua_rl.inference.vllm_server",
+                         "cua_rl.sim agent", "cua_rl.monitor"):  # fmt: skip
+                assert any(role in c for c in commands), (role, commands)
             proc.send_signal(signal.SIGTERM)
-            rc = proc.wait(timeout=180)
+            rc = proc.wait(timeout=240)
             # Episodes cut short still terminate their gym executions: no box is left running.
             live = httpx.get(f"{gym.base_url}/executions", timeout=10).json()["executions"]
         finally:
             if proc.poll() is None:
-                proc.kill()
+                os.killpg(proc.pid, signal.SIGKILL)
                 proc.wait()
             gym.gym.config.faults.clear()
     note_cost("run end: SIGTERM", time.monotonic() - t0)
     text = log.read_text(errors="replace")
-    assert rc == 128 + signal.SIGTERM, text[-3000:]
+    assert rc == 130, text[-3000:]
+    assert f"[demo] the trainer stopped: exit {128 + signal.SIGTERM}" in text, text[-3000:]
     status, message = db_rows(db, "SELECT status, status_message FROM training")[0]
     assert status == "cancelled" and "SIGTERM" in message, (status, message)
-    drained = _drain_lines(text)
+    drained = [line.removeprefix("[demo] drain: ") for line in text.splitlines()
+               if line.startswith("[demo] drain: ")]  # fmt: skip
     cancelled = assert_everything_closed(db, live, drained, text[-3000:])
     assert cancelled > 0 and drained, text[-3000:]
     alive = [pid for pid in workers if _alive(pid)]
