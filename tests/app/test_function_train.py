@@ -81,7 +81,9 @@ def test_both_agents_train_two_asynchronous_steps_without_losing_an_episode(run)
         for (mj,) in db_rows(run.db, "SELECT metrics_json FROM turn")
         for v in json.loads(mj or "{}").get("versions", [])
     }
-    assert versions == {0, 1}, versions
+    # (Version 2, the weights after the last update, may have sampled episodes still running when
+    # the run ended: whether one reached the monitor first is timing, so it may appear or not.)
+    assert {0, 1} <= versions <= {0, 1, 2}, versions
     stale = [m.get("ppo_actor/update/version_stats/sample_staleness_theta_max", 0) for m in stats]
     assert max(stale) >= 1, stale
     # Step 1's tokens were sampled by version 0, the weights the trainer held: its transformers

@@ -13,6 +13,8 @@ from __future__ import annotations
 import json
 import os
 import re
+import shutil
+import signal
 import subprocess
 import sys
 import time
@@ -250,13 +252,20 @@ def _recorded_config_is_the_config_that_ran(db: Path) -> None:
 
 
 @pytest.mark.timeout(900)
-def test_a_crashing_run_leaves_the_training_failed_with_its_error(tmp_path):
+def test_a_crashing_run_leaves_the_training_failed_with_its_error(tmp_path, tiny_vl_model_dir):
+    # A folder the launch checks accept (a real config.json beside a weights file) whose weights
+    # cannot be read: the run starts, is recorded, and dies loading them. (An empty folder is a
+    # config error now, reported before the monitor is written to: test_config_load.py.)
     not_a_model = tmp_path / "not-a-model"
     not_a_model.mkdir()
+    shutil.copy(Path(tiny_vl_model_dir) / "config.json", not_a_model / "config.json")
+    (not_a_model / "model.safetensors").write_bytes(b"not a safetensors file")
     db = tmp_path / "monitor.db"
+    out, err = tmp_path / "stdout.txt", tmp_path / "stderr.txt"
     t0 = time.monotonic()
-    with GymServer() as gym:
-        proc = subprocess.run(
+    # Files, not pipes: a worker left running would hold a pipe open and hang the test.
+    with GymServer() as gym, out.open("w") as out_f, err.open("w") as err_f:
+        returncode = subprocess.run(
             [
                 sys.executable,
                 "-m",
@@ -270,12 +279,18 @@ def test_a_crashing_run_leaves_the_training_failed_with_its_error(tmp_path):
                 f"cluster.name_resolve.nfs_record_root={tmp_path / 'name_resolve'}",
             ],
             cwd=ROOT,
-            capture_output=True,
-            text=True,
+            stdout=out_f,
+            stderr=err_f,
             timeout=800,
-        )
+        ).returncode
     note_cost("crash at start", time.monotonic() - t0)
+    proc = subprocess.CompletedProcess([], returncode, out.read_text(), err.read_text())
     assert proc.returncode != 0, proc.stdout[-3000:]
+    # The actor's worker had started when its engine failed to load: it stopped with the run.
+    left = _leftovers(str(tmp_path))
+    for line in left:
+        os.kill(int(line.split()[0]), signal.SIGKILL)
+    assert not left, left
     rows = _rows(db, "SELECT status, error_message FROM training")
     assert len(rows) == 1, rows
     status, err = rows[0]
