@@ -3,7 +3,7 @@
 The demo's tests read the session's shared demo run (``demo_run``: ``python -m cua_rl.app.demo``
 in production's regime, tests/conftest.py ``DEMO``: monitor on SQLite, local gym, local agent,
 AReaL's PPOTrainer with its own vLLM CPU server and the tiny Qwen2-VL) and its monitor database.
-The last starts train.py against a model folder that holds no model, so the real PPOTrainer fails
+The last starts train.py against a model folder whose weights cannot be read, so the real PPOTrainer fails
 while it starts, and checks that the training is left failed with its error. How a run ends on
 SIGTERM or a fail-fast stop: tests/app/test_run_end.py.
 """
