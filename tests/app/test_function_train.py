@@ -1,6 +1,7 @@
 """Bring your own agent: Python agents of one's own train through the gateway, unchanged.
 
-One whole training, shared by the tests here (``function_training``, tests/app/conftest.py):
+One whole training, shared by the tests here (``function_training``: the shared training
+``FUNCTION_AGENTS`` of tests/conftest.py):
 ``make demo``'s launcher with ``--agent-mode function`` and an agent function that hands each task
 to the example's agent written with the official ``openai`` SDK
 (examples/cua_agent/openai_agent.py) or to an agent written with LangChain's OpenAI chat model
@@ -10,7 +11,7 @@ stored. Expected values come from the run's own records of what was sampled: the
 monitor recorded for each turn's action (the gateway's capture of each call), the stored
 episodes' rows (what the workflow gave AReaL), the step stats AReaL logged and the trainer's
 transformers forward (``behave_approx_kl``); never from the row builder alone. Costs one
-training (about 4 minutes on this machine's two cores).
+training, on the session's borrowed vLLM server (tests/README.md has its cost).
 """
 
 from __future__ import annotations

@@ -1,7 +1,7 @@
 """The free-reward counter in a real training, and a training that leaves flagged tasks out.
 
 One audit, then one short training of the demo's stack (``python -m cua_rl.app.demo``: AReaL's
-trainer, vLLM CPU, the local gym and agent, the monitor), about 4 minutes on 2 shared cores. The
+trainer, the session's borrowed vLLM CPU server, the local gym and agent, the monitor). The
 gym serves ``free_reward_tasks.yaml``: a task that pays at once and that the lenient agent's
 taps cannot change (its episodes are rewarded while no action changes the state), and a task
 whose validator reads a random number. The audit, recorded in the run's monitor database,
@@ -23,7 +23,7 @@ from cua_rl.audit.live import step_share
 from cua_rl.monitor.server import views
 from cua_rl.monitor.server.read import MonitorReader
 from tests.audit.conftest import HERE, REPO
-from tests.conftest import run_demo
+from tests.conftest import NO_LATENCY, run_demo
 
 pytestmark = pytest.mark.slow
 
@@ -44,7 +44,7 @@ def _rows(db, sql: str, *args) -> list[tuple]:
         con.close()
 
 
-def test_a_training_counts_free_reward_and_leaves_the_flagged_task_out(tmp_path):
+def test_a_training_counts_free_reward_and_leaves_the_flagged_task_out(tmp_path, model_servers):
     run_dir = tmp_path / "run"
     run_dir.mkdir()
     db = run_dir / "monitor.db"
@@ -65,12 +65,12 @@ def test_a_training_counts_free_reward_and_leaves_the_flagged_task_out(tmp_path)
 
     run = run_demo(
         run_dir,
-        "--gym-args", f"--task-file {TASKS}",
+        "--gym-args", f"--task-file {TASKS}", *NO_LATENCY,
         "curriculum.skip_flagged=true",
         *SELECT,
         "total_train_epochs=2",
         "total_train_steps=2",
-        timeout=1500,
+        server=model_servers("qwen2-vl-bpe"), timeout=1500, name="audit: free reward",
     )  # fmt: skip
     assert run.returncode == 0, run.output[-4000:]
     train_log = (run_dir / "logs" / "train.log").read_text(errors="replace")
