@@ -11,13 +11,14 @@ PY_VLLM := $(VENV_VLLM)/bin/python
 PIP_QUIET ?= -q
 export CUA_VLLM_PYTHON ?= $(abspath $(PY_VLLM))
 
-.PHONY: help envs venv venv-vllm test test-fast lint format demo demo-ray clean-envs freeze-vllm models browser learn gpu-stack gpu-trainer gpu-envs gpu-wheels
+.PHONY: help envs venv venv-vllm test test-fast lint format demo demo-ray clean-envs freeze-vllm models browser learn audit gpu-stack gpu-trainer gpu-envs gpu-wheels
 SUDO := $(shell [ "$$(id -u)" = 0 ] || echo sudo)
 
 help:
 	@echo "make demo       create/reuse both environments and run the main job on the embedded default"
 	@echo "make demo-ray   the demo under AReaL's Ray scheduler on a two-node Ray cluster on loopback"
 	@echo "make learn      proof of learning: train the tiny model on the learn tasks, plot success per step"
+	@echo "make audit      audit the verifiers of the local gym's tasks (AUDIT_GYM, AUDIT_CONFIG, AUDIT_ARGS)"
 	@echo "make test       create/reuse both environments and run the whole suite (slow tests included);"
 	@echo "                installs Debian's chromium first when it is missing (make browser)"
 	@echo "make test-fast  the suite without tests marked slow (also needs chromium: make browser)"
@@ -101,8 +102,17 @@ browser:
 learn: envs
 	$(PY) -m cua_rl.app.learn $(LEARN_ARGS)
 
-# Lint first: it takes a second and CI then catches style drift too. The suite runs as three pytest
-# processes side by side (scripts/test_shards.py: the longest trainings beside the rest).
+# The verifier audit (docs/audit.md): scripted agents on every task of the local gym, started with
+# AUDIT_GYM's arguments; e.g. make audit AUDIT_GYM="--task-file my-tasks.yaml", or MiniWoB++:
+# make audit AUDIT_GYM="--backend browser --gym-id miniwob" AUDIT_CONFIG=configs/miniwob.yaml.
+# A gym of your own: .venv/bin/python -m cua_rl.audit --config your.yaml (its gym section).
+AUDIT_CONFIG ?= configs/local.yaml
+audit: venv
+	$(PY) -m cua_rl.audit --local-gym "$(AUDIT_GYM)" --config $(AUDIT_CONFIG) audit.scope=all $(AUDIT_ARGS)
+
+# Lint first: it takes a second and CI then catches style drift too. The suite runs as four pytest
+# processes side by side (scripts/test_shards.py: the trainings beside the rest), then prints the
+# slowest tests and every training's wall time (tests/README.md keeps the budget).
 test: envs browser
 	$(VENV)/bin/ruff check .
 	$(VENV)/bin/ruff format --check .

@@ -25,6 +25,7 @@ from cua_rl.app.placement import check_placement
 from cua_rl.areal.logits import LogitsConfig
 from cua_rl.areal.support import check_areal_version
 from cua_rl.areal.vision import CuaActorConfig, vision_packing_warning
+from cua_rl.audit.config import AuditConfig
 from cua_rl.core.fields import doc
 from cua_rl.curriculum.selector import CurriculumConfig
 from cua_rl.errors import ConfigError, ConfigProblems
@@ -229,6 +230,11 @@ class CUAConfig(GRPOConfig):
     inference: InferenceSection = doc(
         help="Where the rollout workers start the inference server from (docs/gpu.md)",
         factory=InferenceSection,
+    )
+    audit: AuditConfig = doc(
+        help="The verifier audit (python -m cua_rl.audit, docs/audit.md): scripted agents run "
+        "on every task of the gym section's task source, before they train a policy",
+        factory=AuditConfig,
     )
     cpu: bool = doc(
         False,

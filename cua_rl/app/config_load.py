@@ -251,7 +251,12 @@ def _names(message: str, key: str) -> bool:
 
 
 def load_config(
-    argv: list[str], config_cls: type | None = None, *, write: bool = True, launch: bool = False
+    argv: list[str],
+    config_cls: type | None = None,
+    *,
+    write: bool = True,
+    launch: bool = False,
+    needs_model: bool = True,
 ) -> Any:
     """``--config FILE [key=value ...]`` to the config object. Every mistake found is raised at
     once: one ConfigError, or ``ConfigProblems`` holding each (unknown keys, wrong types, the
@@ -259,7 +264,8 @@ def load_config(
     ``write=False`` (``--check``) writes nothing: no ``config.yaml``, no name_resolve folders.
     ``launch=True`` (the launcher, and ``--check``) adds what the values point at on this
     machine: the model's folder and family, the workflow's import, the gateway's reach
-    (``preflight.py``)."""
+    (``preflight.py``). ``needs_model=False`` (the audit, which runs no policy) does not ask
+    for ``actor.path``."""
     from omegaconf import OmegaConf
 
     if config_cls is None:
@@ -288,7 +294,9 @@ def load_config(
     _drop(composed, [k for k, _ in unknown])
     where = _Where(overrides, config_file, file_keys, plain, _meant(unknown))
     lines = [where.line(p) for p in problems]
-    return _build(config_cls, composed, where, lines, write=write, launch=launch)
+    return _build(
+        config_cls, composed, where, lines, write=write, launch=launch, needs_model=needs_model
+    )
 
 
 def _meant(unknown: list[tuple[str, str]]) -> set[str]:
@@ -395,7 +403,14 @@ def _structured(config_cls: type, cfg: Any, where: _Where, lines: list[ConfigErr
 
 
 def _build(
-    config_cls: type, cfg: Any, where: _Where, lines: list, *, write: bool, launch: bool = False
+    config_cls: type,
+    cfg: Any,
+    where: _Where,
+    lines: list,
+    *,
+    write: bool,
+    launch: bool = False,
+    needs_model: bool = True,
 ) -> Any:
     """AReaL's ``load_expr_config`` after composition, with the range table run on the merged
     config first so a bad count is named before AReaL's dataclasses trip over it, each section's
@@ -408,7 +423,7 @@ def _build(
     from omegaconf.errors import OmegaConfBaseException
 
     cfg = _structured(config_cls, cfg, where, lines)
-    found = [*field_problems(cfg), *launch_problems(cfg)]
+    found = [*field_problems(cfg), *launch_problems(cfg, needs_model=needs_model)]
     if launch:
         from cua_rl.app.preflight import preflight_problems
 

@@ -282,10 +282,12 @@ def run_trainer(cmd: list[str], train_log: Path, progress: DemoProgress, env: di
             # train.py stops on SIGTERM as on Ctrl-C (AReaL stops its workers and vLLM, the
             # training is recorded cancelled); SIGINT could be ignored by inheritance.
             proc.send_signal(signal.SIGTERM)
+            progress.close()  # the progress line off the terminal before what follows
             try:
-                proc.wait(120)
+                # 143 is a clean stop on SIGTERM (128 + 15); anything else is worth a look.
+                print(f"[demo] the trainer stopped: exit {proc.wait(120)}", flush=True)
             except subprocess.TimeoutExpired:
-                pass
+                print("[demo] the trainer did not stop within 120 s: killing it", flush=True)
             raise
         finally:
             progress.close()

@@ -43,10 +43,12 @@ from cua_rl.app.signals import install as install_signals
 from cua_rl.app.usage import exit_with_help_if_asked
 from cua_rl.areal.hooks import TrainerHooks
 from cua_rl.areal.support import check_areal
+from cua_rl.audit.flagged import select_unflagged
+from cua_rl.audit.live import step_share
 from cua_rl.errors import ConfigError, ServiceError, problem_lines
 from cua_rl.logs import get_logger, warnings_only
 from cua_rl.monitor.worker.training import TrainingMonitor
-from cua_rl.tasks import build_datasets
+from cua_rl.tasks import to_dataset
 
 # Its module name spelt out: run as ``python -m``, ``__name__`` would be ``__main__``.
 log = get_logger("cua_rl.app.train")
@@ -193,7 +195,11 @@ def run_training(config: CUAConfig) -> int:
     # Two trainings of one seed on a machine would otherwise draw the same ports (ports.py).
     unseed_port_choice()
     tasks = asyncio.run(fetch_tasks(config))
-    train_ds, eval_ds = build_datasets(tasks, config.gym.selection)
+    # gym.selection's split, without the tasks an audit flagged (curriculum.skip_flagged).
+    split, left_out = select_unflagged(config, tasks)
+    if left_out:
+        print(left_out, flush=True)
+    train_ds, eval_ds = to_dataset(split.train), to_dataset(split.eval)
     n_steps = total_steps(config, len(train_ds))
     if config.total_train_steps == 0 and not len(eval_ds):
         raise ConfigError(
@@ -341,6 +347,9 @@ def summarise(stats: dict[str, float], since: int | None = None) -> str:
         "sampled_success": "curriculum/sampled_success",
     }
     parts += [f"{name}={stats[k]:.3f}" for name, k in groups.items() if k in stats]
+    free = step_share(stats)
+    if free:  # rewarded episodes in which no action changed the state (docs/audit.md)
+        parts.append(f"free_reward={free:.3f}")
     rows = stats.get("ppo_actor/n_seqs")
     head = f"trained {int(rows)} rows; " if rows is not None else ""
     window = "since the start" if since is None else f"since step {since}"

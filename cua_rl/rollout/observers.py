@@ -6,6 +6,9 @@ event reaches them:
 
 - ``StatsObserver`` (here): the scalars AReaL averages over a step's episodes (counts are per
   episode; ``reward_sq`` lets the spread be derived) and the worker's outcome file (failfast);
+- ``FreeRewardObserver`` (``cua_rl.audit.live``): a rewarded episode none of whose actions
+  changed the state, in the step's stats and on its rollout (before the monitor's observer,
+  which completes the rollout);
 - ``PauseObserver`` (``cua_rl.rollout.service_pauses``): a rejection that is its service's failure
   pauses new episodes;
 - ``MonitorObserver`` (``cua_rl.monitor.worker.observer``): the rollout, its environment,
@@ -27,6 +30,7 @@ from __future__ import annotations
 from collections.abc import Callable, Sequence
 from typing import Any
 
+from cua_rl.audit.live import FreeRewardObserver
 from cua_rl.core.reasons import HOOK_PREFIX
 from cua_rl.logs import get_logger
 from cua_rl.monitor.worker.observer import MonitorObserver
@@ -51,10 +55,12 @@ def observers_of(episode: EpisodeScope) -> list[EpisodeObserver]:
     """The observers of ``episode`` (its task, settings, runtime and event loop's clients), in the
     order each event reaches them. A new cross-cutting feature adds its observer here."""
     s, loop = episode.settings, episode.loop
+    monitor = MonitorObserver(episode.monitor, s, episode.task, episode.is_eval, loop.http())
     return [
         StatsObserver(episode.stat_scope, s.phase, episode.runtime.outcomes),
+        FreeRewardObserver(episode.stat_scope, lambda: monitor.recorder),
         PauseObserver(loop.pauses, episode.task.task_id, s.phase, episode.engine.choose_server),
-        MonitorObserver(episode.monitor, s, episode.task, episode.is_eval, loop.http()),
+        monitor,
         WarehouseObserver(
             episode.monitor,
             episode.task,

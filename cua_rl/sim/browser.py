@@ -157,6 +157,10 @@ class BrowserDevice:
     def label(self) -> str:
         return "ended" if self._ended else "task"
 
+    async def state_key(self) -> str:
+        """The page's state as its task sees it, hashed (``miniwob.STATE_KEY_JS``)."""
+        return await self._run("reading the page's state", self.page.evaluate(miniwob.STATE_KEY_JS))
+
     async def close(self) -> None:
         self._closed = True
         if self._closing is None:
@@ -328,7 +332,12 @@ class BrowserBackend:
                 "scale": cfg.scale,
                 "episode_max_time_s": cfg.episode_max_time_s,
             },
-            "evaluation": {"reward": cfg.reward, "validators": [{"id": "miniwob_reward"}]},
+            # The page's own reward function decides; it reads no final answer.
+            "evaluation": {
+                "reward": cfg.reward,
+                "validators": [{"id": "miniwob_reward"}],
+                "reads_answer": False,
+            },
         }
 
     async def open(self, task_id: str, seed: int) -> BrowserDevice:

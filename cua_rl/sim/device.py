@@ -11,6 +11,11 @@ Errors a device raises mean different things to the gym: ``ActionError`` is the 
 malformed action (answered 400, the execution goes on); ``DeviceFailure`` is the device itself
 breaking (a renderer crash, a page that stops answering): that execution, and only it, is
 failed with the reason, its resources are released, and every later call on it says why.
+
+Whether an action changed the device's state is the device's to say (``state_key``: the phone's
+state object, a MiniWoB page's task area and reward globals); the gym compares the keys taken
+around each action and puts the answer in the action's reply (``changed``), which the agent loop
+keeps in the action's ``rawResult`` (docs/audit.md, *Did an action change the state?*).
 """
 
 from __future__ import annotations
@@ -47,6 +52,11 @@ class Device(Protocol):
 
     def label(self) -> str:
         """A short state name for the action answer's ``screen`` field."""
+
+    async def state_key(self) -> object:
+        """What the device's state is, comparable with ``==``: the gym compares the keys taken
+        before and after each action and answers whether the action changed the state
+        (``changed``). A device without it answers no ``changed`` (unknown)."""
 
     async def close(self) -> None:
         """Release everything the device holds; safe to call twice."""

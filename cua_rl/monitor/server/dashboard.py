@@ -271,6 +271,7 @@ def install_dashboard(
     _install_login(app, pages)
     _install_training_pages(app, pages, read, stale_after_s)
     _install_rollout_pages(app, pages, read)
+    _install_audit_pages(app, pages, read)
     shots = Path(screenshots_root) if screenshots_root else default_root(Path(db_path))
     _install_rollout_export(app, pages, read, shots)
     _install_static(app, pages)
@@ -364,6 +365,22 @@ def _install_rollout_pages(app: FastAPI, pages: _Pages, read: MonitorReader) -> 
     async def rollout_detail(request: Request, rollout_id: int):
         return await pages.render(
             request, "rollout.html", lambda: views.rollout_page(read, rollout_id), "Rollout"
+        )
+
+
+def _install_audit_pages(app: FastAPI, pages: _Pages, read: MonitorReader) -> None:
+    """Verifier audits (``python -m cua_rl.audit``): the list and one audit's verdicts."""
+
+    @app.get("/audits")
+    async def audits_index(request: Request):
+        return await pages.render(
+            request, "audits.html", lambda: views.audits_page(read), "Verifier audits"
+        )
+
+    @app.get("/audits/{audit_id}")
+    async def audit_detail(request: Request, audit_id: int):
+        return await pages.render(
+            request, "audit.html", lambda: views.audit_page(read, audit_id), f"Audit {audit_id}"
         )
 
 

@@ -17,7 +17,8 @@ import math
 from datetime import UTC, datetime
 from typing import Any
 
-from cua_rl.monitor.protocol import SOURCE_ID_COLUMNS, TERMINAL
+from cua_rl.monitor.protocol import AUDIT_LABELS, AUDIT_VERDICTS, SOURCE_ID_COLUMNS, TERMINAL
+from cua_rl.monitor.server import audits
 from cua_rl.monitor.server.read import MonitorReader
 from cua_rl.monitor.server.rollout_view import (
     action_overlay,
@@ -67,6 +68,7 @@ HEARTBEAT_LOST = "heartbeat lost"
 FINISHED = TERMINAL["rollout"]
 ENDED = ("completed", "failed", "cancelled")
 _NO_OUTCOMES = {"accepted": 0, "rejected": 0, "stopped": 0, "running": 0}
+_NO_FREE_REWARD = {"free_reward": 0, "free_reward_unknown": 0}
 
 
 def parse_time(value: Any) -> datetime | None:
@@ -166,6 +168,7 @@ def training_page(read: MonitorReader, training_id: int, *, now: datetime, stale
         else:
             per["running"] += r["n"]
 
+    free = read.free_reward_counts(training_id)
     eval_by_step = {e["step"]: e for e in evals}
     for s in steps:
         metrics = _json(s.pop("metrics_json")) or {}
@@ -176,6 +179,8 @@ def training_page(read: MonitorReader, training_id: int, *, now: datetime, stale
             s[f"ep_{key}"] = _metric(metrics, key)
         for key in ("row_images", "distinct_images", "encoded_images"):
             s[key] = _metric(metrics, key)
+        # Its rollouts rewarded while no action changed the state (cua_rl/audit/live.py).
+        s.update(free.get(s["id"], _NO_FREE_REWARD))
         s["ep_dropped"] = (
             s["ep_trained_tokens"] is not None
             and s["ep_sampled_tokens"] is not None
@@ -250,6 +255,9 @@ def training_charts(steps: list[dict], baseline_success: float | None) -> list[d
          "series": [["rollout", col("rollout_s")], ["logprobs", col("logp_s")],
                     ["train", col("train_s")], ["weight sync", col("weights_s")],
                     ["eval", col("eval_s")]]},
+        {"id": "free_reward", "title": "Rewarded episodes whose actions changed nothing", "x": x,
+         "series": [["no action changed the state", col("free_reward")],
+                    ["the gym did not say", col("free_reward_unknown")]]},
         {"id": "episodes", "title": "Episodes", "x": x,
          "series": [["accepted", col("accepted")], ["rejected", col("rejected")],
                     ["stopped", col("stopped")]]},
@@ -458,3 +466,42 @@ def status_history(read: MonitorReader, entity_type: str, entity_id: int) -> lis
         r["entity_type"] = entity_type
         r["entity_id"] = entity_id
     return rows
+
+
+# ---------------------------------------------------------------------------- verifier audits
+
+
+def audits_page(read: MonitorReader, *, limit: int = 200) -> dict:
+    """Every audit, newest first (``python -m cua_rl.audit``)."""
+    rows = audits.list_audits(read.conn(), limit=limit)
+    return {
+        "audits": rows,
+        "labels": AUDIT_LABELS,
+        "live": any(a["status"] == "running" for a in rows) or not rows,
+    }
+
+
+def audit_page(read: MonitorReader, audit_id: int) -> dict | None:
+    """One audit: its header, the counts per verdict, and each task's verdict with its flags
+    and each agent's rewarded runs (flagged tasks first)."""
+    audit = audits.get_audit(read.conn(), audit_id, runs=False)
+    if audit is None:
+        return None
+    agents = ("stop", "wait", "random", "infeasible", "replay", "ablation", "answer")
+    for t in audit["tasks"]:
+        summary, skipped = t["summary"] or {}, t["skipped"] or {}
+        t["agents"] = [
+            {"agent": a, **summary[a]} if a in summary else {"agent": a, "skipped": skipped.get(a)}
+            for a in agents
+        ]
+    counts = audit["counts"] or {}
+    if not counts:  # still running: count what arrived
+        for t in audit["tasks"]:
+            counts[t["verdict"]] = counts.get(t["verdict"], 0) + 1
+    return {
+        "audit": audit,
+        "agents": agents,
+        "counts": [(v, counts.get(v, 0)) for v in AUDIT_VERDICTS],
+        "labels": AUDIT_LABELS,
+        "live": audit["status"] == "running",
+    }

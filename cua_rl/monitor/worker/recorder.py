@@ -419,6 +419,14 @@ class RolloutRecorder:
             out["rollout_time"] = time.monotonic() - self._t0
         return out
 
+    async def note(self, **fields: Any) -> None:
+        """Fields of the rollout that change no status (those the schema does not name are kept
+        in its ``extra``): a free-reward episode's mark (cua_rl/audit/live.py)."""
+        if not self.enabled:
+            return
+        await self._ensure_started()
+        self._rollout(**fields)
+
     async def complete(self, *, reward: float, **fields: Any) -> None:
         if not self.enabled:
             return
