@@ -39,18 +39,18 @@ from cua_rl.gateway.config import (
 from cua_rl.inference.config import InferenceSection
 from cua_rl.logs import get_logger
 from cua_rl.reward import RewardConfig
-from cua_rl.rollout.drain import DrainConfig
 from cua_rl.rollout.groups import (
     COMPLETE_GROUPS,
     COMPLETE_VARIED_GROUPS,
     GroupNormConfig,
     GroupSettings,
 )
-from cua_rl.rollout.service_pauses import PauseConfig
 from cua_rl.rollout.settings import (
     AgentSection,
+    DrainConfig,
     EndpointSection,
     GymSection,
+    PauseConfig,
     WorkflowSettings,
 )
 from cua_rl.trajectory.config import TrajectoryConfig

@@ -16,10 +16,12 @@ counted as changed or unchanged. Two records of it:
 
 from __future__ import annotations
 
-from collections.abc import Mapping
+from collections.abc import Callable, Mapping
+from typing import Any
 
 from cua_rl.audit.state import UNCHANGED, UNKNOWN, rewarded, run_effect
 from cua_rl.logs import get_logger
+from cua_rl.rollout.episode import AgentRan, Ended, EpisodeObserver
 
 log = get_logger(__name__)
 
@@ -28,31 +30,34 @@ FREE_REWARD_UNKNOWN = "rollout/cua/free_reward_unknown"
 STATE_UNKNOWN = "rollout/cua/state_unknown"
 
 
-class FreeRewardObserver:
+class FreeRewardObserver(EpisodeObserver):
     """The episode's free-reward scalars under the stats ``scope`` read at its start, and its
-    marks on its rollout (``recorder``: the episode's ``RolloutRecorder``)."""
+    marks on its rollout (``recorder``: returns the episode's ``RolloutRecorder``, which the
+    monitor's observer opens when the episode starts). Listed before the monitor's observer, so
+    its note is queued before the rollout is completed."""
 
-    def __init__(self, scope: str, recorder):
+    name = "free_reward"
+
+    def __init__(self, scope: str, recorder: Callable[[], Any]):
         self.scope, self.recorder = scope, recorder
         self.effect = UNKNOWN
         self.ran = False
 
-    async def on(self, event) -> None:
-        # The pipeline's events, read by shape (``AgentRan`` carries the run, ``Ended`` its
-        # outcome and reward), so this module does not import the rollout's episode.
-        kind = type(event).__name__
-        if kind == "AgentRan":
-            self.effect, self.ran = run_effect(event.run.events), True
-        elif kind == "Ended" and event.outcome != "cancelled":
-            from areal.utils import stats_tracker
+    async def agent_ran(self, event: AgentRan) -> None:
+        self.effect, self.ran = run_effect(event.run.events), True
 
-            scalars = episode_scalars(event, self.effect, self.ran)
-            stats_tracker.get(self.scope).scalar(**scalars)
-            await self.recorder.note(
-                state_effect=self.effect if self.ran else None,
-                free_reward=int(scalars["cua/free_reward"]),
-                free_reward_unknown=int(scalars["cua/free_reward_unknown"]),
-            )
+    async def ended(self, event: Ended) -> None:
+        if event.outcome == "cancelled":
+            return
+        from areal.utils import stats_tracker
+
+        scalars = episode_scalars(event, self.effect, self.ran)
+        stats_tracker.get(self.scope).scalar(**scalars)
+        await self.recorder().note(
+            state_effect=self.effect if self.ran else None,
+            free_reward=int(scalars["cua/free_reward"]),
+            free_reward_unknown=int(scalars["cua/free_reward_unknown"]),
+        )
 
 
 def episode_scalars(ended, effect: str, ran: bool) -> dict[str, float]:
