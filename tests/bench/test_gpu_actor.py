@@ -32,6 +32,7 @@ def test_the_ratios_are_against_the_same_actors_full_row_and_areals(bench):
         _rec("cua", "window-3", 44.0),
         _rec("areal", "full", 19.0),
         _rec("areal", "window-3", 65.0),
+        _rec("cua-no-dedup", "window-3", 52.0),
         dict(actor="areal", layout="window-5", turns=30, error="skipped"),
     ]
     text = bench.table()
@@ -39,5 +40,6 @@ def test_the_ratios_are_against_the_same_actors_full_row_and_areals(bench):
     assert "  areal window-3 T=30: 3.42x" in text  # 65 / 19
     assert "  cua/areal window-3 T=30: 0.68x" in text  # 44 / 65
     assert "  cua/areal full T=30: 1.05x" in text  # 20 / 19
-    assert "areal  window-5  30  skipped" in text
+    assert "  cua-no-dedup/areal window-3 T=30: 0.80x" in text  # 52 / 65: a part of cua's
+    assert "areal             window-5  30  skipped" in text
     assert "qwen2-vl" not in text
