@@ -18,6 +18,7 @@ import asyncio
 from collections.abc import Callable
 from typing import Any
 
+from cua_rl.credit.observer import stored_steps
 from cua_rl.errors import MonitorError
 from cua_rl.logs import get_logger
 from cua_rl.monitor.worker.recorder import RolloutRecorder
@@ -231,10 +232,15 @@ class ReplayObserver:
     failure read the recorded successes of ``replay.trainings`` from the monitor (once per task
     and policy version). A failed read or rebuild is counted (``cua/replay/...``), never raised."""
 
-    def __init__(self, pool: replay.ReplayPool, settings: WorkflowSettings, processor, monitor):
+    def __init__(
+        self, pool: replay.ReplayPool, settings: WorkflowSettings, processor, monitor, ledger=None
+    ):
         self.pool, self.settings = pool, settings
         self.processor = processor  # () -> the processor, loaded on first use
         self.monitor = monitor  # async () -> the monitor client, or None
+        # With step credit, a success keeps its steps (cua_rl.credit): its own episodes' from
+        # the worker's ledger, other trainings' read from the stored episode.
+        self.ledger = ledger if settings.group.step_credit.enabled else None
 
     async def on(self, event: EpisodeEvent) -> None:
         cfg = self.settings.group.replay
@@ -267,7 +273,8 @@ class ReplayObserver:
             # The episode trains as it is; only its replay is lost, and counted.
             _replay_error("cua/replay/record_errors", task.task_id, exc)
             return
-        self.pool.add(replay.recorded_of(stored, rebuilt))
+        steps = self.ledger.peek(task.episode_id) if self.ledger is not None else None
+        self.pool.add(replay.recorded_of(stored, rebuilt, steps))
 
     async def fetch(self, task_id: str, version: int) -> None:
         """The recorded successes of ``task_id`` in the trainings ``replay.trainings`` names, from
@@ -289,7 +296,11 @@ class ReplayObserver:
             )
             for stored in found:
                 rows = await asyncio.to_thread(rebuild_rows, stored, self.processor())
-                self.pool.add(replay.recorded_of(stored, rows))
+                steps = None
+                if self.ledger is not None:
+                    cfg = self.settings.group.step_credit
+                    steps = await asyncio.to_thread(stored_steps, stored, rows, cfg)
+                self.pool.add(replay.recorded_of(stored, rows, steps))
         except (MonitorError, RebuildError, StoredEpisodeError) as exc:
             _replay_error("cua/replay/fetch_errors", task_id, exc)
 

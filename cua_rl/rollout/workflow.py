@@ -24,6 +24,7 @@ from typing import Any
 from areal import workflow_context
 from areal.api.workflow_api import RolloutWorkflow
 
+from cua_rl.credit.observer import CreditObserver
 from cua_rl.errors import ConfigError
 from cua_rl.heap import hold_mmap_threshold
 from cua_rl.rollout import episode as ep
@@ -113,13 +114,21 @@ class CUAAgentWorkflow(RolloutWorkflow):
         ``recorder``, a ``RolloutRecorder``), the warehouse and replay. Override to record more
         or less; each observer's ``async on(event)`` gets every event."""
         runtime, s = self.runtime, self.settings
-        return [
+        found = [
             obs.MonitorObserver(recorder, s.trajectory, runtime.clients.http()),
             obs.WarehouseObserver(recorder, s),
             obs.ReplayObserver(
-                runtime.replay, s, lambda: self.processor, runtime.clients.monitor_client
+                runtime.replay,
+                s,
+                lambda: self.processor,
+                runtime.clients.monitor_client,
+                runtime.groups.ledger,
             ),
         ]
+        if s.group.step_credit.enabled and s.phase == "train":
+            # Its rows (Converted) come before the end replay keeps a success at (Ended).
+            found.insert(2, CreditObserver(runtime.groups.ledger, s.group.step_credit, task))
+        return found
 
     # ------------------------------------------------------------------ the episode
 

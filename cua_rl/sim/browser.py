@@ -18,6 +18,7 @@ closed at once, and every later call on it answers that reason.
 from __future__ import annotations
 
 import asyncio
+import hashlib
 import shutil
 from dataclasses import dataclass
 
@@ -156,6 +157,11 @@ class BrowserDevice:
 
     def label(self) -> str:
         return "ended" if self._ended else "task"
+
+    async def state_key(self) -> str:
+        """The page's state (its task area's markup and form values), hashed."""
+        page = await self._run("reading the page state", self.page.evaluate(miniwob.PAGE_STATE_JS))
+        return hashlib.sha256(str(page).encode()).hexdigest()[:16]
 
     async def close(self) -> None:
         self._closed = True

@@ -48,6 +48,10 @@ class Device(Protocol):
     def label(self) -> str:
         """A short state name for the action answer's ``screen`` field."""
 
+    # Optional: ``async def state_key(self) -> str``, the device's state hashed (equal keys,
+    # equal states). A device that has it gets ``state_key_before`` / ``state_key_after`` in
+    # every action answer (docs/gym.md, *State keys*); both backends have it.
+
     async def close(self) -> None:
         """Release everything the device holds; safe to call twice."""
 

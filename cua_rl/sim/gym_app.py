@@ -305,6 +305,13 @@ def _device_routes(app: FastAPI, gym: SimGym) -> None:
         body = await _json_body(request)
         ex = gym.get(execution_id)
         name, args = body.get("name"), body.get("args", {})
+        keyed = hasattr(ex.device, "state_key")
         async with ex.lock:
+            before = await _on_device(gym, ex, ex.device.state_key()) if keyed else None
             error = await _on_device(gym, ex, ex.device.act(name, {} if args is None else args))
-        return {"ok": error is None, "error": error, "screen": ex.device.label()}
+            after = await _on_device(gym, ex, ex.device.state_key()) if keyed else None
+        answer = {"ok": error is None, "error": error, "screen": ex.device.label()}
+        if keyed:
+            # The states the action was applied to and left (docs/gym.md, *State keys*).
+            answer.update(state_key_before=before, state_key_after=after)
+        return answer

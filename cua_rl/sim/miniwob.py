@@ -61,6 +61,14 @@ START_JS = """([seed, maxMs]) => {
   return core.getUtterance();
 }"""
 READY_JS = "() => typeof WOB_TASK_READY === 'undefined' || WOB_TASK_READY === true"
+# The page's state for the gym's state key (docs/gym.md, *State keys*): the task area's markup
+# and its form controls' values (typed text and checked boxes are properties, not markup).
+PAGE_STATE_JS = """() => {
+  const wrap = document.getElementById('wrap') || document.body;
+  const values = Array.from(wrap.querySelectorAll('input, textarea, select')).map(
+    e => (e.type === 'checkbox' || e.type === 'radio') ? String(e.checked) : e.value);
+  return wrap.innerHTML + '\u0000' + values.join('\u0001');
+}"""
 STATE_JS = """() => ({done: WOB_DONE_GLOBAL, raw: WOB_RAW_REWARD_GLOBAL,
   reward: WOB_REWARD_GLOBAL, reason: WOB_REWARD_REASON, utterance: core.getUtterance()})"""
 

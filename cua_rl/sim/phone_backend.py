@@ -31,6 +31,9 @@ class PhoneDevice:
     def label(self) -> str:
         return self.phone.state.screen
 
+    async def state_key(self) -> str:
+        return self.phone.state_key()
+
     async def close(self) -> None:
         """Nothing to release: the phone is a plain object."""
 
@@ -38,8 +41,8 @@ class PhoneDevice:
 class PhoneBackend:
     kind = "phone"
 
-    def __init__(self, width: int = 360, height: int = 640):
-        self.width, self.height = width, height
+    def __init__(self, width: int = 360, height: int = 640, clock: str = "fixed"):
+        self.width, self.height, self.clock = width, height, clock
 
     async def start(self) -> None:
         """Nothing to start."""
@@ -76,7 +79,8 @@ class PhoneBackend:
 
     async def open(self, task_id: str, seed: int) -> PhoneDevice:
         task = TASKS_BY_ID[task_id]
-        return PhoneDevice(task, Phone(initial_state(task, seed), self.width, self.height))
+        phone = Phone(initial_state(task, seed), self.width, self.height, self.clock)
+        return PhoneDevice(task, phone)
 
 
 def _entry(t: SimTask) -> dict:

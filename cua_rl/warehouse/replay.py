@@ -93,14 +93,19 @@ class Recorded:
     version_max: int
     rows: tuple[dict[str, Any], ...] = field(repr=False, compare=False)
     rollout_uuid: str = ""  # its rollout in the monitor
+    # Its steps for step credit (cua_rl.credit.steps.EpisodeSteps), when step credit is on.
+    steps: Any = field(default=None, repr=False, compare=False)
 
     def age(self, version: int) -> int:
         """Policy versions between its oldest sampled token and ``version``."""
         return version - self.version_min
 
 
-def recorded_of(stored: StoredEpisode, rows: Sequence[dict[str, Any]]) -> Recorded:
-    """A stored success with the rows ``rebuild_rows`` made of it."""
+def recorded_of(
+    stored: StoredEpisode, rows: Sequence[dict[str, Any]], steps: Any = None
+) -> Recorded:
+    """A stored success with the rows ``rebuild_rows`` made of it (and, with step credit, its
+    steps)."""
     return Recorded(
         task_id=stored.task_id,
         episode_id=stored.episode_id,
@@ -110,6 +115,7 @@ def recorded_of(stored: StoredEpisode, rows: Sequence[dict[str, Any]]) -> Record
         version_max=stored.version_max,
         rows=tuple(rows),
         rollout_uuid=stored.rollout_uuid,
+        steps=steps,
     )
 
 

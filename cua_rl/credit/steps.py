@@ -1,0 +1,168 @@
+"""An episode's steps as step credit needs them: each step's state key, action and tokens.
+
+``episode_steps`` reads what every accepted episode has, fresh or replayed: its rows' token
+layout (loss mask and image pads), each row's image hashes and trained turns, each turn's agent
+step and actions, and the images' bytes. A row's sampled tokens come in one run per trained turn,
+in turn order (a turn's output is contiguous, and the next turn's prompt adds tokens before its
+own), so the k-th run of a row is its k-th turn: that is how every token finds its step in one
+row per call (MAI-UI's window) and in one append-only row spanning every step alike. The
+screenshot a step saw is the last image before its first turn's output.
+
+Pure and synchronous (hashing screenshots takes milliseconds each: callers run it in a thread).
+"""
+
+from __future__ import annotations
+
+import json
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass
+from typing import Any
+
+from cua_rl.credit import keys
+from cua_rl.credit.config import StateKeyConfig
+from cua_rl.credit.keys import StateKey
+
+NO_KEY = StateKey("", "")
+
+
+class StepsError(ValueError):
+    """An episode's rows and turns do not line up (its steps cannot be credited)."""
+
+
+@dataclass(frozen=True)
+class Step:
+    """One agent step: the state it started from, what it did, where it led, its turns."""
+
+    step: int  # the agent's step number (1-based)
+    key: StateKey
+    action: str  # the step's actions, canonical (name and arguments)
+    next_key: StateKey | None  # the state after it (the next step's, or the gym's after-key)
+    turns: tuple[int, ...]  # the turns (model calls) of the step the rows train
+
+
+@dataclass(frozen=True)
+class EpisodeSteps:
+    """An episode's trained steps in order, and per row the token spans of each step:
+    ``(start, end, step)`` in the row's own positions."""
+
+    episode_id: int
+    steps: tuple[Step, ...]
+    spans: tuple[tuple[tuple[int, int, int], ...], ...]
+    rollout_uuid: str = ""
+
+
+def runs(mask: Sequence[int]) -> list[tuple[int, int]]:
+    """The maximal runs of 1 in a 0/1 list, as (start, end)."""
+    out, start = [], None
+    for i, m in enumerate(mask):
+        if m and start is None:
+            start = i
+        elif not m and start is not None:
+            out.append((start, i))
+            start = None
+    if start is not None:
+        out.append((start, len(mask)))
+    return out
+
+
+def action_signature(actions: Sequence[Mapping[str, Any]]) -> str:
+    """What a step did, comparable across episodes: each action's name and arguments."""
+    return json.dumps(
+        [[a.get("name"), a.get("args") or {}] for a in actions], sort_keys=True, default=str
+    )
+
+
+def _tensor_list(value: Any) -> list[int]:
+    return [int(v) for v in (value[0].tolist() if hasattr(value, "tolist") else value)]
+
+
+def episode_steps(
+    *,
+    episode_id: int,
+    rows: Sequence[Mapping[str, Any]],
+    row_images: Sequence[Sequence[str]],
+    row_turns: Sequence[Sequence[int]],
+    turns: Mapping[int, tuple[int, Sequence[Mapping[str, Any]]]],
+    images: Mapping[str, bytes],
+    config: StateKeyConfig,
+    rollout_uuid: str = "",
+) -> EpisodeSteps:
+    """The steps of one episode. ``rows``: each with ``loss_mask`` and ``mm_token_type_ids``
+    (tensors ``[1, n]`` or lists); ``row_images``: each row's image hashes (sha256 hex, prompt
+    order); ``row_turns``: each row's trained turn indices; ``turns``: turn index -> (agent step,
+    actions); ``images``: hash -> bytes. Raises ``StepsError`` when they do not line up."""
+    if not (len(rows) == len(row_images) == len(row_turns)):
+        raise StepsError(
+            f"{len(rows)} rows, {len(row_images)} image lists, {len(row_turns)} turn lists"
+        )
+    shown: dict[int, str | None] = {}  # turn -> the hash of the last image before its output
+    spans: list[tuple[tuple[int, int, int], ...]] = []
+    for r, (row, hashes, trained) in enumerate(zip(rows, row_images, row_turns, strict=True)):
+        mask = _tensor_list(row["loss_mask"])
+        pads = _tensor_list(row["mm_token_type_ids"])
+        sampled = runs(mask)
+        if len(sampled) != len(trained):
+            raise StepsError(
+                f"row {r}: {len(sampled)} runs of sampled tokens for {len(trained)} trained turns"
+            )
+        image_starts = [s for s, _ in runs(pads)]
+        if len(image_starts) != len(hashes):
+            raise StepsError(f"row {r}: {len(image_starts)} image pad runs, {len(hashes)} images")
+        row_spans = []
+        for (start, end), turn in zip(sampled, trained, strict=True):
+            if turn not in turns:
+                raise StepsError(f"row {r} trains turn {turn}, which the episode does not have")
+            before = sum(1 for s in image_starts if s < start)
+            shown.setdefault(turn, hashes[before - 1] if before else None)
+            row_spans.append((start, end, turns[turn][0]))
+        spans.append(tuple(row_spans))
+    return EpisodeSteps(
+        episode_id=int(episode_id),
+        steps=_steps(shown, turns, images, config),
+        spans=tuple(spans),
+        rollout_uuid=rollout_uuid,
+    )
+
+
+def _steps(shown, turns, images, config: StateKeyConfig) -> tuple[Step, ...]:
+    by_step: dict[int, list[int]] = {}
+    for turn in sorted(shown):
+        by_step.setdefault(turns[turn][0], []).append(turn)
+    out: list[Step] = []
+    after: StateKey | None = None  # the state the previous step's action left
+    hashed: dict[str, StateKey] = {}
+    for step in sorted(by_step):
+        ids = tuple(by_step[step])
+        actions = [a for t in ids for a in turns[t][1]]
+        results = [a.get("rawResult") for a in actions if isinstance(a.get("rawResult"), Mapping)]
+        gym_before = next(
+            (k for r in results if (k := keys.gym_key(r.get(keys.BEFORE_FIELD)))), None
+        )
+        gym_after = next(
+            (k for r in reversed(results) if (k := keys.gym_key(r.get(keys.AFTER_FIELD)))), None
+        )
+        digest = shown[ids[0]]
+        key = _key(config.mode, gym_before or after, digest, images, config, hashed)
+        out.append(Step(step, key, action_signature(actions), gym_after, ids))
+        after = gym_after or (after if not actions else None)
+    # A step's next state, of its own key's kind: the gym's after-key, else the next step's key.
+    linked = []
+    for i, s in enumerate(out):
+        following = out[i + 1].key if i + 1 < len(out) else None
+        nxt = s.next_key if s.key.kind == keys.GYM and s.next_key is not None else following
+        if nxt is not None and nxt.kind != s.key.kind:
+            nxt = None
+        linked.append(Step(s.step, s.key, s.action, nxt, s.turns))
+    return tuple(linked)
+
+
+def _key(mode, gym: StateKey | None, digest, images, config, hashed) -> StateKey:
+    if mode in ("auto", "gym") and gym is not None:
+        return gym
+    if mode == "gym" or digest is None or digest not in images:
+        return NO_KEY
+    if mode == "exact":
+        return keys.exact_of(digest)
+    if digest not in hashed:
+        hashed[digest] = keys.phash_of(images[digest], config)
+    return hashed[digest]
