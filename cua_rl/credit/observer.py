@@ -39,6 +39,7 @@ def converted_steps(
         images=rows.image_data,
         config=config.key,
         rollout_uuid=rollout_uuid,
+        row_spans=rows.row_spans,
     )
 
 
@@ -65,6 +66,7 @@ def stored_steps(
             images=stored.images,
             config=config.key,
             rollout_uuid=stored.rollout_uuid,
+            row_spans=[r.spans for r in stored.rows] if all(r.spans for r in stored.rows) else (),
         )
     except StepsError as exc:
         log.warning("stored episode %s: no step credit: %s", stored.rollout_uuid, exc)

@@ -1,12 +1,14 @@
 """An episode's steps as step credit needs them: each step's state key, action and tokens.
 
 ``episode_steps`` reads what every accepted episode has, fresh or replayed: its rows' token
-layout (loss mask and image pads), each row's image hashes and trained turns, each turn's agent
-step and actions, and the images' bytes. A row's sampled tokens come in one run per trained turn,
-in turn order (a turn's output is contiguous, and the next turn's prompt adds tokens before its
-own), so the k-th run of a row is its k-th turn: that is how every token finds its step in one
-row per call (MAI-UI's window) and in one append-only row spanning every step alike. The
-screenshot a step saw is the last image before its first turn's output.
+layout (image pads), each row's image hashes, trained turns and the span of sampled tokens of
+each (``ConversionResult.row_spans``, kept by the warehouse too), each turn's agent step and
+actions, and the images' bytes: that is how every token finds its step in one row per call
+(MAI-UI's window) and in one append-only row spanning every step alike. A record stored before
+spans were kept gives none; then a row's runs of loss mask are taken as its turns in order,
+which holds only where the runs and the turns agree in number (two turns' tokens can touch: a
+re-asked call's prompt is the one before it with its reply), and the episode is refused
+otherwise. The screenshot a step saw is the last image before its first turn's output.
 
 Pure and synchronous (hashing screenshots takes milliseconds each: callers run it in a thread).
 """
@@ -86,42 +88,66 @@ def episode_steps(
     images: Mapping[str, bytes],
     config: StateKeyConfig,
     rollout_uuid: str = "",
+    row_spans: Sequence[Sequence[tuple[int, int, int]]] = (),
 ) -> EpisodeSteps:
     """The steps of one episode. ``rows``: each with ``loss_mask`` and ``mm_token_type_ids``
     (tensors ``[1, n]`` or lists); ``row_images``: each row's image hashes (sha256 hex, prompt
     order); ``row_turns``: each row's trained turn indices; ``turns``: turn index -> (agent step,
-    actions); ``images``: hash -> bytes. Raises ``StepsError`` when they do not line up."""
+    actions); ``images``: hash -> bytes; ``row_spans``: each row's (start, end, turn) of sampled
+    tokens (empty: the loss mask's runs). Raises ``StepsError`` when they do not line up."""
     if not (len(rows) == len(row_images) == len(row_turns)):
         raise StepsError(
             f"{len(rows)} rows, {len(row_images)} image lists, {len(row_turns)} turn lists"
         )
+    if row_spans and len(row_spans) != len(rows):
+        raise StepsError(f"{len(rows)} rows, {len(row_spans)} span lists")
     shown: dict[int, str | None] = {}  # turn -> the hash of the last image before its output
     spans: list[tuple[tuple[int, int, int], ...]] = []
     for r, (row, hashes, trained) in enumerate(zip(rows, row_images, row_turns, strict=True)):
         mask = _tensor_list(row["loss_mask"])
         pads = _tensor_list(row["mm_token_type_ids"])
-        sampled = runs(mask)
-        if len(sampled) != len(trained):
-            raise StepsError(
-                f"row {r}: {len(sampled)} runs of sampled tokens for {len(trained)} trained turns"
-            )
+        sampled = _sampled(r, mask, trained, row_spans[r] if row_spans else None)
         image_starts = [s for s, _ in runs(pads)]
         if len(image_starts) != len(hashes):
             raise StepsError(f"row {r}: {len(image_starts)} image pad runs, {len(hashes)} images")
-        row_spans = []
-        for (start, end), turn in zip(sampled, trained, strict=True):
+        found = []
+        for start, end, turn in sampled:
             if turn not in turns:
                 raise StepsError(f"row {r} trains turn {turn}, which the episode does not have")
             before = sum(1 for s in image_starts if s < start)
             shown.setdefault(turn, hashes[before - 1] if before else None)
-            row_spans.append((start, end, turns[turn][0]))
-        spans.append(tuple(row_spans))
+            found.append((start, end, turns[turn][0]))
+        spans.append(tuple(found))
     return EpisodeSteps(
         episode_id=int(episode_id),
         steps=_steps(shown, turns, images, config),
         spans=tuple(spans),
         rollout_uuid=rollout_uuid,
     )
+
+
+def _sampled(r: int, mask: list[int], trained, spans) -> list[tuple[int, int, int]]:
+    """A row's (start, end, turn) of sampled tokens: its spans, checked against its loss mask,
+    or (none kept) its runs of loss mask taken as its turns in order."""
+    if spans:
+        spans = [tuple(int(v) for v in span) for span in spans]
+        if [t for _, _, t in spans] != list(trained):
+            raise StepsError(f"row {r}: spans of turns {[t for *_, t in spans]}, trains {trained}")
+        covered = [0] * len(mask)
+        for start, end, _ in spans:
+            if not 0 <= start < end <= len(mask):
+                raise StepsError(f"row {r}: span {start}..{end} outside its {len(mask)} tokens")
+            covered[start:end] = [1] * (end - start)
+        if covered != [1 if m else 0 for m in mask]:
+            raise StepsError(f"row {r}: its spans are not its sampled tokens")
+        return spans
+    sampled = runs(mask)
+    if len(sampled) != len(trained):
+        raise StepsError(
+            f"row {r}: {len(sampled)} runs of sampled tokens for {len(trained)} trained turns "
+            "(no spans kept)"
+        )
+    return [(s, e, t) for (s, e), t in zip(sampled, trained, strict=True)]
 
 
 def _steps(shown, turns, images, config: StateKeyConfig) -> tuple[Step, ...]:

@@ -72,7 +72,7 @@ class PhoneState:
     wifi_toggles: int = 0
     # The setup wizard (the learn-long family): pages 1..setup_pages, screens "setup<n>",
     # "setup_done" and "setup_erased"; the page whose bottom band erases everything (0: none).
-    setup_pages: int = 3
+    setup_pages: int = 4
     setup_trap: int = 0
 
 
@@ -145,8 +145,8 @@ class Phone:
             w["edit.save"] = self.rect(220, 320, 340, 370)
         elif s.startswith("setup") and s[5:].isdigit():
             # Three full-width bands: the lenient agent's 3x3 grid rows (top, middle, bottom).
-            w["setup.next"] = self.rect(0, 24, 360, 213)
-            w["setup.back"] = self.rect(0, 213, 360, 427)
+            w["setup.back"] = self.rect(0, 24, 360, 213)
+            w["setup.next"] = self.rect(0, 213, 360, 427)
             if int(s[5:]) == self.state.setup_trap:
                 w["setup.erase"] = self.rect(0, 427, 360, 596)
         elif s == "calculator":

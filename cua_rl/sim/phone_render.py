@@ -174,7 +174,7 @@ def _setup_page(c: _Canvas) -> None:
     """A page of the setup wizard: Next, Back and (on the trap page) Erase, one band each."""
     s = c.phone.state
     page = f"Page {s.screen[5:]} of {s.setup_pages}:  Next  >"
-    bands = (("setup.next", page, GREEN), ("setup.back", "<  Back", LIGHT))
+    bands = (("setup.back", "<  Back", LIGHT), ("setup.next", page, GREEN))
     for wid, text, fill in (*bands, ("setup.erase", "Erase all data", RED)):
         if wid in c.widgets:
             r = c.widgets[wid]

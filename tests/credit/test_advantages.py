@@ -218,3 +218,28 @@ def test_rows_and_turns_that_do_not_line_up_are_refused():
             images={},
             config=StateKeyConfig(mode="exact"),
         )
+
+
+def test_a_re_asked_calls_tokens_touch_the_calls_before_and_spans_tell_them_apart():
+    # A re-asked call's prompt is the call before it with its reply, so the two replies' tokens
+    # touch: one run of loss mask for two turns. Step 1's call, then step 2 asked twice.
+    row = {
+        "loss_mask": torch.tensor([[0, 0, 0, 0, 0, 1, 1, 0, 0, 0, 0, 0, 1, 1, 1, 1]]),
+        "mm_token_type_ids": torch.tensor([[0, 1, 1, 1, 0, 0, 0, 0, 1, 1, 1, 0, 0, 0, 0, 0]]),
+    }
+    kwargs = dict(
+        episode_id=1,
+        rows=[row],
+        row_images=[["a" * 64, "b" * 64]],
+        row_turns=[(0, 1, 2)],
+        turns={0: (1, turn_actions("p1", "p2")), 1: (2, []), 2: (2, turn_actions("p2", "p3"))},
+        images={},
+        config=StateKeyConfig(),
+    )
+    with pytest.raises(StepsError, match="2 runs of sampled tokens for 3 trained turns"):
+        episode_steps(**kwargs)
+    steps = episode_steps(**kwargs, row_spans=[((5, 7, 0), (12, 14, 1), (14, 16, 2))])
+    assert steps.spans == (((5, 7, 1), (12, 14, 2), (14, 16, 2)),)
+    assert [str(s.key) for s in steps.steps] == ["gym:p1", "gym:p2"]
+    with pytest.raises(StepsError, match="not its sampled tokens"):
+        episode_steps(**kwargs, row_spans=[((5, 7, 0), (12, 13, 1), (14, 16, 2))])

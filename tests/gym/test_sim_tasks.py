@@ -137,18 +137,18 @@ SCRIPTS = {
     # The learn-hard family: the Wi-Fi switch, at the centre of cell 17 of a 10x10 grid.
     "sim-019-learn-hard-wifi-on": ([tap(GRID10[17])], None, [tap(BLUETOOTH)], None),
     "sim-020-learn-hard-wifi-off": ([tap(GRID10[18])], None, [tap(BLUETOOTH)], None),
-    # The learn-long family: the top band (Next) three times, detours (Back) allowed; the bottom
-    # band on the trap page erases everything.
+    # The learn-long family: the middle band (Next) four times, detours (Back, the top band)
+    # allowed; the bottom band on the trap page erases everything.
     "sim-021-learn-long-setup-trap2": (
-        [tap(GRID[2])] * 3,
+        [tap(GRID[4])] * 4,
         None,
-        [tap(GRID[2]), tap(GRID[6])],
+        [tap(GRID[4]), tap(GRID[6])],
         None,
     ),
     "sim-022-learn-long-setup-trap3": (
-        [tap(GRID[0]), tap(GRID[4]), tap(GRID[1]), tap(GRID[1]), tap(GRID[2])],
+        [tap(GRID[3]), tap(GRID[1]), tap(GRID[5]), tap(GRID[4]), tap(GRID[4]), tap(GRID[3])],
         None,
-        [tap(GRID[2]), tap(GRID[2]), tap(GRID[7])],
+        [tap(GRID[4]), tap(GRID[4]), tap(GRID[8])],
         None,
     ),
 }
@@ -300,24 +300,24 @@ LEARN_LONG = {"sim-021-learn-long-setup-trap2": 2, "sim-022-learn-long-setup-tra
 
 @pytest.mark.parametrize("task_id", sorted(LEARN_LONG))
 async def test_each_learn_long_page_moves_by_its_grid_row(genv, gym, http, task_id):
-    # From each page of the wizard, each cell of the 3x3 grid on a fresh execution: the top row
-    # goes one page on (the last page: done), the middle row one page back (page 1: nowhere), the
-    # bottom row nowhere, except on the trap page, where it erases everything. Pages reached by
-    # Next taps; the screen after each tap read from the action answer.
+    # From each page of the wizard, each cell of the 3x3 grid on a fresh execution: the middle
+    # row goes one page on (the last page: done), the top row one page back (page 1: nowhere),
+    # the bottom row nowhere, except on the trap page, where it erases everything. Pages reached
+    # by Next taps; the screen after each tap read from the action answer.
     trap = LEARN_LONG[task_id]
-    for page in (1, 2, 3):
+    for page in (1, 2, 3, 4):
         for cell, (x, y) in enumerate(GRID):
             async with genv.execution(task_id) as ex:
                 url = f"{gym.base_url}/executions/{ex.execution_id}/actions"
                 for _ in range(page - 1):
-                    r = await http.post(url, json={"name": "tap", "args": {"x": 300, "y": 106}})
+                    r = await http.post(url, json={"name": "tap", "args": {"x": 180, "y": 320}})
                     assert r.status_code == 200, r.text
                 r = await http.post(url, json={"name": "tap", "args": {"x": x, "y": y}})
                 answer = r.json()
             if cell < 3:
-                want = f"setup{page + 1}" if page < 3 else "setup_done"
-            elif cell < 6:
                 want = f"setup{max(page - 1, 1)}"
+            elif cell < 6:
+                want = f"setup{page + 1}" if page < 4 else "setup_done"
             else:
                 want = "setup_erased" if page == trap else f"setup{page}"
             assert answer["screen"] == want, (page, cell, answer)
@@ -331,7 +331,7 @@ async def test_erasing_is_a_dead_end(genv, gym, http, task_id):
     async with genv.execution(task_id) as ex:
         url = f"{gym.base_url}/executions/{ex.execution_id}/actions"
         for _ in range(LEARN_LONG[task_id] - 1):
-            await http.post(url, json={"name": "tap", "args": {"x": 300, "y": 106}})
+            await http.post(url, json={"name": "tap", "args": {"x": 180, "y": 320}})
         erased = (await http.post(url, json={"name": "tap", "args": {"x": 60, "y": 533}})).json()
         assert erased["screen"] == "setup_erased"
         for x, y in GRID:
