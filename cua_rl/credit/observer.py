@@ -3,7 +3,7 @@
 ``CreditObserver`` watches one episode (``cua_rl.rollout.observers``' protocol: ``async
 on(event)``): when its rows are built (``Converted``) it reads their steps in a thread (a
 perceptual hash per distinct screenshot) and puts them in the worker's ``CreditLedger``. A
-failure is logged and counted (``cua/credit/errors``) and never reaches the episode, which then
+failure is logged and counted (``cua/credit/errors``: the share of episodes) and never reaches the episode, which then
 trains with its episode credit only (its group counts it in ``cua/credit/unknown_episodes``).
 
 ``stored_steps`` reads the same from a stored episode (replay: the worker's own successes and
@@ -73,11 +73,13 @@ def stored_steps(
         return None
 
 
-def _count_error() -> None:
+def _record_error(failed: bool) -> None:
+    """``cua/credit/errors``, per accepted episode (0 or 1): the step's share of episodes whose
+    steps could not be read."""
     from areal import workflow_context
     from areal.utils import stats_tracker
 
-    stats_tracker.get(workflow_context.stat_scope()).scalar(**{"cua/credit/errors": 1.0})
+    stats_tracker.get(workflow_context.stat_scope()).scalar(**{"cua/credit/errors": float(failed)})
 
 
 class CreditObserver:
@@ -102,6 +104,7 @@ class CreditObserver:
             )
         except (StepsError, OSError, ValueError) as exc:
             log.warning("episode %s: no step credit: %s", task.rollout_uuid, exc)
-            _count_error()
+            _record_error(True)
             return
+        _record_error(False)
         self.ledger.put(steps)

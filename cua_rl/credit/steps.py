@@ -135,7 +135,8 @@ def _sampled(r: int, mask: list[int], trained, spans) -> list[tuple[int, int, in
             raise StepsError(f"row {r}: spans of turns {[t for *_, t in spans]}, trains {trained}")
         covered = [0] * len(mask)
         for start, end, _ in spans:
-            if not 0 <= start < end <= len(mask):
+            # A call that sampled nothing has an empty span: its step has no tokens there.
+            if not 0 <= start <= end <= len(mask):
                 raise StepsError(f"row {r}: span {start}..{end} outside its {len(mask)} tokens")
             covered[start:end] = [1] * (end - start)
         if covered != [1 if m else 0 for m in mask]:

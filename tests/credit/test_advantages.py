@@ -243,3 +243,6 @@ def test_a_re_asked_calls_tokens_touch_the_calls_before_and_spans_tell_them_apar
     assert [str(s.key) for s in steps.steps] == ["gym:p1", "gym:p2"]
     with pytest.raises(StepsError, match="not its sampled tokens"):
         episode_steps(**kwargs, row_spans=[((5, 7, 0), (12, 13, 1), (14, 16, 2))])
+    # A call that sampled nothing (an empty span) is its step's all the same, with no tokens.
+    empty = episode_steps(**kwargs, row_spans=[((5, 7, 0), (12, 12, 1), (12, 16, 2))])
+    assert empty.spans == (((5, 7, 1), (12, 12, 2), (12, 16, 2)),)
