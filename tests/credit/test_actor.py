@@ -20,6 +20,7 @@ import pytest
 import torch
 
 from cua_rl.credit.advantages import STEP_ADVANTAGES
+from cua_rl.credit.steps import runs
 
 pytestmark = pytest.mark.slow
 EPS = 1e-5  # AReaL's NormConfig default, the actor config's adv_norm
@@ -51,18 +52,6 @@ def actors():
     ALL_ATTENTION_FUNCTIONS["sdpa"] = original_sdpa
 
 
-def _runs(mask: torch.Tensor) -> list[tuple[int, int]]:
-    out, start = [], None
-    flags = mask.tolist() + [0]
-    for i, m in enumerate(flags):
-        if m and start is None:
-            start = i
-        elif not m and start is not None:
-            out.append((start, i))
-            start = None
-    return out
-
-
 def _rows(actors, window: int | None) -> list[dict]:
     """Two episodes of 4 steps; each row's reward is its episode's, and its sampled tokens
     carry their step's advantage (the k-th run of sampled tokens of an episode is step k)."""
@@ -80,7 +69,7 @@ def _rows(actors, window: int | None) -> list[dict]:
         for row in own:
             row["rewards"] = torch.tensor([reward])
             adv = torch.zeros(row["input_ids"].shape, dtype=torch.float32)
-            for start, end in _runs(row["loss_mask"][0]):
+            for start, end in runs(row["loss_mask"][0].tolist()):
                 adv[0, start:end] = steps[step]
                 step += 1
             row[STEP_ADVANTAGES] = adv

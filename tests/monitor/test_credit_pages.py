@@ -21,7 +21,8 @@ from cua_rl.credit.keys import StateKey
 from cua_rl.credit.steps import EpisodeSteps, Step
 
 from .conftest import MonitorProcess
-from .test_dashboard_browser import Browser, _login
+from .test_dashboard_browser import _login
+from .test_dashboard_browser import browser as browser  # noqa: F401  (a fixture)
 
 pytestmark = [pytest.mark.slow, pytest.mark.timeout(600)]
 
@@ -102,13 +103,6 @@ def server(tmp_path):
     proc.ids = ids
     yield proc
     proc.stop()
-
-
-@pytest.fixture
-def browser(tmp_path):
-    b = Browser(tmp_path / "profile")
-    yield b
-    b.close()
 
 
 def test_the_step_group_curves_and_each_turns_step_credit(server, browser, tmp_path):
