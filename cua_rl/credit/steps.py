@@ -23,6 +23,7 @@ from typing import Any
 from cua_rl.credit import keys
 from cua_rl.credit.config import StateKeyConfig
 from cua_rl.credit.keys import StateKey
+from cua_rl.trajectory.events import PARSE_FAILURE_ACTIONS
 
 NO_KEY = StateKey("", "")
 
@@ -151,32 +152,52 @@ def _sampled(r: int, mask: list[int], trained, spans) -> list[tuple[int, int, in
     return [(s, e, t) for (s, e), t in zip(sampled, trained, strict=True)]
 
 
+def _acted(actions: Sequence[Mapping[str, Any]]) -> bool:
+    """Whether a step sent anything to the device: a reply that did not parse sent nothing."""
+    return any(str(a.get("name", "")).lower() not in PARSE_FAILURE_ACTIONS for a in actions)
+
+
+def _gym_states(steps: list[list[Mapping]]) -> tuple[list, list]:
+    """Each step's state before and after, by the gym's keys (None where unknown). A step that
+    sent no action left the state as it found it, so its state is the previous action's
+    after-key, or else the next action's before-key."""
+    before, after, acted = [], [], []
+    for actions in steps:
+        results = [a.get("rawResult") for a in actions if isinstance(a.get("rawResult"), Mapping)]
+        first = next((k for r in results if (k := keys.gym_key(r.get(keys.BEFORE_FIELD)))), None)
+        last = next(
+            (k for r in reversed(results) if (k := keys.gym_key(r.get(keys.AFTER_FIELD)))), None
+        )
+        moved = _acted(actions)
+        state = first or (after[-1] if after else None)
+        before.append(state)
+        after.append(last or (state if not moved else None))
+        acted.append(moved)
+    for i in range(len(steps) - 2, -1, -1):
+        if before[i] is None and not acted[i] and before[i + 1] is not None:
+            before[i] = after[i] = before[i + 1]
+    return before, after
+
+
 def _steps(shown, turns, images, config: StateKeyConfig) -> tuple[Step, ...]:
     by_step: dict[int, list[int]] = {}
     for turn in sorted(shown):
         by_step.setdefault(turns[turn][0], []).append(turn)
-    out: list[Step] = []
-    after: StateKey | None = None  # the state the previous step's action left
+    numbers = sorted(by_step)
+    actions = [[a for t in by_step[n] for a in turns[t][1]] for n in numbers]
+    before, after = _gym_states(actions)
     hashed: dict[str, StateKey] = {}
-    for step in sorted(by_step):
+    out: list[Step] = []
+    for i, step in enumerate(numbers):
         ids = tuple(by_step[step])
-        actions = [a for t in ids for a in turns[t][1]]
-        results = [a.get("rawResult") for a in actions if isinstance(a.get("rawResult"), Mapping)]
-        gym_before = next(
-            (k for r in results if (k := keys.gym_key(r.get(keys.BEFORE_FIELD)))), None
-        )
-        gym_after = next(
-            (k for r in reversed(results) if (k := keys.gym_key(r.get(keys.AFTER_FIELD)))), None
-        )
-        digest = shown[ids[0]]
-        key = _key(config.mode, gym_before or after, digest, images, config, hashed)
-        out.append(Step(step, key, action_signature(actions), gym_after, ids))
-        after = gym_after or (after if not actions else None)
+        key = _key(config.mode, before[i], shown[ids[0]], images, config, hashed)
+        out.append(Step(step, key, action_signature(actions[i]), None, ids))
     # A step's next state, of its own key's kind: the gym's after-key, else the next step's key.
     linked = []
     for i, s in enumerate(out):
-        following = out[i + 1].key if i + 1 < len(out) else None
-        nxt = s.next_key if s.key.kind == keys.GYM and s.next_key is not None else following
+        nxt = out[i + 1].key if i + 1 < len(out) else None
+        if s.key.kind == keys.GYM and after[i] is not None:
+            nxt = after[i]
         if nxt is not None and nxt.kind != s.key.kind:
             nxt = None
         linked.append(Step(s.step, s.key, s.action, nxt, s.turns))

@@ -246,3 +246,34 @@ def test_a_re_asked_calls_tokens_touch_the_calls_before_and_spans_tell_them_apar
     # A call that sampled nothing (an empty span) is its step's all the same, with no tokens.
     empty = episode_steps(**kwargs, row_spans=[((5, 7, 0), (12, 12, 1), (12, 16, 2))])
     assert empty.spans == (((5, 7, 1), (12, 12, 2), (12, 16, 2)),)
+
+
+def test_a_step_that_sent_no_action_has_the_state_it_found():
+    # Replies that did not parse reach no device: steps 1, 2 and 4 send nothing, so they are on
+    # the state the next action starts from (1, 2) or the last one left (4), by the gym's keys;
+    # a screenshot hash would put them in step groups of their own.
+    invalid = [{"name": "invalid", "args": {"text": ""}, "rawResult": {"ok": False}}]
+    row = append_only_row([(3, 2)] * 5)
+    steps = episode_steps(
+        episode_id=1,
+        rows=[row],
+        row_images=[["a" * 64] * 5],
+        row_turns=[(0, 1, 2, 3, 4)],
+        turns={
+            0: (1, invalid),
+            1: (2, invalid),
+            2: (3, turn_actions("p1", "p2")),
+            3: (4, invalid),
+            4: (5, turn_actions("p2", "p3")),
+        },
+        images={"a" * 64: b"not read: every step has a gym key"},
+        config=StateKeyConfig(),
+    )
+    assert [str(s.key) for s in steps.steps] == ["gym:p1"] * 3 + ["gym:p2"] * 2
+    assert [str(s.next_key) for s in steps.steps] == [
+        "gym:p1",
+        "gym:p1",
+        "gym:p2",
+        "gym:p2",
+        "gym:p3",
+    ]
