@@ -9,10 +9,10 @@ mean of ``--window`` steps reaches ``--target``, and, when the run had step cred
 groups of 2 or more, the mean and largest step group size, false merges per group, episodes
 whose steps were unknown to the filter, and the mean absolute step advantage. Then, per arm, the
 steps to the target of its runs and their median (a run that never reached it counts as later
-than any that did).
+than any that did). ``--out`` plots these curves, a panel per arm (docs/img/learn-long-arms.png).
 
     python bench/credit_arms.py --arm "full, episode" runs/long-full-episode-s{1,2,3} \\
-        --arm "full, step" runs/long-full-step-s{1,2,3}
+        --arm "full, step" runs/long-full-step-s{1,2,3} --out runs/long-arms.png
 """
 
 from __future__ import annotations
@@ -23,6 +23,10 @@ import sqlite3
 import statistics
 import sys
 from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+
+from cua_rl.app.learning_curves import StepPoint, plot_arms  # noqa: E402
 
 CREDIT = (
     "grouped_share",
@@ -79,12 +83,18 @@ def main(argv: list[str] | None = None) -> int:
                         metavar=("NAME", "RUN_DIR"), help="an arm's name, then its run folders")  # fmt: skip
     parser.add_argument("--target", type=float, default=0.8)
     parser.add_argument("--window", type=int, default=3)
+    parser.add_argument("--out", type=Path, help="a PNG of every run's curve, a panel per arm")
     args = parser.parse_args(argv)
     arms: dict[str, list[int | None]] = {}
+    curves: dict[str, dict[str, list[StepPoint]]] = {}
     for name, *dirs in args.arm:
         arms[name] = []
+        curves[name] = {}
         for d in map(Path, dirs):
             curve = success_per_step(d / "monitor.db")
+            curves[name][d.name] = [
+                StepPoint(step, rate, None, n, None, None) for step, rate, n in curve
+            ]
             at = reached(curve, args.target, args.window)
             arms[name].append(at)
             stats = credit_stats(d / "monitor.db")
@@ -109,6 +119,8 @@ def main(argv: list[str] | None = None) -> int:
         print(
             f"{name:<16} reached at {shown:<16} median {'never' if median is None else f'{median:g}'}"
         )
+    if args.out:
+        print(f"plot: {plot_arms(curves, args.out, target=args.target)}")
     return 0
 
 
