@@ -11,13 +11,14 @@ PY_VLLM := $(VENV_VLLM)/bin/python
 PIP_QUIET ?= -q
 export CUA_VLLM_PYTHON ?= $(abspath $(PY_VLLM))
 
-.PHONY: help envs venv venv-vllm test test-fast lint format demo demo-ray clean-envs freeze-vllm models browser learn gpu-stack gpu-trainer gpu-envs gpu-wheels
+.PHONY: help envs venv venv-vllm test test-fast lint format demo demo-ray clean-envs freeze-vllm models browser learn audit gpu-stack gpu-trainer gpu-envs gpu-wheels
 SUDO := $(shell [ "$$(id -u)" = 0 ] || echo sudo)
 
 help:
 	@echo "make demo       create/reuse both environments and run the main job on the embedded default"
 	@echo "make demo-ray   the demo under AReaL's Ray scheduler on a two-node Ray cluster on loopback"
 	@echo "make learn      proof of learning: train the tiny model on the learn tasks, plot success per step"
+	@echo "make audit      audit the verifiers of the local gym's tasks (AUDIT_GYM, AUDIT_CONFIG, AUDIT_ARGS)"
 	@echo "make test       create/reuse both environments and run the whole suite (slow tests included);"
 	@echo "                installs Debian's chromium first when it is missing (make browser)"
 	@echo "make test-fast  the suite without tests marked slow (also needs chromium: make browser)"
@@ -34,7 +35,7 @@ help:
 	@echo "make help       this list"
 	@echo "make gpu-envs   resolve the GPU environments (trainer, vllm, sglang) for linux x86_64 / Python 3.12, no install"
 	@echo "make gpu-trainer GPU node: AReaL 1.0.4 (its overrides) and cua-rl into GPU_PYTHON's environment"
-	@echo "make gpu-stack  GPU node: vLLM's own environment .venv-vllm-cuda (GPU_BACKEND=sglang: SGLang into GPU_PYTHON's)"
+	@echo "make gpu-stack  GPU node: vLLM's own environment .venv-vllm-cuda (GPU_BACKEND=sglang: the SGLang route's trainer, GPU_PYTHON's)"
 	@echo "make gpu-wheels the wheels bench/gpu_device.sh needs on a lent GPU machine without network (.whl/)"
 
 venv: $(VENV)/.stamp
@@ -101,8 +102,17 @@ browser:
 learn: envs
 	$(PY) -m cua_rl.app.learn $(LEARN_ARGS)
 
-# Lint first: it takes a second and CI then catches style drift too. The suite runs as three pytest
-# processes side by side (scripts/test_shards.py: the longest trainings beside the rest).
+# The verifier audit (docs/audit.md): scripted agents on every task of the local gym, started with
+# AUDIT_GYM's arguments; e.g. make audit AUDIT_GYM="--task-file my-tasks.yaml", or MiniWoB++:
+# make audit AUDIT_GYM="--backend browser --gym-id miniwob" AUDIT_CONFIG=configs/miniwob.yaml.
+# A gym of your own: .venv/bin/python -m cua_rl.audit --config your.yaml (its gym section).
+AUDIT_CONFIG ?= configs/local.yaml
+audit: venv
+	$(PY) -m cua_rl.audit --local-gym "$(AUDIT_GYM)" --config $(AUDIT_CONFIG) audit.scope=all $(AUDIT_ARGS)
+
+# Lint first: it takes a second and CI then catches style drift too. The suite runs as four pytest
+# processes side by side (scripts/test_shards.py: the trainings beside the rest), then prints the
+# slowest tests and every training's wall time (tests/README.md keeps the budget).
 test: envs browser
 	$(VENV)/bin/ruff check .
 	$(VENV)/bin/ruff format --check .
@@ -130,9 +140,12 @@ freeze-vllm: venv-vllm
 #       existing AReaL environment it adds cua-rl and keeps what satisfies AReaL's pins
 #   make gpu-stack                                       the inference server's own environment
 #       (.venv-vllm-cuda, requirements/gpu-vllm.txt); never AReaL's
-#   make gpu-stack GPU_BACKEND=sglang GPU_PYTHON=...     AReaL's sglang extra in AReaL's
-#       environment, resolved with AReaL's overrides (inference.environment=areal)
-GPU_PYTHON ?= python3
+#   make gpu-stack GPU_BACKEND=sglang GPU_PYTHON=...     the SGLang route's trainer environment:
+#       AReaL's sglang extra and cua-rl, resolved with AReaL's overrides (torch 2.9.1, SGLang's
+#       pin, not the vLLM route's 2.10.0: give it an environment of its own)
+# No default: the trainer's environment is named, never whatever python3 is first on PATH (it
+# would receive AReaL's whole tree). docs/gpu.md, *A fresh GPU node*, creates .venv-gpu for it.
+GPU_PYTHON ?=
 GPU_BACKEND ?= vllm
 GPU_VENV := .venv-vllm-cuda
 # The inference environment's Python (vLLM 0.32 wheels: CPython 3.10-3.13).
@@ -141,8 +154,21 @@ GPU_VENV_PYTHON ?= python3.12
 GPU_UV = $(GPU_PYTHON) -m uv
 
 GPU_UV_READY = $(GPU_UV) --version >/dev/null 2>&1 || $(GPU_PYTHON) -m pip install $(PIP_QUIET) uv==0.13.9
+# The Python the GPU environments are resolved for (make gpu-envs, cua_rl/inference/environments.py).
+GPU_PY_VERSION := 3.12
+# Refuses before installing anything: no GPU_PYTHON, one that does not run, or not Python 3.12.
+GPU_PYTHON_NAMED = @test -n "$(GPU_PYTHON)" || { \
+	  echo "make $@ installs AReaL 1.0.4's whole tree into GPU_PYTHON's environment: name it, e.g."; \
+	  echo "  python$(GPU_PY_VERSION) -m venv .venv-gpu && make $@$(if $(filter sglang,$(GPU_BACKEND)), GPU_BACKEND=sglang) GPU_PYTHON=.venv-gpu/bin/python"; \
+	  echo "(docs/gpu.md, A fresh GPU node)"; exit 2; }; \
+	$(GPU_PYTHON) -c 'import sys; sys.exit(sys.version_info[:2] != ($(subst .,$(comma) ,$(GPU_PY_VERSION))))' 2>/dev/null || { \
+	  echo "GPU_PYTHON=$(GPU_PYTHON) is not a Python $(GPU_PY_VERSION) that runs ($$($(GPU_PYTHON) --version 2>&1 | head -1)):"; \
+	  echo "the GPU environments are resolved for Python $(GPU_PY_VERSION) (make gpu-envs); create one with"; \
+	  echo "  python$(GPU_PY_VERSION) -m venv .venv-gpu   (docs/gpu.md, A fresh GPU node)"; exit 2; }
+comma := ,
 
 gpu-trainer:
+	$(GPU_PYTHON_NAMED)
 	@$(GPU_UV_READY)
 	$(GPU_UV) pip install --python $(GPU_PYTHON) "areal==1.0.4" -e . --override requirements/areal-overrides.txt
 
@@ -152,8 +178,9 @@ ifeq ($(GPU_BACKEND),vllm)
 	$(GPU_VENV)/bin/python -m pip install $(PIP_QUIET) -r requirements/gpu-vllm.txt
 	$(GPU_VENV)/bin/python -c "import vllm; print('vllm', vllm.__version__, 'in $(GPU_VENV)')"
 else ifeq ($(GPU_BACKEND),sglang)
+	$(GPU_PYTHON_NAMED)
 	@$(GPU_UV_READY)
-	$(GPU_UV) pip install --python $(GPU_PYTHON) -r requirements/gpu-sglang.txt --override requirements/areal-overrides.txt
+	$(GPU_UV) pip install --python $(GPU_PYTHON) -r requirements/gpu-sglang.txt --override requirements/areal-overrides.txt -e .
 else
 	@echo "GPU_BACKEND=$(GPU_BACKEND): use vllm (the server's own environment) or sglang (AReaL's)"; exit 2
 endif

@@ -1,8 +1,8 @@
 """cua-rl's actor against AReaL's on a GPU, on the project's row layouts; and the GPU smoke step.
 
 Per actor and context policy, one PPO step (``compute_logp`` then ``ppo_update``, wall seconds
-with CUDA synchronised, after a warm-up step at 3 turns) of 2 episodes (a GRPO group of 2) of
-``--turns`` turns, a randomly initialised model of Qwen2-VL-2B's shape, bf16 compute with fp32
+with CUDA synchronised, after an untimed warm-up step of the same rows) of 2 episodes (a GRPO
+group of 2) of ``--turns`` turns, a randomly initialised model of Qwen2-VL-2B's shape, bf16 compute with fp32
 master weights and Adam, gradient checkpointing, ``attn_impl: sdpa`` (cua-rl's per-sequence SDPA,
 ``cua_rl.areal.attention``), each turn a ~1 MP phone screenshot (36 x 36 merged tokens):
 
@@ -13,7 +13,9 @@ master weights and Adam, gradient checkpointing, ``attn_impl: sdpa`` (cua-rl's p
 
 Actors: ``areal`` is AReaL's ``FSDPPPOActor``; ``cua`` is the one configs/cua.yaml builds
 (``SelectiveLogitsPPOActor``: each distinct screenshot through the vision tower once per
-micro-batch, an episode's rows packed in turn order, logits only at loss positions). Printed per
+micro-batch, an episode's rows packed in turn order, logits only at loss positions);
+``cua-no-dedup``, ``cua-no-selective`` and ``cua-plain`` take its parts away one at a time
+(``ACTORS``), to say which part a difference in time comes from. Printed per
 run: rows, tokens, images in rows and encoded, micro-batches, compute_logp and ppo_update
 seconds, peak GPU memory; then each layout's step time against the same actor's full row, and
 cua's against AReaL's. Every statistic goes through ``export_stats``'s real all-reduce: a CPU
@@ -56,6 +58,15 @@ OUT = Path(os.environ.get("OUT") or ROOT / "runs" / "gpu-actor")
 T0 = time.time()
 RESULTS: list[dict] = []
 LAYOUTS = {"full": None, "window-3": 3, "current": 1, "window-5": 5}
+# --actors: the actor class and actor.vision.dedup. ``cua`` is configs/cua.yaml's; the three
+# between it and AReaL's take one of its parts away at a time, to place a difference in time.
+ACTORS = {
+    "cua": ("selective", True),
+    "cua-no-dedup": ("selective", False),  # selective logits, every image through the tower
+    "cua-no-selective": ("cua", True),  # logits.selective=false: CuaPPOActor, dedup on
+    "cua-plain": ("cua", False),  # CuaPPOActor with dedup off: AReaL's path with the fixes
+    "areal": ("areal", True),  # AReaL's FSDPPPOActor (reads no actor.vision)
+}
 # Imported at module level by AReaL but never called by the actor; stand-ins where missing.
 STUBBED = ("ray", "wandb", "swanlab", "trackio", "tensorboardX", "gradio_client", "pyecharts")
 
@@ -240,8 +251,6 @@ def bench_actor(name: str, cls: type, config, args) -> None:
     vocab = actor.model.get_output_embeddings().weight.shape[0]
     params = sum(p.numel() for p in actor.model.parameters()) / 1e9
     log(f"  model ready: {params:.2f}B parameters (local shard), vocabulary {vocab}")
-    run_step(actor, rows_for("window-3", 3, vocab, args.image_tokens, args.small), counter)
-    log("  warm-up step done")
     for turns in args.turns:
         for layout in args.layouts:
             if time.time() - T0 > args.budget_s:
@@ -263,6 +272,15 @@ def measure(actor, name, layout, turns, vocab, counter, args) -> dict:
     import torch
 
     rows = rows_for(layout, turns, vocab, args.image_tokens, args.small)
+    # Warm-up at the measured size, untimed. A warm-up of 3 turns was not enough: on an H200
+    # (2026-11-28) the first 30-turn step of a process took 1.3-1.7x the time of the same
+    # actor's later ones, whichever actor came first (CUDA's caching allocator growing to the
+    # step's size), which made the order of --actors look like a difference between actors.
+    try:
+        run_step(actor, rows, counter)
+    except Exception as exc:  # the timed step below reports it
+        log(f"  warm-up of {name} {layout} {turns} failed: {type(exc).__name__}")
+    gc.collect()
     rec = dict(
         actor=name,
         layout=layout,
@@ -286,32 +304,34 @@ def measure(actor, name, layout, turns, vocab, counter, args) -> dict:
 
 def table() -> str:
     head = (
-        "actor  layout     T  rows  tokens  images encoded  mbs  logp_s  update_s  step_s  peak_GiB"
+        "actor             layout     T  rows  tokens  images encoded  mbs  logp_s  update_s  step_s"
+        "  peak_GiB"
     )
     lines = [head]
     for r in RESULTS:
         if "actor" not in r or "layout" not in r:
             continue
         if "error" in r:
-            lines.append(f"{r['actor']:<6} {r['layout']:<9} {r['turns']:>2}  {r['error'][:100]}")
+            lines.append(f"{r['actor']:<17} {r['layout']:<9} {r['turns']:>2}  {r['error'][:100]}")
             continue
         lines.append(
-            f"{r['actor']:<6} {r['layout']:<9} {r['turns']:>2} {r['rows']:>5} {r['tokens']:>7} "
+            f"{r['actor']:<17} {r['layout']:<9} {r['turns']:>2} {r['rows']:>5} {r['tokens']:>7} "
             f"{r['row_images']:>7} {r['encoded']:>7} {r['mbs']:>4} {r['logp_s']:>7.2f} "
             f"{r['update_s']:>9.2f} {r['step_s']:>7.2f} {r['peak_gib']:>9.1f}"
         )
     done = {
         (r["actor"], r["layout"], r["turns"]): r for r in RESULTS if "step_s" in r and "actor" in r
     }
-    lines.append("step time against the same actor's full row, and cua against areal:")
+    lines.append("step time against the same actor's full row, and each cua actor against areal:")
     for (actor, layout, turns), r in done.items():
         full = done.get((actor, "full", turns))
         if layout != "full" and full:
             lines.append(f"  {actor} {layout} T={turns}: {r['step_s'] / full['step_s']:.2f}x")
     for (actor, layout, turns), r in done.items():
         other = done.get(("areal", layout, turns))
-        if actor == "cua" and other:
-            lines.append(f"  cua/areal {layout} T={turns}: {r['step_s'] / other['step_s']:.2f}x")
+        if actor != "areal" and other:
+            ratio = r["step_s"] / other["step_s"]
+            lines.append(f"  {actor}/areal {layout} T={turns}: {ratio:.2f}x")
     return "\n".join(lines)
 
 
@@ -392,7 +412,7 @@ def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawTextHelpFormatter)
     ap.add_argument("--turns", type=int, nargs="+", default=[30])
     ap.add_argument("--layouts", nargs="+", default=list(LAYOUTS), choices=list(LAYOUTS))
-    ap.add_argument("--actors", nargs="+", default=["cua", "areal"], choices=["cua", "areal"])
+    ap.add_argument("--actors", nargs="+", default=["cua", "areal"], choices=list(ACTORS))
     ap.add_argument("--image-tokens", type=int, default=1296, help="merged tokens per screenshot")
     ap.add_argument("--mb-tokens", type=int, default=49152, help="max_tokens_per_mb")
     ap.add_argument("--budget-s", type=float, default=480, help="no new layout after this")
@@ -409,7 +429,9 @@ def main() -> None:
     from areal.api.cli_args import MicroBatchSpec, OptimizerConfig
     from areal.engine.fsdp_engine import FSDPPPOActor
 
+    from cua_rl.areal.actor import CuaPPOActor
     from cua_rl.areal.logits_engine import SelectiveLogitsPPOActor
+    from cua_rl.areal.vision import VisionSection
     from cua_rl.testing.actor import actor_config
 
     if cuda:  # on a CPU every statistic is a CPU tensor, and gloo takes them
@@ -419,7 +441,9 @@ def main() -> None:
     folder = model_dir(args.small)
     random_init_instead_of_loading()
     dtype = "bfloat16" if cuda and not args.small else "float32"
+    classes = {"selective": SelectiveLogitsPPOActor, "cua": CuaPPOActor, "areal": FSDPPPOActor}
     for name in args.actors:
+        kind, dedup = ACTORS[name]
         config = actor_config(
             folder,
             dtype=dtype,
@@ -427,8 +451,9 @@ def main() -> None:
             gradient_checkpointing=not args.small,
             mb_spec=MicroBatchSpec(max_tokens_per_mb=args.mb_tokens),
             optimizer=OptimizerConfig(lr=1e-6, weight_decay=0.0),
+            vision=VisionSection(dedup=dedup),
         )
-        cls = SelectiveLogitsPPOActor if name == "cua" else FSDPPPOActor
+        cls = classes[kind]
         try:
             bench_actor(name, cls, config, args)
         except Exception as exc:

@@ -1,6 +1,6 @@
 #!/usr/bin/env bash
 # On a lent GPU machine (PyTorch and CUDA, no network), from the repository's root, with .whl/
-# carried (`make gpu-wheels` here first): the GPU bench and --check's GPU step, about 8 minutes
+# carried (`make gpu-wheels` here first): the GPU bench and --check's GPU step, about 9 minutes
 # on an H200 (docs/gpu.md). Output: the terminal, and $OUT (gpu_actor.txt, gpu_actor.json, log.txt).
 #   bash bench/gpu_device.sh [bench/gpu_actor.py arguments]   (default: --smoke --turns 30 --budget-s 415)
 set -uo pipefail

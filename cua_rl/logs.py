@@ -10,11 +10,14 @@ the root. Level: ``$CUA_RL_LOG_LEVEL`` (default INFO).
 
 from __future__ import annotations
 
+import contextlib
 import logging
 import os
 import sys
 
 FORMAT = "%(asctime)s %(levelname)s %(name)s: %(message)s"
+# Ours, held here: AReaL's replacement manager does not list them.
+_LOGGERS: list[logging.Logger] = []
 
 
 def get_logger(name: str) -> logging.Logger:
@@ -26,4 +29,23 @@ def get_logger(name: str) -> logging.Logger:
         logger.addHandler(handler)
         logger.propagate = False
         logger.setLevel(os.environ.get("CUA_RL_LOG_LEVEL", "INFO").upper())
+        _LOGGERS.append(logger)
     return logger
+
+
+@contextlib.contextmanager
+def warnings_only():
+    """INFO and DEBUG records kept off every handler (the root's and each of ours) meanwhile:
+    for a report that is its own lines (``--check``'s table)."""
+
+    def keep(record: logging.LogRecord) -> bool:
+        return record.levelno >= logging.WARNING
+
+    handlers = {h for lg in [logging.root, *_LOGGERS] for h in lg.handlers}
+    for handler in handlers:
+        handler.addFilter(keep)
+    try:
+        yield
+    finally:
+        for handler in handlers:
+            handler.removeFilter(keep)

@@ -1,21 +1,18 @@
-"""``make test``'s runner: the suite as pytest processes side by side.
+"""``make test``'s runner: the suite as pytest processes side by side, and what it spent.
 
-Most of the suite's wall time goes to a few whole trainings, and they leave a 2-core machine half
-idle (they wait on the sim agent's step latency, box start-up and the trainer's polls: a serial
-run averaged 0.43 busy cores). The longest ones that share no fixture with the rest run in
-processes beside the main one, a group each: the proof of learning, the curriculum's restart
-run and the Ray and Slurm trainings of tests/cluster in one; the run-end trainings (the demo
-ended four ways, a trainer killed outright) in another. The main process streams as usual; the
-others' output goes to log files, printed when all have ended. The exit status is the first failing process's. Two trainings at
-once on one machine are safe only because AReaL's port choice no longer follows the training
-seed (cua_rl/areal/ports.py): before that, trainings of one config drew the same ports. The
-trainings per family (tests/app/test_families_train.py) ride with the learning group, the
-trainings per context policy (tests/app/test_context_train.py) and the training through a model
-outage (tests/app/test_model_outage.py) ride with the run-end group, and so do the exports of a
-training per context policy (tests/warehouse/test_export_consumers.py, three short trainings);
-so do the PPO smoke steps and the GPU environments' resolutions, which wait on the package
-registry (learning), and the evaluation-only run (run-end), which kept the main process the
-longest (main 2,098 s, learning 1,823 s, run-end 1,842 s in a fresh-clone CI run).
+Most of the suite's wall time goes to whole trainings (AReaL's launcher, its workers, a vLLM CPU
+server), and a training leaves a 2-core machine half idle (it waits on box start-up, the agent's
+settle time and the trainer's polls): the longest ones run in processes beside the main one, a
+group each. Tests that read one of the session's shared trainings (tests/conftest.py
+``shared_training``) run in one process, the one that trains it; each process that trains
+starts its own shared vLLM server per tiny model (``model_servers``), borrowed by its trainings
+one after another. The main process streams as usual; the others' output goes to log files,
+printed when all have ended. Two trainings at once on one machine are safe because AReaL's port
+choice no longer follows the training seed (cua_rl/areal/ports.py).
+
+At the end it prints, from every process: the slowest tests, and every whole training and shared
+server with its wall time (``note_cost`` in tests/conftest.py; tests/README.md keeps the
+budget). The exit status is the first failing process's.
 
     python scripts/test_shards.py [--log-dir DIR] [-- extra pytest args for every process]
 """
@@ -23,34 +20,55 @@ longest (main 2,098 s, learning 1,823 s, run-end 1,842 s in a fresh-clone CI run
 from __future__ import annotations
 
 import argparse
+import json
 import os
 import signal
 import subprocess
 import sys
 import time
+import xml.etree.ElementTree as ET
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[1]
-# Whole trainings that need nothing the rest of the suite builds (no shared vLLM server, no demo),
-# by group: each group is one pytest process beside the main one.
+# Test files (or node ids) by group: each group is one pytest process beside the main one, which
+# runs everything else. Every file that reads a shared training is in the group that trains it.
 BESIDE = {
+    # The shared trainings (the demo's own, the built-in MAI-UI loop, the current-only agent,
+    # the agent functions of one's own) and every test that reads them.
+    "shared": (
+        "tests/app/test_train_local.py",
+        "tests/app/test_function_train.py",
+        "tests/monitor/test_dashboard_browser.py",
+        "tests/app/test_context_train.py",
+        "tests/warehouse/test_export_consumers.py",
+        "tests/app/test_run_end.py::test_a_run_ending_on_a_busy_machine_leaves_no_execution_and_no_open_record",
+    ),
+    # Trainings that must end a particular way (SIGTERM, fail-fast, a killed trainer, an outage,
+    # a crash at start), the evaluation-only run and the audit's training, then one training per
+    # model family: trainings of one model next to each other, as the process keeps one shared
+    # server at a time (tests/conftest.py MAX_SHARED_SERVERS).
+    "ends": (
+        "tests/app/test_run_end.py::test_sigterm_mid_run_cancels_the_training_and_stops_every_worker",
+        "tests/app/test_run_end.py::test_systematic_rejection_stops_the_training_failed_with_its_reason",
+        "tests/app/test_model_outage.py",
+        "tests/monitor/test_safety_trainer_killed.py",
+        "tests/app/test_eval_only.py",
+        "tests/audit/test_free_reward_training.py",
+        "tests/app/test_train_local.py::test_a_crashing_run_leaves_the_training_failed_with_its_error",
+        "tests/app/test_families_train.py",
+    ),
+    # The proof of learning and the curriculum's restart (long trainings borrowing one server),
+    # the Ray and Slurm trainings, AReaL's own PPO smoke steps, and the GPU environments'
+    # resolutions, which wait on the package registry.
     "learning": (
         "tests/app/test_learn.py",
         "tests/curriculum/test_in_the_loop.py",
         "tests/cluster",
-        "tests/app/test_families_train.py",
         "tests/cpu/test_ppo_smoke.py",
         "tests/inference/test_environments.py",
     ),
-    "run-end": (
-        "tests/app/test_run_end.py",
-        "tests/monitor/test_safety_trainer_killed.py",
-        "tests/app/test_context_train.py",
-        "tests/app/test_model_outage.py",
-        "tests/app/test_eval_only.py",
-        "tests/warehouse/test_export_consumers.py",
-    ),
 }
+SLOWEST = 20
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -59,33 +77,44 @@ def main(argv: list[str] | None = None) -> int:
         "--log-dir",
         type=Path,
         default=ROOT / ".cache" / "test-logs",
-        help="where the processes beside write their output (beside-<group>.log)",
+        help="where the processes beside write their output (beside-<group>.log), the JUnit "
+        "reports and the trainings' costs",
     )
     ap.add_argument("pytest_args", nargs="*", help="passed to every pytest process")
     args = ap.parse_args(argv)
     args.log_dir.mkdir(parents=True, exist_ok=True)
     py = [sys.executable, "-m", "pytest", "-ra"]
-    every = [path for paths in BESIDE.values() for path in paths]
-    # The caller's arguments come last, so that they override ours (e.g. --durations=0).
-    # The slowest tests of each process are listed, so a CI log shows where the time went.
-    main_cmd = [*py, "--durations=30", *(f"--ignore={p}" for p in every), *args.pytest_args]
+    groups = selections(BESIDE)
+    reports = {group: args.log_dir / f"junit-{group}.xml" for group in groups}
+    costs = {group: args.log_dir / f"costs-{group}.jsonl" for group in groups}
+    for path in (*reports.values(), *costs.values()):
+        path.unlink(missing_ok=True)
+
+    def command(group: str) -> list[str]:
+        # The caller's arguments come last, so that they override ours.
+        return [*py, f"--junitxml={reports[group]}", *groups[group], *args.pytest_args]
+
+    def env(group: str) -> dict[str, str]:
+        return {**os.environ, "CUA_TEST_COSTS": str(costs[group])}
+
     start = time.monotonic()
     beside: dict[str, tuple[subprocess.Popen, Path]] = {}
     main_proc: subprocess.Popen | None = None
     try:
-        for group, paths in BESIDE.items():
+        for group in BESIDE:
             log = args.log_dir / f"beside-{group}.log"
-            print(f"[tests] {' '.join(paths)} run beside the rest; their output: {log}", flush=True)
+            print(f"[tests] {group} runs beside the rest; its output: {log}", flush=True)
             with open(log, "w") as out:
                 proc = subprocess.Popen(
-                    [*py, "--durations=10", *paths, *args.pytest_args],
+                    command(group),
                     cwd=ROOT,
                     stdout=out,
                     stderr=subprocess.STDOUT,
                     start_new_session=True,
+                    env=env(group),
                 )
             beside[group] = (proc, log)
-        main_proc = subprocess.Popen(main_cmd, cwd=ROOT)
+        main_proc = subprocess.Popen(command("main"), cwd=ROOT, env=env("main"))
         procs = {"main": main_proc, **{group: proc for group, (proc, _) in beside.items()}}
         ended: dict[str, float] = {}
         while len(ended) < len(procs):
@@ -108,6 +137,8 @@ def main(argv: list[str] | None = None) -> int:
     for group, (_, log) in beside.items():
         print(f"\n[tests] ===== output of the tests beside: {group} ({log}) =====", flush=True)
         sys.stdout.write(log.read_text(errors="replace"))
+    print_slowest(reports)
+    print_costs(costs)
     took = time.monotonic() - start
     failed = main_rc != 0 or any(codes.values())
     exits = ", ".join(f"{group} exit {rc} ({ended[group]:.0f} s)" for group, rc in codes.items())
@@ -116,6 +147,66 @@ def main(argv: list[str] | None = None) -> int:
         f"{exits}, {took:.0f} s wall"
     )
     return main_rc or next((rc for rc in codes.values() if rc), 0)
+
+
+def selections(beside: dict[str, tuple[str, ...]]) -> dict[str, list[str]]:
+    """Each process's pytest arguments: a group's files and tests, less the tests another group
+    names inside them; the main process everything else."""
+    every = [path for paths in beside.values() for path in paths]
+    nodes = [p for p in every if "::" in p]
+    out = {"main": [f"--deselect={p}" if "::" in p else f"--ignore={p}" for p in every]}
+    for group, paths in beside.items():
+        inside = [n for n in nodes if n not in paths and n.split("::")[0] in paths]
+        out[group] = [*paths, *(f"--deselect={n}" for n in inside)]
+    return out
+
+
+def slowest(reports: dict[str, Path], n: int = SLOWEST) -> list[tuple[float, str, str]]:
+    """(seconds, test, group) of the ``n`` slowest tests of every process (set-up, call and
+    tear-down together: a shared training's time falls on the first test that asks for it)."""
+    found = []
+    for group, path in reports.items():
+        if not path.exists():
+            continue
+        for case in ET.parse(path).getroot().iter("testcase"):
+            name = f"{case.get('classname', '').replace('.', '/')}.py::{case.get('name')}"
+            found.append((float(case.get("time") or 0), name, group))
+    return sorted(found, reverse=True)[:n]
+
+
+def print_slowest(reports: dict[str, Path]) -> None:
+    rows = slowest(reports)
+    if not rows:
+        return
+    print(f"\n[tests] the {len(rows)} slowest tests (set-up and tear-down included):", flush=True)
+    for seconds, name, group in rows:
+        print(f"[tests] {seconds:7.1f} s  {name}  ({group})", flush=True)
+
+
+def costs_of(costs: dict[str, Path]) -> list[tuple[str, dict]]:
+    out = []
+    for group, path in costs.items():
+        if path.exists():
+            out += [(group, json.loads(line)) for line in path.read_text().splitlines() if line]
+    return out
+
+
+def print_costs(costs: dict[str, Path]) -> None:
+    """Every whole training and shared server of the run with its wall time (the budget: the
+    table in tests/README.md)."""
+    rows = costs_of(costs)
+    if not rows:
+        return
+    trainings = [(g, r) for g, r in rows if r["kind"] == "training"]
+    servers = [(g, r) for g, r in rows if r["kind"] == "server"]
+    print(
+        f"\n[tests] whole trainings: {len(trainings)}, {sum(r['seconds'] for _, r in trainings):.0f}"
+        f" s in all; shared vLLM servers: {len(servers)}, started in "
+        f"{sum(r['seconds'] for _, r in servers):.0f} s (budget: tests/README.md)",
+        flush=True,
+    )
+    for group, r in sorted(rows, key=lambda gr: -gr[1]["seconds"]):
+        print(f"[tests] {r['seconds']:7.1f} s  {r['kind']:8}  {r['name']}  ({group})", flush=True)
 
 
 def _kill_group(proc: subprocess.Popen) -> None:

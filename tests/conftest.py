@@ -1,19 +1,25 @@
-"""Fixtures shared by every test area: tiny local models, real vLLM CPU servers, one demo run.
+"""Fixtures shared by every test area: tiny local models, real vLLM CPU servers, the shared
+trainings.
 
 Models are built once into the repository's cache (``.cache/models``, or ``$CUA_RL_CACHE``) and
 reused across sessions; servers are started once per session on free loopback ports and stopped
-by process group at the end. ``demo_run`` runs ``make demo``'s launcher once per session; the
-demo's own test and the dashboard's browser tests share it.
+by process group at the end. A whole training costs minutes on two cores, so the suite runs a
+few, shared by every test that reads one (``shared_training``, one per regime: tests/README.md
+lists them and what each costs); the other trainings are those that must end a particular way.
+Trainings borrow one vLLM server per tiny model (``model_servers``) instead of starting their own,
+except where the test is about the run's own server.
 """
 
 from __future__ import annotations
 
+import json
 import os
 import signal
 import sqlite3
 import subprocess
 import sys
 import time
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -21,7 +27,9 @@ import pytest
 
 from cua_rl.testing.cache import ensure_model
 from cua_rl.testing.sockets import Endpoint, tree_sockets
-from cua_rl.testing.vllm_server import VLLMServer
+from cua_rl.testing.vllm_server import TrainingServer, VLLMServer
+
+ROOT = Path(__file__).resolve().parents[1]
 
 
 @pytest.fixture(scope="session")
@@ -53,6 +61,66 @@ def vllm_bpe_server(tiny_vl_bpe_model_dir):
         yield server
 
 
+# ---------------------------------------------------------------------------- shared servers
+
+# Shared servers alive at once per pytest process (each holds ~2.5 GiB, and several processes
+# run side by side on 24 GiB): another model's server replaces it (scripts/test_shards.py puts
+# the trainings of one model next to each other).
+MAX_SHARED_SERVERS = 1
+
+
+class ModelServers:
+    """One vLLM server per tiny model for the whole session, started on first use by the
+    product's ``python -m cua_rl.inference.serve`` (the flags a training of configs/local.yaml
+    gives it); each training borrows it (``inference.server``), which loads the training's
+    initial weights and clears the version label first. Trainings of one pytest process run one
+    after another, so one server serves them all."""
+
+    def __init__(self, log_dir: Path):
+        self.log_dir = log_dir
+        self.alive: dict[str, TrainingServer] = {}
+
+    def __call__(self, kind: str) -> TrainingServer:
+        server = self.alive.pop(kind, None)
+        if server is None:
+            while len(self.alive) >= MAX_SHARED_SERVERS:
+                self.alive.pop(next(iter(self.alive))).stop()
+            t0 = time.monotonic()
+            server = TrainingServer(
+                ensure_model(kind), model=kind, log_path=self.log_dir / f"vllm-{kind}.log"
+            ).start()
+            note_cost(f"shared vLLM server {kind}", time.monotonic() - t0, kind="server")
+        self.alive[kind] = server  # most recently used last
+        return server
+
+    def stop(self) -> None:
+        for server in self.alive.values():
+            server.stop()
+        self.alive.clear()
+
+
+@pytest.fixture(scope="session")
+def model_servers(tmp_path_factory):
+    """``model_servers(kind)``: the session's shared server for that tiny model (a kind of
+    ``cua_rl.testing.cache``), for trainings to borrow: ``server.borrow_override()``."""
+    servers = ModelServers(tmp_path_factory.mktemp("model-servers"))
+    yield servers
+    servers.stop()
+
+
+def note_cost(name: str, seconds: float, kind: str = "training") -> None:
+    """Record a whole training's (or a shared server's) wall time where ``make test``'s runner
+    prints it (``$CUA_TEST_COSTS``, JSON lines): the suite's budget, visible in every run."""
+    path = os.environ.get("CUA_TEST_COSTS")
+    if not path:
+        return
+    with open(path, "a") as out:
+        out.write(json.dumps({"name": name, "kind": kind, "seconds": round(seconds, 1)}) + "\n")
+
+
+# ---------------------------------------------------------------------------- trainings
+
+
 @dataclass
 class DemoRun:
     run_dir: Path
@@ -62,33 +130,182 @@ class DemoRun:
     # the samples), and how many samples saw one running.
     sockets: set[Endpoint] = field(default_factory=set)
     samples_mid_step: int = 0
+    seconds: float = 0.0
+    # The gym's live executions right after the run, when the run used a gym the test started
+    # (it outlives the run, so they are what the run left open).
+    gym_left: list | None = None
 
     @property
     def db(self) -> Path:
         return self.run_dir / "monitor.db"
 
 
-# The command issue 12 tried as a new user would (it lost 6 of 24 episodes before the gateway).
-DEMO_OVERRIDES = (
-    "rollout.max_head_offpolicyness=2",
-    "total_train_epochs=6",
-    "total_train_steps=6",
-    "rollout.max_concurrent_rollouts=8",
-)
-DEMO_STEPS = 6
 # Every task trains, none evaluates: no eval-rollout worker, no baseline pass, no eval after each
-# step. For the trainings whose subject is the training path (each family, each context policy);
-# the demo's own run (tests/app/test_train_local.py) keeps the evaluations and checks them.
+# step. For the trainings whose subject is the training path; the demo's own run keeps the
+# evaluations and checks them.
 NO_EVAL = ("gym.selection.train_ratio=1.0", "gym.selection.eval_number_range=null")
+# The local agent's settle time after each action (the demo's --step-latency, 0.5 s by default)
+# is what makes episodes meet weight updates as production's do; a training whose tests do not
+# read that runs without it.
+NO_LATENCY = ("--step-latency", "0")
+
+
+@dataclass(frozen=True)
+class Regime:
+    """A shared training: ``make demo``'s launcher with ``args`` (its flags first, then train.py
+    overrides: argparse takes the overrides as one run), run once per session by the first test
+    that asks for it."""
+
+    name: str
+    what: str
+    args: tuple[str, ...]
+    steps: int
+    # The tiny model whose shared server the training borrows; None: the run starts its own
+    # (the demo as users run it: its own server is among the processes its tests read).
+    borrows: str | None = "qwen2-vl-bpe"
+    # Keep both cores busy from the start of this step to the end of the run (None: never).
+    busy_from_step: int | None = None
+
+
+# The demo's own regime: production's (asynchronous, two steps of staleness, eight episodes in
+# flight, the gateway, the unpatched local agent keeping the whole conversation, the BPE tiny
+# model), six steps with a baseline and an eval after each, every episode stored; the command
+# issue 12 tried as a new user would (it lost 6 of 24 episodes before the gateway). It runs
+# against a gym started by the test, which outlives it, and ends with the machine kept busy
+# from its last step on (the drain must still close everything).
+DEMO_STEPS = 6
+DEMO = Regime(
+    name="demo",
+    what="service agent, full context, asynchronous (staleness 2, 8 in flight), 6 steps, "
+    "evaluations, own vLLM server, busy machine at the end",
+    args=(
+        "rollout.max_head_offpolicyness=2",
+        f"total_train_epochs={DEMO_STEPS}",
+        f"total_train_steps={DEMO_STEPS}",
+        "rollout.max_concurrent_rollouts=8",
+        "monitor.store_episodes=all",
+    ),
+    steps=DEMO_STEPS,
+    borrows=None,
+    busy_from_step=DEMO_STEPS,
+)
+# One step of staleness: at most two steps' episodes can start before the first weight update,
+# so a third step's were sampled by a later version, whatever the machine's speed. No settle time:
+# whether a weight update lands inside an episode is the machine's timing (the built-in loop's
+# episodes ended before every update in this issue's runs, with two steps of staleness too); the
+# demo's run, whose evaluation after each step pauses the episodes in flight, is where they do.
+CONTEXT_STEPS = 3
+_CONTEXT = (
+    "rollout.max_head_offpolicyness=1",
+    "rollout.max_concurrent_rollouts=8",
+    f"total_train_epochs={CONTEXT_STEPS}",
+    f"total_train_steps={CONTEXT_STEPS}",
+    "monitor.store_episodes=all",
+    *NO_EVAL,
+)
+# The rollout workers run the agent loop themselves with MAI-UI's context (a window of 3
+# screenshots, history re-rendered from the parsed action).
+BUILTIN_MAI_UI = Regime(
+    name="builtin-mai-ui",
+    what="built-in agent loop, MAI-UI's context, asynchronous (staleness 1), 3 steps, "
+    "borrowed server, no settle time",
+    args=("--agent-mode=builtin", *NO_LATENCY, "agent.context=mai-ui", *_CONTEXT),
+    steps=CONTEXT_STEPS,
+)
+# The agent service sending the current screenshot only.
+SERVICE_CURRENT = Regime(
+    name="service-current",
+    what="service agent, current screenshot only, asynchronous (staleness 1), 3 steps, "
+    "borrowed server, no settle time",
+    args=(*NO_LATENCY, "agent.context=current", *_CONTEXT),
+    steps=CONTEXT_STEPS,
+)
+# Bring your own agent: ``--agent-mode function`` with an agent function that hands each task to
+# the example's agent written with the official openai SDK (examples/cua_agent/openai_agent.py)
+# or to one written with LangChain's OpenAI chat model (tests/agent/langchain_agent.py: even task
+# numbers), each called as it is; two asynchronous steps (one of staleness), every episode stored.
+FUNCTION_AGENTS = Regime(
+    name="function-agents",
+    what="agent functions of one's own (openai SDK, LangChain), asynchronous (staleness 1), "
+    "2 steps, borrowed server, no evaluation",
+    args=(
+        "--agent-mode=function",
+        *NO_LATENCY,
+        "agent.function=tests.agent.langchain_agent:example_or_langchain",
+        "rollout.max_head_offpolicyness=1",
+        "monitor.store_episodes=all",
+        *NO_EVAL,
+    ),
+    steps=2,
+)
+REGIMES = {r.name: r for r in (DEMO, BUILTIN_MAI_UI, SERVICE_CURRENT, FUNCTION_AGENTS)}
 
 
 @pytest.fixture(scope="session")
-def demo_run(tmp_path_factory, tiny_vl_model_dir):
-    """``python -m cua_rl.app.demo`` once, in the regime production trains in: six real
-    PPO steps, asynchronous (two steps of staleness, eight episodes in flight), through the
-    gateway, with the BPE tiny model; the monitor on SQLite."""
-    run_dir = tmp_path_factory.mktemp("demo") / "demo"
-    return run_demo(run_dir, *DEMO_OVERRIDES, timeout=1700)
+def shared_training(tmp_path_factory, model_servers):
+    """``shared_training(name)``: the session's training of that regime (``REGIMES``), run by
+    the first test that asks and read by every other. Tests that share one must run in one
+    pytest process (scripts/test_shards.py keeps them together)."""
+    from cua_rl.app.demo import Child
+
+    runs: dict[str, DemoRun] = {}
+
+    def get(name: str) -> DemoRun:
+        if name not in runs:
+            regime = REGIMES[name]
+            run_dir = tmp_path_factory.mktemp(f"shared-{name}") / "run"
+            server = model_servers(regime.borrows) if regime.borrows else None
+            busy = Busy(regime.busy_from_step) if regime.busy_from_step else None
+            # The local gym as the demo starts it, but outliving the run: what it still runs
+            # afterwards is what the run left open.
+            gym_cmd = [sys.executable, "-m", "cua_rl.sim", "gym", "--port", "0"]
+            gym = Child("gym", gym_cmd, run_dir.parent)
+            try:
+                gym_url = gym.wait_for_line("ready ", 60).split("/api/v1/")[0]
+                run = run_demo(
+                    run_dir, "--gym-url", gym_url, *regime.args, server=server, during=busy,
+                    watch=(gym.proc.pid,), timeout=1700, name=f"shared {name}",
+                )  # fmt: skip
+                run.gym_left = gym_executions(f"{gym_url}/api/v1/sim")
+            finally:
+                gym.stop()
+            runs[name] = run
+        return runs[name]
+
+    return get
+
+
+@pytest.fixture(scope="session")
+def demo_run(shared_training):
+    """The demo's own run (``DEMO``): ``python -m cua_rl.app.demo`` in production's regime."""
+    return shared_training(DEMO.name)
+
+
+def gym_executions(base_url: str) -> list:
+    """The live executions of a gym (its URL with ``/api/v1/<gym id>``)."""
+    import httpx
+
+    return httpx.get(f"{base_url}/executions", timeout=10).json()["executions"]
+
+
+class Busy:
+    """Two CPU-bound processes (the two cores of this machine's kind) from the start of a step
+    to the end of the run: the end of a run on a machine kept busy."""
+
+    def __init__(self, from_step: int):
+        self.from_step = from_step
+        self.procs: list[subprocess.Popen] = []
+
+    def __call__(self, db: Path) -> None:
+        if self.procs or not _step_begun(db, self.from_step):
+            return
+        loop = "while True: pass"
+        self.procs = [subprocess.Popen([sys.executable, "-c", loop]) for _ in range(2)]
+
+    def stop(self) -> None:
+        for p in self.procs:
+            p.kill()
+            p.wait()
 
 
 def open_files_under(folder: Path) -> list[str]:
@@ -145,53 +362,39 @@ def train_command(
     ]  # fmt: skip
 
 
-# The context-policy trainings: 3 steps (2 of staleness, so updates land while later episodes run).
-CONTEXT_STEPS = 3
+def _step_begun(db: Path, step: int) -> bool:
+    if not db.exists():
+        return False
+    try:
+        return bool(db_rows(db, "SELECT 1 FROM step WHERE step = ?", step))
+    except sqlite3.Error:  # not yet created, or locked by the monitor's write
+        return False
 
 
-@pytest.fixture(scope="session")
-def context_runs(tmp_path_factory):
-    """``get(mode, policy, steps)``: a real asynchronous training of the local agent with that
-    context policy (``agent.mode`` service or builtin), every episode stored, run once per
-    session and shared by the tests that read it (every call trains: tests/app/
-    test_context_train.py; the export proven by its consumers: tests/warehouse/
-    test_export_consumers.py, which ride in one pytest process, scripts/test_shards.py)."""
-    runs: dict[tuple[str, str, int], DemoRun] = {}
-
-    def get(mode: str, policy: str, steps: int) -> DemoRun:
-        key = (mode, policy, steps)
-        if key not in runs:
-            run_dir = tmp_path_factory.mktemp(f"context-{mode}-{policy}") / "run"
-            runs[key] = run_demo(
-                run_dir,
-                f"--agent-mode={mode}",
-                # One step of staleness: at most two steps' episodes can start before the first
-                # weight update, so a third step's were sampled by a later version, whatever the
-                # machine's speed (with two, all three steps' could finish at version 0).
-                "rollout.max_head_offpolicyness=1",
-                f"total_train_epochs={steps}",
-                f"total_train_steps={steps}",
-                "rollout.max_concurrent_rollouts=8",
-                f"agent.context={policy}",
-                "monitor.store_episodes=all",
-                *NO_EVAL,
-                timeout=1500,
-            )
-        return runs[key]
-
-    return get
-
-
-def run_demo(run_dir: Path, *args: str, timeout: float) -> DemoRun:
+def run_demo(
+    run_dir: Path,
+    *args: str,
+    timeout: float,
+    server: TrainingServer | None = None,
+    during: Callable[[Path], None] | None = None,
+    watch: tuple[int, ...] = (),
+    name: str = "",
+) -> DemoRun:
     """``python -m cua_rl.app.demo --run-dir RUN_DIR ARGS`` in its own process group, killed
-    whole if it outlives ``timeout``. While a training episode runs (the monitor's database
-    says so), the sockets of every process of the run are read (``DemoRun.sockets``)."""
+    whole if it outlives ``timeout``. With ``server`` the training borrows that shared server
+    instead of starting one. While a training episode runs (the monitor's database says so), the
+    sockets of every process of the run, and of ``watch``'s process trees, are read
+    (``DemoRun.sockets``); ``during`` is called
+    with the database's path on every poll (and ``during.stop()``, if it has one, at the end)."""
+    if server is not None:
+        args = (*args, server.borrow_override())
     log = run_dir.parent / f"{run_dir.name}.out"
     run_dir.parent.mkdir(parents=True, exist_ok=True)
+    t0 = time.monotonic()
     with open(log, "wb") as out:
         proc = subprocess.Popen(
             [sys.executable, "-m", "cua_rl.app.demo", "--run-dir", str(run_dir), *args],
-            cwd=Path(__file__).resolve().parents[1],
+            cwd=ROOT,
             stdout=out,
             stderr=subprocess.STDOUT,
             start_new_session=True,
@@ -203,12 +406,19 @@ def run_demo(run_dir: Path, *args: str, timeout: float) -> DemoRun:
     try:
         while proc.poll() is None and time.monotonic() < deadline:
             if _step_rollouts_running(run_dir / "monitor.db"):
-                sockets.update(tree_sockets(proc.pid))
+                for root in (proc.pid, *watch):
+                    sockets.update(tree_sockets(root))
                 mid_step += 1
+            if during is not None:
+                during(run_dir / "monitor.db")
             time.sleep(0.5)  # a sampling period; nothing is decided by it
     finally:
         if proc.poll() is None:
             os.killpg(proc.pid, signal.SIGKILL)
         proc.wait()
+        if hasattr(during, "stop"):
+            during.stop()
+    seconds = time.monotonic() - t0
+    note_cost(name or f"demo {run_dir.parent.name}", seconds)
     output = log.read_text(errors="replace")
-    return DemoRun(run_dir, output, proc.returncode, sockets, mid_step)
+    return DemoRun(run_dir, output, proc.returncode, sockets, mid_step, seconds)

@@ -1,14 +1,16 @@
 """``train.py --check``: the config is valid and every service it names answers, one line each.
 
-Nothing trains and nothing is written: the config is loaded whole first, and every problem it has
-(missing keys, values out of range, folders that cannot be created: config_load.py) is one
-``config error:`` line of the same run, exit 2. Then the gym lists and selects its tasks (so a
-bad selection shows here too), the agent answers a run lookup, the policy's folder holds a
-config.json and weights (and an external endpoint serves the model), the monitor accepts the
-token or its embedded database is a monitor's (read, never created), the gateway's address is
-one the agent can reach, the ``workflow:`` class imports, the GPU inference stack (``stack``) and
-under ray or slurm the lines of ``check_cluster`` (Ray address, sbatch, shared paths). A line
-says ``skip`` for what it did not look at; the exit status is 1 when any check fails.
+Nothing trains and nothing is written: the config is loaded whole first, as a launch loads it,
+and every problem it has (missing keys, values out of range, folders that cannot be created:
+config_load.py; a model folder that is not a checkpoint or that the config does not fit, a
+workflow that does not import, a gateway the agent cannot reach: preflight.py) is one ``config
+error:`` line of the same run, exit 2, the line a launch prints for it. Then the policy's family
+is named, the gym lists and selects its tasks (so a bad selection shows here too), the agent
+answers a run lookup, an external endpoint serves the model, the monitor accepts the token or
+its embedded database is a monitor's (read, never created), the GPU inference stack (``stack``)
+and under ray or slurm the lines of ``check_cluster`` (Ray address, sbatch, shared paths). A
+line says ``skip`` for what it did not look at; a failing line says the fix; the exit status is
+1 when any check fails.
 """
 
 from __future__ import annotations
@@ -28,8 +30,6 @@ from cua_rl.app.config import CUAConfig
 from cua_rl.clients.genv import GenvClient
 from cua_rl.errors import AgentError, ConfigError, CuaRlError, GymError
 from cua_rl.tasks import Task, load_tasks, select_tasks
-
-_LOOPBACK = ("127.0.0.1", "localhost", "::1")
 
 
 def _reason(exc: BaseException) -> str:
@@ -64,6 +64,18 @@ async def check_gym(config: CUAConfig) -> CheckResult:
     )
 
 
+AGENT_FIX = (
+    "start the agent service (gbox-mini-agent, or `python -m cua_rl.sim agent` for the local "
+    "one), or fix the host and port of agent.base_url; agent.mode=builtin runs the agent loop "
+    "in the rollout workers instead"
+)
+MONITOR_FIX = (
+    "start the monitor (`python -m cua_rl.monitor serve --db FILE --host 0.0.0.0 --port PORT`, "
+    "docs/monitor.md), or fix monitor.base_url; monitor.db_path with monitor.base_url empty "
+    "serves an embedded one"
+)
+
+
 async def check_agent(config: CUAConfig, http: httpx.AsyncClient) -> CheckResult:
     if config.agent.mode == "builtin":
         return CheckResult("agent", True, "builtin: the rollout workers run the agent loop")
@@ -77,10 +89,17 @@ async def check_agent(config: CUAConfig, http: httpx.AsyncClient) -> CheckResult
     try:
         resp = await http.get(f"{agent_url}/runs/cua-rl-check")
     except (httpx.HTTPError, AgentError) as exc:
-        return CheckResult("agent", False, f"{agent_url or '(unset)'}: {_reason(exc)}")
+        return CheckResult("agent", False, f"{agent_url or '(unset)'}: {_reason(exc)}: {AGENT_FIX}")
     ok = resp.status_code in (200, 404)
     detail = f"{agent_url}: answers (HTTP {resp.status_code})"
-    return CheckResult("agent", ok, detail if ok else f"{detail}, unexpected")
+    return CheckResult(
+        "agent",
+        ok,
+        detail
+        if ok
+        else f"{detail}, not as gbox-mini-agent does (200 or 404): is agent.base_url "
+        "the agent service's root?",
+    )
 
 
 async def check_model(config: CUAConfig, http: httpx.AsyncClient) -> CheckResult:
@@ -89,6 +108,8 @@ async def check_model(config: CUAConfig, http: httpx.AsyncClient) -> CheckResult
 
     path = config.model_path()
     # The trainer loads the policy from its folder even when an external endpoint serves it.
+    # A launch refuses the same (preflight.py); --check loads as a launch does, so only a
+    # caller of this function alone meets it here.
     problem = model_folder_problem(path) if path else "actor.path is unset"
     if problem:
         return CheckResult("model", False, f"{problem}: point actor.path at the checkpoint folder")
@@ -104,7 +125,12 @@ async def check_model(config: CUAConfig, http: httpx.AsyncClient) -> CheckResult
         resp.raise_for_status()
         names = [m.get("id") for m in resp.json().get("data", [])]
     except (httpx.HTTPError, ValueError) as exc:
-        return CheckResult("model", False, f"{url}: {_reason(exc)}")
+        return CheckResult(
+            "model",
+            False,
+            f"{url}: {_reason(exc)}: start the model server, or fix endpoint.base_url (an "
+            "OpenAI base URL ending in /v1)",
+        )
     want = config.endpoint.model_name or config.model_path()
     ok = not want or want in names
     return CheckResult("model", ok, f"{url}: serves {names}" + ("" if ok else f", not {want!r}"))
@@ -120,9 +146,14 @@ async def check_monitor(config: CUAConfig, http: httpx.AsyncClient) -> CheckResu
         try:
             resp = await http.get(f"{base.rstrip('/')}/api/trainings?limit=1", headers=headers)
         except httpx.HTTPError as exc:
-            return CheckResult("monitor", False, f"{base}: {_reason(exc)}")
+            return CheckResult("monitor", False, f"{base}: {_reason(exc)}: {MONITOR_FIX}")
         ok = resp.status_code == 200
-        why = "token refused" if resp.status_code == 401 else f"HTTP {resp.status_code}"
+        why = (
+            "token refused: set monitor.token (or $MONITOR_PROJECT_TOKEN) to the token the "
+            "monitor was started with"
+            if resp.status_code == 401
+            else f"HTTP {resp.status_code}: is monitor.base_url the monitor's root?"
+        )
         return CheckResult("monitor", ok, f"{base}: {'ok' if ok else why}")
     return embedded_monitor_check(Path(config.monitor.db_path))
 
@@ -146,23 +177,16 @@ def embedded_monitor_check(db: Path) -> CheckResult:
 
 def gateway_check(config: CUAConfig) -> CheckResult:
     """The gateway starts with the rollout workers; what can be checked now is whether the agent
-    will be able to reach the address it is told."""
-    g = config.gateway
-    told = g.public_host or (
-        "the worker's IP" if g.bind_host in ("0.0.0.0", "::", "") else g.bind_host
-    )
-    detail = (
-        f"each rollout worker listens on {g.bind_host}:{g.bind_port or 'a free port'}, "
-        f"the agent is told {told}"
-    )
-    agent_host = (urlsplit(config.agent.base_url).hostname or "").lower()
-    # A builtin agent runs in the rollout worker, beside its gateway.
-    local_agent = agent_host in _LOOPBACK or config.agent.mode == "builtin"
-    reachable = local_agent or (g.bind_host not in _LOOPBACK and told not in _LOOPBACK)
+    will be able to reach the address it is told (at a launch, a config error:
+    ``preflight.py``)."""
+    from cua_rl.app.preflight import GATEWAY_FIX, gateway_reach
+
+    reachable, detail = gateway_reach(config)
     if not reachable:
+        agent_host = urlsplit(config.agent.base_url).hostname
         detail += (
             f"; the agent at {agent_host} runs elsewhere and cannot reach a loopback gateway: "
-            "set gateway.bind_host=0.0.0.0 (and gateway.public_host to an address it can reach)"
+            f"{GATEWAY_FIX}"
         )
     return CheckResult("gateway", reachable, detail)
 
@@ -187,9 +211,10 @@ def family_check(config: CUAConfig) -> CheckResult:
     except ConfigError as exc:
         return CheckResult("family", False, str(exc))
     if family is None:
-        # The model line says whether the path exists; there is nothing to read the family from.
+        # A missing local folder is a config error (preflight.py): this is a hub id.
         return CheckResult.skip(
-            "family", f"no config.json in {config.actor.path!r} to read it from"
+            "family",
+            f"{config.actor.path!r} is a hub id: the workers download it and read its family",
         )
     problems = family_problems(family, config)
     return CheckResult("family", not problems, "; ".join([family.describe(), *problems]))

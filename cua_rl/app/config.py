@@ -25,6 +25,7 @@ from cua_rl.app.placement import check_placement
 from cua_rl.areal.logits import LogitsConfig
 from cua_rl.areal.support import check_areal_version
 from cua_rl.areal.vision import CuaActorConfig, vision_packing_warning
+from cua_rl.audit.config import AuditConfig
 from cua_rl.core.fields import doc
 from cua_rl.credit.config import StepCreditConfig
 from cua_rl.credit.keys import require_imagehash
@@ -40,18 +41,18 @@ from cua_rl.gateway.config import (
 from cua_rl.inference.config import InferenceSection
 from cua_rl.logs import get_logger
 from cua_rl.reward import RewardConfig
-from cua_rl.rollout.drain import DrainConfig
 from cua_rl.rollout.groups import (
     COMPLETE_GROUPS,
     COMPLETE_VARIED_GROUPS,
     GroupNormConfig,
     GroupSettings,
 )
-from cua_rl.rollout.service_pauses import PauseConfig
 from cua_rl.rollout.settings import (
     AgentSection,
+    DrainConfig,
     EndpointSection,
     GymSection,
+    PauseConfig,
     WorkflowSettings,
 )
 from cua_rl.trajectory.config import TrajectoryConfig
@@ -237,6 +238,11 @@ class CUAConfig(GRPOConfig):
     inference: InferenceSection = doc(
         help="Where the rollout workers start the inference server from (docs/gpu.md)",
         factory=InferenceSection,
+    )
+    audit: AuditConfig = doc(
+        help="The verifier audit (python -m cua_rl.audit, docs/audit.md): scripted agents run "
+        "on every task of the gym section's task source, before they train a policy",
+        factory=AuditConfig,
     )
     cpu: bool = doc(
         False,

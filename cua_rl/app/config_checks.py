@@ -413,10 +413,12 @@ LAUNCH_RULES: tuple[Rule, ...] = (
 )
 
 
-def launch_problems(config: Any) -> list[FieldError]:
-    """The launcher's own rows, then the folders and files the run would create that cannot
-    be, found without writing anything."""
-    found = [p for p in (rule.problem(config) for rule in LAUNCH_RULES) if p is not None]
+def launch_problems(config: Any, *, needs_model: bool = True) -> list[FieldError]:
+    """The launcher's own rows (``needs_model``: a run that loads no model, the audit, skips
+    them), then the folders and files the run would create that cannot be, found without
+    writing anything."""
+    rules = LAUNCH_RULES if needs_model else ()
+    found = [p for p in (rule.problem(config) for rule in rules) if p is not None]
     for key, is_file in _folder_keys(config):
         value = lookup(config, key)
         if value in (_UNSET, None, ""):

@@ -31,6 +31,7 @@ from pathlib import Path
 from typing import Any
 
 from cua_rl.app.config_checks import FieldError, field_problems, launch_problems
+from cua_rl.app.usage import argv_problem
 from cua_rl.errors import ConfigError, ConfigProblems
 
 # A subtree whose keys are free (dict, list or Any fields): anything below it is accepted.
@@ -195,18 +196,31 @@ def _first_line(exc: BaseException) -> str:
     return " ".join(str(msg).split("\n", 1)[0].split()) or type(exc).__name__
 
 
-def _source(key: str, overrides: list[str], config_file: Path) -> str:
+def _source(key: str, overrides: list[str], config_file: Path, file_keys=None) -> str:
     """Where ``key`` was set: an override of it, of a key inside it (``actor.reward_norm.
-    group_size=3`` sets ``actor.reward_norm``) or of the section holding it; else the file."""
-    for item in overrides:
+    group_size=3`` sets ``actor.reward_norm``) or of the section holding it, the last one when
+    it is given twice (Hydra's, the value that failed); else the file, when it sets the key
+    (``file_keys``: those the file sets; None: not known, the file)."""
+    for item in reversed(overrides):
         named = item.partition("=")[0].lstrip("+~")
         if named == key or named.startswith(f"{key}.") or key.startswith(f"{named}."):
             return f"command line: {item.lstrip('+')}"
-    return f"in {config_file}"
+    if file_keys is None or any(
+        k == key or k.startswith(f"{key}.") or key.startswith(f"{k}.") and _leaf(file_keys, k)
+        for k in file_keys
+    ):
+        return f"in {config_file}"
+    return f"not set in {config_file} nor on the command line"
+
+
+def _leaf(file_keys, key: str) -> bool:
+    """Whether the file sets ``key`` to a value (not a section holding other keys)."""
+    return not any(k.startswith(f"{key}.") for k in file_keys)
 
 
 def _keyed(exc: BaseException, overrides: list[str], config_file: Path, file_keys=()) -> str:
-    """The error's line with where its key was set (a key found in the message counts)."""
+    """The error's line with where its key was set (a key found in the message counts: the
+    longest one the command line or the file sets)."""
     message = _first_line(exc)
     named = [o.partition("=")[0].lstrip("+") for o in overrides]
     key = getattr(exc, "key", None) or getattr(exc, "full_key", None)
@@ -215,17 +229,43 @@ def _keyed(exc: BaseException, overrides: list[str], config_file: Path, file_key
         known = [*named, *file_keys]
         key = next((k for k in known if k == key or k.endswith(f".{key}")), key)
     else:
-        key = next((k for k in named if k and k in message), None)
+        found = [k for k in [*named, *file_keys] if k and _names(message, k)]
+        key = max(found, key=len) if found else None
     if key and not message.startswith(str(key)):
         message = f"{key}: {message}"
-    return f"{message} ({_source(key, overrides, config_file) if key else f'in {config_file}'})"
+    where = _source(key, overrides, config_file, list(file_keys)) if key else f"in {config_file}"
+    return f"{message} ({where})"
 
 
-def load_config(argv: list[str], config_cls: type | None = None, *, write: bool = True) -> Any:
+def _names(message: str, key: str) -> bool:
+    """Whether ``message`` names ``key`` as a key (``key=``, ``key '``, ``key `` ...), not as part
+    of a longer one."""
+    at = message.find(key)
+    while at >= 0:
+        before = message[at - 1] if at else " "
+        after = message[at + len(key) : at + len(key) + 1] or " "
+        if not (before.isalnum() or before in "._") and not (after.isalnum() or after in "._"):
+            return True
+        at = message.find(key, at + 1)
+    return False
+
+
+def load_config(
+    argv: list[str],
+    config_cls: type | None = None,
+    *,
+    write: bool = True,
+    launch: bool = False,
+    needs_model: bool = True,
+) -> Any:
     """``--config FILE [key=value ...]`` to the config object. Every mistake found is raised at
-    once: one ConfigError, or ``ConfigProblems`` holding each (unknown keys, wrong types and the
-    table's rows are all looked at before any is reported). ``write=False`` (``--check``) writes
-    nothing: no ``config.yaml``, no name_resolve folders."""
+    once: one ConfigError, or ``ConfigProblems`` holding each (unknown keys, wrong types, the
+    table's rows and each section's own checks are all looked at before any is reported).
+    ``write=False`` (``--check``) writes nothing: no ``config.yaml``, no name_resolve folders.
+    ``launch=True`` (the launcher, and ``--check``) adds what the values point at on this
+    machine: the model's folder and family, the workflow's import, the gateway's reach
+    (``preflight.py``). ``needs_model=False`` (the audit, which runs no policy) does not ask
+    for ``actor.path``."""
     from omegaconf import OmegaConf
 
     if config_cls is None:
@@ -235,14 +275,10 @@ def load_config(argv: list[str], config_cls: type | None = None, *, write: bool 
     parser = argparse.ArgumentParser(add_help=False)
     parser.add_argument("--config")
     args, overrides = parser.parse_known_args(argv)
-    if not args.config:
-        raise ConfigError("--config FILE.yaml is required (e.g. --config configs/cua.yaml)")
+    problem = argv_problem(argv)
+    if problem:
+        raise ConfigError(problem)
     config_file = Path(args.config)
-    if not config_file.is_file():
-        raise ConfigError(f"--config {config_file}: no such file")
-    flags = [o for o in overrides if o.startswith("-")]
-    if flags:
-        raise ConfigError(f"unknown option {flags[0]}; overrides are key=value (no dashes)")
     tree = schema(config_cls)
     plain = OmegaConf.to_container(compose_yaml(config_file, []), resolve=False)
     file_keys = list(_file_keys(plain))
@@ -256,30 +292,52 @@ def load_config(argv: list[str], config_cls: type | None = None, *, write: bool 
         ConfigProblems.raise_for([*problems, exc])
         raise
     _drop(composed, [k for k, _ in unknown])
-    where = _Where(overrides, config_file, file_keys, plain)
+    where = _Where(overrides, config_file, file_keys, plain, _meant(unknown))
     lines = [where.line(p) for p in problems]
-    return _build(config_cls, composed, where, lines, write=write)
+    return _build(
+        config_cls, composed, where, lines, write=write, launch=launch, needs_model=needs_model
+    )
+
+
+def _meant(unknown: list[tuple[str, str]]) -> set[str]:
+    """The keys an unknown key of the file was probably meant to be (its "did you mean")."""
+    meant: set[str] = set()
+    for _, hint in unknown:
+        if hint.startswith("did you mean "):
+            meant.update(k.strip() for k in hint[13:].rstrip("?").split(" or "))
+    return meant
 
 
 class _Where:
     """Turns a problem into its report line, saying whether the file or the command line set
     its key (``_keyed``)."""
 
-    def __init__(self, overrides: list[str], config_file: Path, file_keys: list[str], plain):
+    def __init__(
+        self, overrides: list[str], config_file: Path, file_keys: list[str], plain, meant=()
+    ):
         self.overrides, self.config_file, self.file_keys = overrides, config_file, file_keys
-        self.plain = plain
+        self.plain, self.meant = plain, set(meant)
 
     def unrepeated(self, problems: list[FieldError]) -> list[FieldError]:
         """Without the problems of keys the file sets to another's value (``${key}``) when that
-        key has its own: ``consumer_batch_size: ${train_dataset.batch_size}`` repeats it."""
+        key has its own: ``consumer_batch_size: ${train_dataset.batch_size}`` repeats it. Nor
+        those of a key that a misspelt one in the file was meant to set and that nothing sets
+        (``max_concurent_rollouts: 4`` leaves ``max_concurrent_rollouts`` null): the unknown
+        key's line says it, and fixing it fixes both."""
         keys = {p.key for p in problems}
         out = []
         for p in problems:
             raw = _value(self.plain, p.key)
             named = raw[2:-1] if isinstance(raw, str) and raw.startswith("${") else None
-            if named not in keys or p.key in self.overrides_set():
-                out.append(p)
+            repeated = named in keys and p.key not in self.overrides_set()
+            if repeated or (p.key in self.meant and not self.sets(p.key)):
+                continue
+            out.append(p)
         return out
+
+    def sets(self, key: str) -> bool:
+        """Whether the file or the command line sets ``key``."""
+        return key in self.overrides_set() or _present(self.plain, key)
 
     def overrides_set(self) -> set[str]:
         return {o.partition("=")[0].lstrip("+~") for o in self.overrides}
@@ -344,10 +402,20 @@ def _structured(config_cls: type, cfg: Any, where: _Where, lines: list[ConfigErr
     raise AssertionError("not reached: lines holds the error just caught")
 
 
-def _build(config_cls: type, cfg: Any, where: _Where, lines: list, *, write: bool) -> Any:
+def _build(
+    config_cls: type,
+    cfg: Any,
+    where: _Where,
+    lines: list,
+    *,
+    write: bool,
+    launch: bool = False,
+    needs_model: bool = True,
+) -> Any:
     """AReaL's ``load_expr_config`` after composition, with the range table run on the merged
-    config first so a bad count is named before AReaL's dataclasses trip over it, and the
-    paths the run writes looked at before anything is written."""
+    config first so a bad count is named before AReaL's dataclasses trip over it, each section's
+    own checks gathered beside it, and the paths the run writes looked at before anything is
+    written."""
     from areal.api.cli_args import save_config
     from areal.utils import name_resolve
     from areal.utils.stats_logger import StatsLogger
@@ -355,18 +423,29 @@ def _build(config_cls: type, cfg: Any, where: _Where, lines: list, *, write: boo
     from omegaconf.errors import OmegaConfBaseException
 
     cfg = _structured(config_cls, cfg, where, lines)
-    found = where.unrepeated([*field_problems(cfg), *launch_problems(cfg)])
+    found = [*field_problems(cfg), *launch_problems(cfg, needs_model=needs_model)]
+    if launch:
+        from cua_rl.app.preflight import preflight_problems
+
+        found += preflight_problems(cfg)
+    found = where.unrepeated(found)
     lines += [where.line(p) for p in found]
+    if lines:
+        # Each section's own checks too, on the config with the refused values at their
+        # defaults: those checks raise one at a time while the whole builds, so a bad value
+        # there (agent.context=maiui) would otherwise wait for the next run.
+        lines += _new(lines, _section_problems(config_cls, cfg, where, [p.key for p in found]))
     ConfigProblems.raise_for(lines)
     try:
         config = OmegaConf.to_object(cfg)
     except ConfigError as exc:
         found = exc.problems if isinstance(exc, ConfigProblems) else [exc]
-        ConfigProblems.raise_for([where.line(p) for p in found])
+        sections = _section_problems(config_cls, cfg, where, [])
+        ConfigProblems.raise_for(sections or [where.line(p) for p in found])
         raise
     except (OmegaConfBaseException, ValueError, TypeError, AssertionError) as exc:
-        own = "" if getattr(exc, "full_key", None) else " (AReaL's own check)"
-        raise where.line(exc, f"; fix that value{own}") from None
+        ConfigProblems.raise_for(_section_problems(config_cls, cfg, where, []))
+        raise _areal_line(where, exc) from None
     if not write:
         return config
     try:
@@ -380,6 +459,51 @@ def _build(config_cls: type, cfg: Any, where: _Where, lines: list, *, write: boo
             "cluster.name_resolve.nfs_record_root) to folders this user can write"
         ) from None
     return config
+
+
+def _areal_line(where: _Where, exc: BaseException) -> ConfigError:
+    own = "" if getattr(exc, "full_key", None) else " (AReaL's own check)"
+    return where.line(exc, f"; fix that value{own}")
+
+
+def _new(lines: list[ConfigError], more: list[ConfigError]) -> list[ConfigError]:
+    seen = {str(line) for line in lines}
+    return [m for m in more if str(m) not in seen]
+
+
+def _section_problems(
+    config_cls: type, cfg: Any, where: _Where, refused: list[str]
+) -> list[ConfigError]:
+    """What each section's own ``__post_init__`` refuses, section by section, with the
+    ``refused`` keys (already reported) put back to their defaults first."""
+    import copy
+
+    from omegaconf import OmegaConf
+    from omegaconf.errors import OmegaConfBaseException
+
+    trial = copy.deepcopy(cfg)
+    defaults = OmegaConf.structured(config_cls)
+    for key in refused:
+        try:
+            OmegaConf.update(trial, key, OmegaConf.select(defaults, key), merge=False)
+        except OmegaConfBaseException:
+            pass
+    out: list[ConfigError] = []
+    for name in list(trial.keys()):
+        try:
+            node = trial[name]
+        except OmegaConfBaseException:
+            continue  # a missing value (???): the table's rows name those
+        if not OmegaConf.is_dict(node) or OmegaConf.get_type(node) in (None, dict):
+            continue
+        try:
+            OmegaConf.to_object(node)
+        except ConfigError as exc:
+            problems = exc.problems if isinstance(exc, ConfigProblems) else [exc]
+            out += [where.line(p) for p in problems]
+        except (OmegaConfBaseException, ValueError, TypeError, AssertionError) as exc:
+            out.append(_areal_line(where, exc))
+    return out
 
 
 __all__ = ["FieldError", "load_config", "rewrite_overrides", "schema", "unknown_key"]

@@ -15,11 +15,13 @@ from __future__ import annotations
 import argparse
 import io
 import os
+import re
 import shlex
 import signal
 import sqlite3
 import subprocess
 import sys
+import threading
 import time
 from datetime import datetime
 from pathlib import Path
@@ -240,17 +242,34 @@ def start_services(args, db_path: Path, log_dir: Path, children: list[Child]) ->
     return {"monitor": monitor_url, "gym": gym_url, "agent": agent_url}
 
 
+# Terminal colour and style sequences (CSI ... m): AReaL's logger writes them whatever the
+# stream, and a log file read with less, grep or an editor shows them as noise.
+ANSI_STYLE = re.compile(rb"\x1b\[[0-9;]*m")
+
+
+def copy_plain(source, log_file) -> None:
+    """Each line of ``source`` into ``log_file`` without colour sequences, as it comes."""
+    for line in iter(source.readline, b""):
+        log_file.write(ANSI_STYLE.sub(b"", line))
+        log_file.flush()
+
+
 def run_trainer(cmd: list[str], train_log: Path, progress: DemoProgress, env: dict) -> int:
-    """train.py in its own session, its output in ``train_log``, progress ticking meanwhile."""
+    """train.py in its own session, its output in ``train_log`` (colour codes left out),
+    progress ticking meanwhile."""
     with open(train_log, "wb") as log_file:
         proc = subprocess.Popen(
             cmd,
             cwd=ROOT,
-            stdout=log_file,
+            stdout=subprocess.PIPE,
             stderr=subprocess.STDOUT,
             start_new_session=True,
             env=env,
         )
+        copier = threading.Thread(
+            target=copy_plain, args=(proc.stdout, log_file), name="train-log", daemon=True
+        )
+        copier.start()
         try:
             while proc.poll() is None:
                 progress.tick()
@@ -263,16 +282,21 @@ def run_trainer(cmd: list[str], train_log: Path, progress: DemoProgress, env: di
             # train.py stops on SIGTERM as on Ctrl-C (AReaL stops its workers and vLLM, the
             # training is recorded cancelled); SIGINT could be ignored by inheritance.
             proc.send_signal(signal.SIGTERM)
+            progress.close()  # the progress line off the terminal before what follows
             try:
-                proc.wait(120)
+                # 143 is a clean stop on SIGTERM (128 + 15); anything else is worth a look.
+                print(f"[demo] the trainer stopped: exit {proc.wait(120)}", flush=True)
             except subprocess.TimeoutExpired:
-                pass
+                print("[demo] the trainer did not stop within 120 s: killing it", flush=True)
             raise
         finally:
             progress.close()
             if proc.poll() is None:
                 os.killpg(proc.pid, signal.SIGKILL)
                 proc.wait(10)
+            # The pipe ends when the trainer's process group has closed it; a worker it left
+            # behind would hold it open, so the copy is waited for a while, not for ever.
+            copier.join(30)
 
 
 def train(

@@ -25,7 +25,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from cua_rl.core.fields import doc
-from cua_rl.core.reasons import AGENT_PREFIX, Reason, gateway_reason
+from cua_rl.core.reasons import AGENT_PREFIX, HOOK_PREFIX, Reason, gateway_reason
 from cua_rl.errors import ConfigError
 from cua_rl.logs import get_logger
 
@@ -55,9 +55,18 @@ ADVICE = {
 }
 
 
-def advice_for(reason: str) -> str:
+def advice_for(reason: str, detail: str = "") -> str:
+    """What to do about ``reason``; ``detail``: the latest rejection's, which a hook's names (the
+    exception and the hook that raised it)."""
     if reason in ADVICE:
         return ADVICE[reason]
+    if reason.startswith(HOOK_PREFIX):
+        hook = reason.removeprefix(HOOK_PREFIX)
+        raised = f": {detail}" if detail else ""
+        return (
+            f"the workflow's {hook} hook raised on every episode{raised}. Fix the hook (its "
+            "traceback is in the rollout log, logs/rollout*.log) or leave it to the library's"
+        )
     if reason.startswith(AGENT_PREFIX):
         return (
             f"every agent run ends {reason.removeprefix(AGENT_PREFIX)!r}: read the agent's log and the "
@@ -123,14 +132,17 @@ class Streak:
     count: int = 0
     first_t: float = 0.0
     last_t: float = 0.0
+    detail: str = ""  # the latest rejection's, when its worker wrote one
 
-    def add(self, t: float, ok: bool, reason: str | None) -> None:
+    def add(self, t: float, ok: bool, reason: str | None, detail: str = "") -> None:
         if ok:
-            self.reason, self.count = None, 0
+            self.reason, self.count, self.detail = None, 0, ""
         elif self.count and reason == self.reason:
             self.count, self.last_t = self.count + 1, max(self.last_t, t)
+            self.detail = detail or self.detail
         else:
             self.reason, self.count, self.first_t, self.last_t = reason, 1, t, t
+            self.detail = detail
 
     def persistent(self, window: int, persist_s: float) -> str | None:
         """The reason, once it rejected ``window`` episodes in a row over ``persist_s``."""
@@ -140,13 +152,14 @@ class Streak:
 
 
 class RejectionWatch:
-    """Controller side: a thread that tails every worker's outcome file."""
+    """Controller side: a thread that tails every worker's outcome file. ``on_trip(reason,
+    count, detail)``: the reason that tripped, its streak's length and its latest detail."""
 
     def __init__(
         self,
         directory: str | os.PathLike,
         config: FailFastConfig,
-        on_trip: Callable[[str, int], None],
+        on_trip: Callable[[str, int, str], None],
     ):
         self.directory = Path(directory)
         self.config = config
@@ -173,12 +186,12 @@ class RejectionWatch:
             reason = self.poll()
             if reason is not None:
                 self.tripped = reason
-                self.on_trip(reason, self.streak.count)
+                self.on_trip(reason, self.streak.count, self.streak.detail)
                 return
 
     def poll(self) -> str | None:
         """Read what was appended since the last poll; the tripping reason, if any."""
-        fresh: list[tuple[float, bool, str | None]] = []
+        fresh: list[tuple[float, bool, str | None, str]] = []
         for path in sorted(self.directory.glob("outcomes-*.jsonl")):
             try:
                 with open(path, "rb") as f:
@@ -192,7 +205,8 @@ class RejectionWatch:
             for line in whole.decode("utf-8", errors="replace").splitlines():
                 try:
                     rec = json.loads(line)
-                    fresh.append((float(rec["t"]), bool(rec["ok"]), rec.get("reason")))
+                    detail = str(rec.get("detail") or "")
+                    fresh.append((float(rec["t"]), bool(rec["ok"]), rec.get("reason"), detail))
                 except (ValueError, KeyError, TypeError):
                     continue
         for item in sorted(fresh):

@@ -18,6 +18,7 @@ import json
 from dataclasses import dataclass
 from pathlib import Path
 
+from cua_rl.app.config_checks import FieldError
 from cua_rl.errors import ConfigError
 
 # model_type -> the family name used in docs and configs/cua.yaml.
@@ -121,25 +122,38 @@ def detect_family(model_dir: str | Path) -> ModelFamily | None:
 
 def family_problems(family: ModelFamily, config) -> list[str]:
     """What the config must change to fit this family; each entry says what to set."""
-    problems = []
+    return [str(p) for p in family_field_problems(family, config)]
+
+
+def family_field_problems(family: ModelFamily, config) -> list[FieldError]:
+    """``family_problems``, each with the key to change (the loader says where it was set).
+    Reads the config by attribute only, so the merged config is enough (config_load.py)."""
+    problems: list[FieldError] = []
+
+    def add(key: str, message: str) -> None:
+        problems.append(FieldError(key, message))
+
     if family.model_type not in FAMILY_NAMES:
-        problems.append(
+        add(
+            "actor.path",
             f"model_type {family.model_type!r} is not a family this project trains and tests "
             f"({', '.join(sorted(FAMILY_NAMES))}); use a Qwen2-VL, Qwen2.5-VL or Qwen3-VL "
-            "checkpoint"
+            "checkpoint",
         )
     max_len = int(config.vllm.max_model_len or 0)
     if family.context and max_len > family.context:
-        problems.append(
+        add(
+            "vllm.max_model_len",
             f"vllm.max_model_len={max_len} exceeds the checkpoint's context "
-            f"({family.context} positions): set vllm.max_model_len={family.context} or less"
+            f"({family.context} positions): set vllm.max_model_len={family.context} or less",
         )
     limit = _image_limit(config.vllm.limit_mm_per_prompt)
     images = min(config.agent.max_steps, limit) if limit else config.agent.max_steps
     if config.trajectory.max_images < images:
-        problems.append(
+        add(
+            "trajectory.max_images",
             f"trajectory.max_images={config.trajectory.max_images} is below the "
-            f"{images} screenshots a full episode carries: set trajectory.max_images={images}"
+            f"{images} screenshots a full episode carries: set trajectory.max_images={images}",
         )
     per_image = family.max_image_tokens
     if per_image and max_len:
@@ -152,10 +166,11 @@ def family_problems(family: ModelFamily, config) -> list[str]:
                 if fit > 0
                 else "lower agent.max_steps"
             )
-            problems.append(
+            add(
+                "vllm.max_model_len",
                 f"a full episode of {images} screenshots at up to {per_image} tokens each needs "
                 f"about {need} tokens, more than vllm.max_model_len={max_len}: {hint}, or raise "
-                "vllm.max_model_len (docs/families.md gives each family's budgets)"
+                "vllm.max_model_len (docs/families.md gives each family's budgets)",
             )
     return problems
 

@@ -24,6 +24,7 @@ import time
 from pathlib import Path
 from typing import TextIO
 
+from cua_rl.audit.live import warning_line
 from cua_rl.monitor.protocol import TERMINAL
 from cua_rl.monitor.server.read import MonitorReader
 from cua_rl.monitor.server.views import parse_time, seconds_between
@@ -183,6 +184,10 @@ class DemoProgress:
             if took is not None:
                 parts.append(f"{took:.0f}s")
             lines.append(f"step {s['step']}/{total or '?'}: " + ", ".join(parts))
+            # Rewarded episodes in which no action changed the state (docs/audit.md).
+            warning = warning_line(s["step"], metrics)
+            if warning:
+                lines.append(warning)
         return lines
 
     def _finished(self, db: MonitorReader, training_id: int, after, until) -> tuple[int, int]:

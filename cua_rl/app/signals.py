@@ -22,30 +22,31 @@ class SystematicRejection(KeyboardInterrupt):
 
     is_failure = True
 
-    def __init__(self, reason: str, window: int):
+    def __init__(self, reason: str, window: int, detail: str = ""):
         super().__init__(reason)
-        self.reason, self.window = reason, window
+        self.reason, self.window, self.detail = reason, window, detail
 
     def __str__(self) -> str:
+        advice = advice_for(self.reason, self.detail)
         return (
             f"the last {self.window} episodes, over at least failfast.persist_s, were all rejected "
-            f"{self.reason!r}: {advice_for(self.reason)} (failfast.window=0 turns the check off)"
+            f"{self.reason!r}: {advice} (failfast.window=0 turns the check off)"
         )
 
 
-_tripped: list[tuple[str, int]] = []
+_tripped: list[tuple[str, int, str]] = []
 
 
-def stop_systematic(reason: str, window: int) -> None:
+def stop_systematic(reason: str, window: int, detail: str = "") -> None:
     # Called on the watch's thread: the main thread is inside AReaL, so interrupt it the way
     # SIGTERM does; the handler raises there.
-    _tripped.append((reason, window))
+    _tripped.append((reason, window, detail))
     os.kill(os.getpid(), signal.SIGUSR1)
 
 
 def _raise_systematic(signum: int, frame: Any) -> None:
-    reason, window = _tripped[-1] if _tripped else ("unknown", 0)
-    raise SystematicRejection(reason, window)
+    reason, window, detail = _tripped[-1] if _tripped else ("unknown", 0, "")
+    raise SystematicRejection(reason, window, detail)
 
 
 class stopping:

@@ -43,10 +43,12 @@ from cua_rl.app.signals import install as install_signals
 from cua_rl.app.usage import exit_with_help_if_asked
 from cua_rl.areal.hooks import TrainerHooks
 from cua_rl.areal.support import check_areal
+from cua_rl.audit.flagged import select_unflagged
+from cua_rl.audit.live import step_share
 from cua_rl.errors import ConfigError, ServiceError, problem_lines
-from cua_rl.logs import get_logger
+from cua_rl.logs import get_logger, warnings_only
 from cua_rl.monitor.worker.training import TrainingMonitor
-from cua_rl.tasks import build_datasets
+from cua_rl.tasks import to_dataset
 
 # Its module name spelt out: run as ``python -m``, ``__name__`` would be ``__main__``.
 log = get_logger("cua_rl.app.train")
@@ -65,10 +67,12 @@ def split_argv(argv: list[str]) -> tuple[bool, list[str]]:
     return known.check, rest
 
 
-def load_config(argv: list[str], *, write: bool = True) -> CUAConfig:
+def load_config(argv: list[str], *, write: bool = True, launch: bool = False) -> CUAConfig:
     # AReaL's load_expr_config, with known fields settable without "+" and every mistake one
-    # line (config_load.py); write=False for --check, which writes nothing.
-    return config_load.load_config(argv, CUAConfig, write=write)
+    # line (config_load.py); write=False for --check, which writes nothing; launch=True adds
+    # what the values point at on this machine (model folder and family, workflow, gateway:
+    # preflight.py), for a launch and --check alike.
+    return config_load.load_config(argv, CUAConfig, write=write, launch=launch)
 
 
 def config_errors(exc: ConfigError) -> int:
@@ -191,7 +195,11 @@ def run_training(config: CUAConfig) -> int:
     # Two trainings of one seed on a machine would otherwise draw the same ports (ports.py).
     unseed_port_choice()
     tasks = asyncio.run(fetch_tasks(config))
-    train_ds, eval_ds = build_datasets(tasks, config.gym.selection)
+    # gym.selection's split, without the tasks an audit flagged (curriculum.skip_flagged).
+    split, left_out = select_unflagged(config, tasks)
+    if left_out:
+        print(left_out, flush=True)
+    train_ds, eval_ds = to_dataset(split.train), to_dataset(split.eval)
     n_steps = total_steps(config, len(train_ds))
     if config.total_train_steps == 0 and not len(eval_ds):
         raise ConfigError(
@@ -339,6 +347,9 @@ def summarise(stats: dict[str, float], since: int | None = None) -> str:
         "sampled_success": "curriculum/sampled_success",
     }
     parts += [f"{name}={stats[k]:.3f}" for name, k in groups.items() if k in stats]
+    free = step_share(stats)
+    if free:  # rewarded episodes in which no action changed the state (docs/audit.md)
+        parts.append(f"free_reward={free:.3f}")
     rows = stats.get("ppo_actor/n_seqs")
     head = f"trained {int(rows)} rows; " if rows is not None else ""
     window = "since the start" if since is None else f"since step {since}"
@@ -364,17 +375,17 @@ def main(argv: list[str] | None = None) -> int:
         # --check writes nothing, the workflow module's bytecode cache included.
         sys.dont_write_bytecode = True
     try:
-        config = load_config(rest, write=not check)
+        config = load_config(rest, write=not check, launch=True)
     except ConfigError as exc:
         return config_errors(exc)
     if check:
-        return run_check(config)
+        # Its report is its table: a client's retry lines (the gym's while it is down) would
+        # land among its lines, and the line of the service they are about says the outcome.
+        with warnings_only():
+            return run_check(config)
     try:
         # Before anything starts: a local GPU run without CUDA would fail in the workers.
         use_cpu_harness(config, cuda_available())
-        from cua_rl.app.family import check_family
-
-        check_family(config)
     except ConfigError as exc:
         return config_errors(exc)
     try:

@@ -18,7 +18,8 @@ carry one (``step_credit``: ``cua_rl.credit.trainer``).
 ``ActorMixin`` overrides ``PPOTrainer._create_train_engine`` (declared in ``cua_rl.areal.support``)
 with AReaL's fsdp branch and ``actor_class``; other backends (megatron, archon) are AReaL's own,
 whose models are not transformers' and get no fix. It also gives the scheduler the config's
-``worker_startup_s`` (``_init_scheduler``).
+``worker_startup_s`` (``_init_scheduler``), and stops the workers when the trainer's construction
+fails (``Scheduler.delete_workers``: no trainer exists then to close them).
 """
 
 from __future__ import annotations
@@ -94,6 +95,23 @@ class ActorMixin:
     """Put before a ``PPOTrainer`` (sub)class: its fsdp train engines are ``actor_class``."""
 
     actor_class: type[FSDPPPOActor] = CuaPPOActor
+
+    def __init__(self, *args, **kwargs):
+        try:
+            super().__init__(*args, **kwargs)
+        except BaseException:
+            # PPOTrainer.__init__ starts the workers, then initializes their engines; when that
+            # fails (unreadable weights, a worker that dies), no trainer exists to close them,
+            # and AReaL's schedulers stop their workers only in __del__, which the exception's
+            # traceback keeps from running: the workers outlived the launcher, holding its
+            # output open. Stop them before the error goes up.
+            scheduler = getattr(self, "scheduler", None)
+            if scheduler is not None:
+                try:
+                    scheduler.delete_workers()
+                except Exception as exc:  # the construction's error is the one to report
+                    print(f"stopping the workers after a failed start failed: {exc!r}")
+            raise
 
     def _create_train_engine(self, actor_config, alloc):
         if alloc.backend != "fsdp":

@@ -12,6 +12,7 @@ from __future__ import annotations
 from collections.abc import Callable, Mapping
 from typing import Any
 
+from cua_rl.audit.live import log_step
 from cua_rl.logs import get_logger
 from cua_rl.monitor.worker.batches import utc_now
 from cua_rl.monitor.worker.training import TrainingMonitor, _clean
@@ -87,6 +88,8 @@ class TrainerHooks:
                 stats.setdefault("ppo_actor/update/lr", self.learning_rate)
             self.committed.append((step, _clean(stats)))
             self._safe(lambda: m.step_committed(step, stats, total_steps=self.total_steps))
+            # Rewarded episodes in which no action changed the state: say so (docs/audit.md).
+            self._safe(lambda: log_step(step, stats))
             if any(k.startswith("eval-rollout/") for k in stats):
                 self._safe(lambda: m.eval_finished(step, stats, total_tasks=self.eval_tasks))
             nxt = step + 1

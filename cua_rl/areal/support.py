@@ -221,6 +221,25 @@ RELIANCES: tuple[Reliance, ...] = (
         "areal.utils.functional", "gather_logprobs_entropy", "cua_rl/areal/logits_engine.py calls"
     ),
     Reliance("areal.utils.environ", "is_single_controller", "cua_rl/areal/actor.py calls"),
+    # A trainer whose construction fails stops the workers it started (cua_rl/areal/actor.py).
+    Reliance(
+        "areal",
+        "PPOTrainer.scheduler",
+        "cua_rl/areal/actor.py stops its workers after a failed start",
+        set_by="__init__",
+    ),
+    *(
+        Reliance(
+            f"areal.infra.scheduler.{module}",
+            f"{cls}.delete_workers",
+            "cua_rl/areal/actor.py calls after a failed start",
+        )
+        for module, cls in (
+            ("local", "LocalScheduler"),
+            ("ray", "RayScheduler"),
+            ("slurm", "SlurmScheduler"),
+        )
+    ),
     # The curriculum's train loader.
     Reliance(
         "areal", "PPOTrainer._create_dataloader", "cua_rl/areal/curriculum_trainer.py overrides"

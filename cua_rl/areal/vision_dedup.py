@@ -8,8 +8,10 @@ content hash, written by the converter), so per micro-batch:
 - ``_prepare_mb_list`` (on the CPU, before AReaL moves the micro-batches to the device) gives
   AReaL the rows without their ``pixel_values``, then puts into each micro-batch the patches of
   its distinct images only, their grid, and an index from every placeholder token of the
-  micro-batch (in AReaL's image order) to its image's row in the tower's output;
-  ``plan_images`` is that pure step. A key seen twice must carry the same grid and pixels.
+  micro-batch (in AReaL's image order) to its image's row in the tower's output, or no index
+  when no image repeats (rows of the current screenshot only: the output is then used as it is,
+  with no gather and no scatter of its gradient); ``plan_images`` is that pure step. A key seen
+  twice must carry the same grid and pixels.
 - ``_prepare_mb_inputs`` takes the index and grid out of the model's inputs for that
   micro-batch; hooks on the tower (``model.model.visual``) hand it the distinct grid and spread
   its output (``pooler_output``, and Qwen3-VL's ``deepstack_features``) over the placeholder
@@ -61,7 +63,9 @@ class ImagePlan:
 
     pixel_values: torch.Tensor  # the distinct images' patches, in first-seen order
     grid: torch.Tensor  # [distinct, 3]
-    token_index: torch.Tensor  # [placeholder tokens of the micro-batch] -> tower output row
+    # [placeholder tokens of the micro-batch] -> tower output row; None when no image repeats,
+    # so the placeholders read the tower's output in order and it is used as it is.
+    token_index: torch.Tensor | None
     images: int
     distinct: int
 
@@ -85,12 +89,14 @@ def plan_images(media: Sequence[Mapping[str, Any]], merge: int) -> ImagePlan | N
         n = row_images(item)
         if n == 0:
             continue
-        grid, keys = item["image_grid_thw"], item[IMAGE_KEYS]
-        pixels = torch.split(item["pixel_values"], grid.prod(-1).tolist())
+        grid = item["image_grid_thw"]
+        # One read of the row's sizes and keys (each int() of a device tensor is a host sync).
+        patches, keys = grid.prod(-1).tolist(), item[IMAGE_KEYS].tolist()
+        pixels = torch.split(item["pixel_values"], patches)
         for i in range(n):
             images += 1
             key = int(keys[i])
-            size = int(grid[i].prod()) // (merge * merge)
+            size = patches[i] // (merge * merge)
             d = seen.get(key)
             if d is None:
                 d = seen[key] = len(chunks)
@@ -103,13 +109,14 @@ def plan_images(media: Sequence[Mapping[str, Any]], merge: int) -> ImagePlan | N
                     f"image key {key} names two different images (grids {grids[d].tolist()} and "
                     f"{grid[i].tolist()}): the rows' image_keys must be content hashes"
                 )
-            spans.append(torch.arange(offsets[d], offsets[d] + size))
+            spans.append((offsets[d], size))
     if not chunks:
         return None
+    repeats = images > len(chunks)
     return ImagePlan(
         pixel_values=torch.cat(chunks),
         grid=torch.stack(grids),
-        token_index=torch.cat(spans),
+        token_index=torch.cat([torch.arange(o, o + n) for o, n in spans]) if repeats else None,
         images=images,
         distinct=len(chunks),
     )
@@ -154,7 +161,7 @@ def count(name: str, n: int, device: torch.device | str) -> None:
 class _Active:
     """The plan of the micro-batch being forwarded, on the device."""
 
-    index: torch.Tensor
+    index: torch.Tensor | None  # None: the tower's output is used as it is
     grid: torch.Tensor
     applied: bool = False
 
@@ -243,6 +250,8 @@ class VisionDedupMixin:
         if plan is None:
             return None
         plan.applied = True
+        if plan.index is None:
+            return None
         # Index (not copy) so that autograd adds each span's gradient into its image's row.
         output.pooler_output = output.pooler_output[plan.index]
         deepstack = output.get("deepstack_features")
@@ -299,7 +308,8 @@ class VisionDedupMixin:
                 continue
             padded["pixel_values"] = plan.pixel_values
             padded[GRID_KEY] = plan.grid
-            padded[INDEX_KEY] = plan.token_index
+            if plan.token_index is not None:
+                padded[INDEX_KEY] = plan.token_index
             distinct += plan.distinct
         count("row_images", images, self.device)
         count("distinct_images", distinct, self.device)
@@ -308,8 +318,8 @@ class VisionDedupMixin:
     def _prepare_mb_inputs(self, mb_item):
         padded = mb_item.padded_mb
         self._image_plan = None
-        if INDEX_KEY in padded:
-            self._image_plan = _Active(index=padded[INDEX_KEY], grid=padded[GRID_KEY])
+        if GRID_KEY in padded:
+            self._image_plan = _Active(index=padded.get(INDEX_KEY), grid=padded[GRID_KEY])
             mb_item = mb_item._replace(
                 padded_mb={k: v for k, v in padded.items() if k not in (INDEX_KEY, GRID_KEY)}
             )

@@ -3,10 +3,11 @@
 A reason is counted in the rollout stats (``rollout/cua/rejected/<reason>``), written to the
 monitor (the rollout's ``status_reason``) and to the outcome files that the fail-fast watch reads,
 so its string value is an interface: ``Reason`` is a ``StrEnum``, whose members are those strings
-wherever they are formatted, compared or serialised. Two families are open-ended, formed from
-another service's own code: ``agent_<run reason>`` (the agent's run ended other than completed)
-and ``gateway_<error code>`` (the rollout gateway refused or failed a model call). docs/rejections.md
-says what each means and what to do.
+wherever they are formatted, compared or serialised. Three families are open-ended, formed from
+another part's own name: ``agent_<run reason>`` (the agent's run ended other than completed),
+``gateway_<error code>`` (the rollout gateway refused or failed a model call) and
+``hook_<hook>`` (a workflow hook raised: ``hook_compute_reward``). docs/rejections.md says what
+each means and what to do.
 """
 
 from __future__ import annotations
@@ -15,6 +16,7 @@ from enum import StrEnum
 
 AGENT_PREFIX = "agent_"
 GATEWAY_PREFIX = "gateway_"
+HOOK_PREFIX = "hook_"
 
 
 class Reason(StrEnum):
@@ -54,3 +56,9 @@ def agent_reason(run_reason: str) -> str:
 def gateway_reason(code: str) -> str:
     """``gateway_<code>``: the gateway's last error on the episode (``gateway_sampling_mismatch``)."""
     return f"{GATEWAY_PREFIX}{code}"
+
+
+def hook_reason(hook: str) -> str:
+    """``hook_<hook>``: the workflow's hook raised (``hook_build_rows``); the exception is the
+    rejection's detail, its traceback in the rollout log."""
+    return f"{HOOK_PREFIX}{hook}"

@@ -1,10 +1,11 @@
 """Step data of each accepted train episode, for its group's filter; and of replayed successes.
 
-``CreditObserver`` watches one episode (``cua_rl.rollout.observers``' protocol: ``async
-on(event)``): when its rows are built (``Converted``) it reads their steps in a thread (a
-perceptual hash per distinct screenshot) and puts them in the worker's ``CreditLedger``. A
-failure is logged and counted (``cua/credit/errors``: the share of episodes) and never reaches the episode, which then
-trains with its episode credit only (its group counts it in ``cua/credit/unknown_episodes``).
+``CreditObserver`` watches one episode (an ``EpisodeObserver``, listed by
+``cua_rl.rollout.observers.observers_of``): when its rows are built (``converted``) it reads
+their steps in a thread (a perceptual hash per distinct screenshot) and puts them in the
+worker's ``CreditLedger``. A failure is logged and counted (``cua/credit/errors``: the share of
+episodes) and never reaches the episode, which then trains with its episode credit only (its
+group counts it in ``cua/credit/unknown_episodes``).
 
 ``stored_steps`` reads the same from a stored episode (replay: the worker's own successes and
 those of ``replay.trainings``), whose turns keep their actions and whose rows their layout.
@@ -20,7 +21,7 @@ from cua_rl.credit.config import StepCreditConfig
 from cua_rl.credit.ledger import CreditLedger
 from cua_rl.credit.steps import EpisodeSteps, StepsError, episode_steps
 from cua_rl.logs import get_logger
-from cua_rl.rollout.episode import Converted
+from cua_rl.rollout.episode import Converted, EpisodeObserver
 
 log = get_logger(__name__)
 
@@ -73,24 +74,18 @@ def stored_steps(
         return None
 
 
-def _record_error(failed: bool) -> None:
-    """``cua/credit/errors``, per accepted episode (0 or 1): the step's share of episodes whose
-    steps could not be read."""
-    from areal import workflow_context
-    from areal.utils import stats_tracker
+class CreditObserver(EpisodeObserver):
+    """Puts each accepted episode's steps in ``ledger`` (train phase; ``observers_of`` adds it
+    only when ``step_credit.enabled``); ``stat_scope``: the episode's AReaL stats scope."""
 
-    stats_tracker.get(workflow_context.stat_scope()).scalar(**{"cua/credit/errors": float(failed)})
+    name = "step_credit"
 
-
-class CreditObserver:
-    """Puts each accepted episode's steps in ``ledger`` (train phase; the workflow adds it only
-    when ``step_credit.enabled``)."""
-
-    def __init__(self, ledger: CreditLedger, config: StepCreditConfig, task: Any):
+    def __init__(self, ledger: CreditLedger, config: StepCreditConfig, task: Any, stat_scope: str):
         self.ledger, self.config, self.task = ledger, config, task
+        self.stat_scope = stat_scope
 
-    async def on(self, event: Any) -> None:
-        if not isinstance(event, Converted) or not event.rows.ok:
+    async def converted(self, event: Converted) -> None:
+        if not event.rows.ok:
             return
         task = self.task
         try:
@@ -104,7 +99,14 @@ class CreditObserver:
             )
         except (StepsError, OSError, ValueError) as exc:
             log.warning("episode %s: no step credit: %s", task.rollout_uuid, exc)
-            _record_error(True)
+            self._record_error(True)
             return
-        _record_error(False)
+        self._record_error(False)
         self.ledger.put(steps)
+
+    def _record_error(self, failed: bool) -> None:
+        """``cua/credit/errors``, per accepted episode (0 or 1): the step's share of episodes
+        whose steps could not be read."""
+        from areal.utils import stats_tracker
+
+        stats_tracker.get(self.stat_scope).scalar(**{"cua/credit/errors": float(failed)})

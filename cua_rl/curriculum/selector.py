@@ -80,6 +80,17 @@ class CurriculumConfig:
             "last outcomes read are used (counted in curriculum/fetch_errors)"
         ),
     )
+    skip_flagged: bool = doc(
+        False,
+        (
+            "Leave out of the train and eval tasks those a verifier audit flagged (free reward, "
+            "rejects its own success, flaky: python -m cua_rl.audit, docs/audit.md): read from "
+            "audit_file, else the newest completed audit of gym.gym_id the monitor recorded"
+        ),
+    )
+    audit_file: str = doc(
+        "", "The audit's JSON report skip_flagged reads; empty: the monitor's newest audit"
+    )
     log_decisions: bool = doc(
         True,
         (

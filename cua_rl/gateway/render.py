@@ -268,7 +268,7 @@ class Conversation:
 
     @classmethod
     def for_processor(cls, processor, stop_ids: Sequence[int] = ()) -> Conversation:
-        from cua_rl.trajectory.images import image_token_ids, tokenizer_of
+        from cua_rl.core.images import image_token_ids, tokenizer_of
 
         tok = tokenizer_of(processor)
         pad_id, _ = image_token_ids(processor)

@@ -18,6 +18,12 @@ from typing import Any
 
 import httpx
 
+from cua_rl.core.images import (
+    check_image_url,
+    decode_data_url,
+    fetch_one,
+    image_token_ids,
+)
 from cua_rl.errors import CuaRlError, ModelServerError, RejectedEpisode
 from cua_rl.gateway.answer import chat_completion
 from cua_rl.gateway.backends import VLLMText, backend_named
@@ -55,12 +61,6 @@ from cua_rl.gateway.tools import PARSERS, template_format
 from cua_rl.gateway.vision import ImageSizeError, PadCounter
 from cua_rl.logs import get_logger
 from cua_rl.trajectory.config import TrajectoryConfig
-from cua_rl.trajectory.images import (
-    check_image_url,
-    decode_data_url,
-    fetch_one,
-    image_token_ids,
-)
 
 log = get_logger(__name__)
 
@@ -464,7 +464,7 @@ class EpisodeSession:
             if ids[src] in self._images:  # the same image twice in one call
                 continue
             if kinds[src] == "data":
-                data = decode_data_url(src, policy)
+                data = decode_data_url(src, policy.max_image_bytes)
             else:
                 data = await fetch_one(client, src, policy)
                 self.capture.fetches += 1

@@ -20,9 +20,9 @@ import math
 from collections.abc import Sequence
 from dataclasses import dataclass
 
+from cua_rl.core.images import image_processor_of, iter_images, process_images
 from cua_rl.logs import get_logger
 from cua_rl.trajectory.config import TrajectoryConfig
-from cua_rl.trajectory.images import image_processor_of, iter_images, process_images
 
 log = get_logger(__name__)
 

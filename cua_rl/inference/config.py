@@ -7,6 +7,10 @@ AReaL's, pins and all. ``areal``: AReaL's own launch from the worker's environme
 then hold the engine at AReaL's version (AReaL's image with SGLang); the one way to NCCL
 (``xccl``) weight updates. docs/gpu.md has the environments and their install commands.
 
+``server`` points the rollout worker at a running server instead (``attach.py``): the training
+borrows it, loading ``actor.path``'s weights into it first; ``python -m cua_rl.inference.serve``
+starts one with the flags the config's own launch would give it.
+
 ``use_own_environment`` is the trainer's side: every worker starts through a command that
 applies the worker-side launch (``cua_rl.areal.worker``), with the interpreter in its
 environment, and weights go through disk. It returns one line per change, as the CPU harness
@@ -20,7 +24,13 @@ from typing import Any
 
 from cua_rl.core.fields import doc
 from cua_rl.errors import ConfigError
-from cua_rl.inference.launch import WORKER_EXTENSION, own_environment_env, resolve_python
+from cua_rl.inference.launch import (
+    ENV_SERVER,
+    ENV_VLLM_PYTHON,
+    WORKER_EXTENSION,
+    own_environment_env,
+    resolve_python,
+)
 
 ENVIRONMENTS = ("auto", "own", "areal")
 AREAL_WORKER_CMD = "python -m areal.infra.rpc.rpc_server"
@@ -45,6 +55,17 @@ class InferenceSection:
         "python with cpu=true. A relative path is taken from the repository root.",
     )
 
+    server: str = doc(
+        "",
+        "host:port of a running inference server for the rollout worker to borrow instead of "
+        "starting its own (environment=own, rollout.backend=vllm:d1): cua_rl.inference."
+        "vllm_server started with this config's vllm flags, as `python -m cua_rl.inference."
+        "serve --config FILE` does. The training loads actor.path's weights into it and clears "
+        "its version label when it starts, and gives it back, still running, when it ends; one "
+        "training at a time (another is refused while one holds it). Saves the server's "
+        "start-up when trainings follow each other (tests, debugging). Empty: start one.",
+    )
+
     def interpreter(self, cpu: bool) -> str:
         return resolve_python(self.python, cpu)
 
@@ -66,6 +87,8 @@ class InferenceSection:
             raise ConfigError(
                 f"inference.python={self.python!r} contains ',' or '=': move the environment"
             )
+        if self.server:
+            self._check_server(config)
         if not self.own(config):
             return
         backend = str(config.rollout.backend)
@@ -85,18 +108,46 @@ class InferenceSection:
                 "areal with the engine installed in AReaL's environment (docs/gpu.md)"
             )
 
+    def _check_server(self, config: Any) -> None:
+        from cua_rl.inference.attach import split_address
+
+        try:
+            split_address(self.server)
+        except ValueError as exc:
+            raise ConfigError(
+                f"inference.server={self.server!r}: {exc}; give the server as host:port, e.g. "
+                "127.0.0.1:8000"
+            ) from None
+        if not self.own(config):
+            raise ConfigError(
+                f"inference.server={self.server!r} with inference.environment="
+                f"{self.environment!r} and rollout.backend={config.rollout.backend!r}: only a "
+                "vLLM server of our own (environment own, rollout.backend=vllm:d1) can be "
+                "borrowed; clear inference.server to start one"
+            )
+        backend = str(config.rollout.backend)
+        if backend != "vllm:d1":
+            raise ConfigError(
+                f"inference.server={self.server!r} with rollout.backend={backend!r}: one "
+                "borrowed server serves one rollout worker; set rollout.backend=vllm:d1, or "
+                "clear inference.server to start a server per worker"
+            )
+
 
 def use_own_environment(
     config: Any, vllm_python: str, *, worker_cmd: str = WORKER_CMD, allowed: tuple[str, ...] = ()
 ) -> list[str]:
     """Make every worker start through ``worker_cmd`` with ``vllm_python`` in its environment,
-    and the server load our worker extension; one line per change.
+    and the server load our worker extension; one line per change. With ``inference.server``
+    the rollout workers get that address too (they borrow it instead of starting a server).
 
     AReaL's default command and cua-rl's GPU one become ``worker_cmd``; any other command that
     is not ``worker_cmd`` and contains none of ``allowed`` is refused: the launch would not be
     replaced in that worker.
     """
     changes: list[str] = []
+    section = getattr(config, "inference", None)  # AReaL's own config has none
+    server = section.server if section is not None else ""
     extension = config.vllm.worker_extension_cls
     if extension != WORKER_EXTENSION:
         config.vllm.worker_extension_cls = WORKER_EXTENSION
@@ -113,8 +164,13 @@ def use_own_environment(
                     "starts the inference server from its own environment); set it so, or "
                     "inference.environment=areal"
                 )
-            if own_environment_env(spec, vllm_python):
-                changes.append(f"{where}.env_vars: CUA_VLLM_PYTHON={vllm_python}")
+            before = dict(spec.env_vars)
+            if own_environment_env(spec, vllm_python, server if role == "rollout" else ""):
+                changes += [
+                    f"{where}.env_vars: {var}={value}"
+                    for var, value in spec.env_vars.items()
+                    if var in (ENV_VLLM_PYTHON, ENV_SERVER) and before.get(var) != value
+                ]
     return changes
 
 

@@ -6,8 +6,9 @@ A GPU node runs two environments (docs/gpu.md):
   ``requirements/areal-overrides.txt``) with cua-rl's dependencies (``pyproject.toml``);
 - ``vllm``: the inference server's own (``requirements/gpu-vllm.txt``).
 
-``sglang`` is the other route: AReaL's sglang extra inside AReaL's environment, resolved with the
-same overrides. Each is resolved by uv's ``pip compile`` for linux x86_64 / CPython 3.12 (the
+``sglang`` is the other route's trainer environment: AReaL's sglang extra with cua-rl, resolved
+with the same overrides; SGLang pins its own torch (2.9.1 against the vLLM route's 2.10.0), so it
+is an environment of its own (``make gpu-stack GPU_BACKEND=sglang``, docs/gpu.md). Each is resolved by uv's ``pip compile`` for linux x86_64 / CPython 3.12 (the
 platform is named, so this machine's needs nothing of it), reading package metadata from the
 registry, sdists included. ``into(requirements, environment)`` resolves a requirements file
 against an environment's resolved pins as constraints: what ``pip install -r`` into that
@@ -93,7 +94,8 @@ def environments() -> dict[str, Environment]:
             "sglang",
             (*requirement_lines(REQUIREMENTS / "gpu-sglang.txt"), *project_dependencies()),
             overrides,
-            "AReaL's sglang extra in AReaL's environment (make gpu-stack GPU_BACKEND=sglang)",
+            "the SGLang route's trainer: AReaL's sglang extra and cua-rl, SGLang's torch "
+            "(make gpu-stack GPU_BACKEND=sglang into an environment of its own)",
         ),
     }
 

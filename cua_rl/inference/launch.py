@@ -12,7 +12,8 @@ on a GPU node (``.venv-vllm-cuda``, ``make gpu-stack``) as on CPU (``.venv-vllm`
 - ``serve_from_own_environment`` replaces the launch in the worker process, with the
   interpreter from ``CUA_VLLM_PYTHON``, which the trainer puts into the rollout workers'
   environment (``own_environment_env``); ``fail_fast_on_dead_server`` makes the wait for any
-  server end as soon as its process exits.
+  server end as soon as its process exits. With ``CUA_INFERENCE_SERVER`` there too
+  (``inference.server``), the launch borrows that running server instead (``attach.py``).
 
 Weights then travel through a checkpoint folder (``actor.weight_update_mode: disk``): NCCL
 between two environments needs NCCL builds that can talk, and the server has no xccl routes.
@@ -30,6 +31,8 @@ from pathlib import Path
 from typing import Any
 
 ENV_VLLM_PYTHON = "CUA_VLLM_PYTHON"
+# host:port of a running server the rollout worker borrows instead of starting one.
+ENV_SERVER = "CUA_INFERENCE_SERVER"
 SERVER_MODULE = "cua_rl.inference.vllm_server"
 WORKER_EXTENSION = "cua_rl.inference.vllm_worker.DiskWeightReloadExtension"
 # The environments the Makefile creates, relative to the repository root.
@@ -88,6 +91,20 @@ def server_env(base: dict[str, str]) -> dict[str, str]:
     return env
 
 
+def launch_env(base: dict[str, str]) -> dict[str, str]:
+    """The server's environment as ``VLLMBackend.launch_server`` makes it from the rollout
+    worker's (``server_env``, then per-launch cache folders), for our launch and ``serve.py``."""
+    from areal.engine import vllm_remote
+
+    env = server_env(base)
+    triton_cache = env.get("TRITON_CACHE_PATH", vllm_remote.TRITON_CACHE_PATH)
+    env["TRITON_CACHE_PATH"] = os.path.join(triton_cache, str(uuid.uuid4()))
+    if env.get("VLLM_CACHE_ROOT"):
+        env["VLLM_CACHE_ROOT"] = os.path.join(env["VLLM_CACHE_ROOT"], str(uuid.uuid4()))
+    env["VLLM_ALLOW_RUNTIME_LORA_UPDATING"] = "True"
+    return env
+
+
 def server_command(args: dict[str, Any], vllm_python: str | None = None) -> list[str]:
     """The command that replaces AReaL's ``python3 -m areal.engine.vllm_ext.areal_vllm_server``."""
     from areal.api.cli_args import get_py_cmd
@@ -107,20 +124,36 @@ def serve_from_own_environment(*, loopback: bool = False) -> None:
 
     def launch_server(self, server_args: dict[str, Any]):
         # VLLMBackend.launch_server (areal/engine/vllm_remote.py) with another interpreter and
-        # module. RemoteInfEngine.launch_server reads the host back from this same dict.
+        # module. RemoteInfEngine.launch_server reads the host and port back from this same dict.
+        borrowed = os.environ.get(ENV_SERVER)
+        if borrowed:
+            return borrow(borrowed, server_args)
         if loopback:
             server_args["host"] = "127.0.0.1"
         cmd = server_command(server_args)
-        env = server_env(dict(os.environ))
-        triton_cache = env.get("TRITON_CACHE_PATH", vllm_remote.TRITON_CACHE_PATH)
-        env["TRITON_CACHE_PATH"] = os.path.join(triton_cache, str(uuid.uuid4()))
-        if env.get("VLLM_CACHE_ROOT"):
-            env["VLLM_CACHE_ROOT"] = os.path.join(env["VLLM_CACHE_ROOT"], str(uuid.uuid4()))
-        env["VLLM_ALLOW_RUNTIME_LORA_UPDATING"] = "True"
+        env = launch_env(dict(os.environ))
         vllm_remote.logger.info("Launching vLLM from its own environment: %s", shlex.join(cmd))
         return subprocess.Popen(cmd, env=env, stdout=sys.stdout, stderr=sys.stdout)
 
     vllm_remote.VLLMBackend.launch_server = launch_server
+
+
+def borrow(address: str, server_args: dict[str, Any]) -> subprocess.Popen:
+    """``inference.server``: the running server at ``address`` instead of a new one. What
+    AReaL keeps as the server's process is the hold on it (``attach.py``): waited on like a
+    server's, ended by AReaL's tear-down, which gives the server back and leaves it running."""
+    from areal.engine import vllm_remote
+
+    from cua_rl.inference.attach import attach_process, split_address
+
+    server_args["host"], server_args["port"] = split_address(address)
+    proc = attach_process(address, str(server_args["model"]))
+    vllm_remote.logger.info(
+        "Borrowed the inference server at %s (inference.server) for %s",
+        address,
+        server_args["model"],
+    )
+    return proc
 
 
 def fail_fast_on_dead_server() -> None:
@@ -151,11 +184,14 @@ def _wait_for_server(self, address: str, process=None):
     )
 
 
-def own_environment_env(spec: Any, vllm_python: str) -> bool:
-    """Put the server's interpreter into a worker's ``SchedulingSpec.env_vars`` (read by
-    ``serve_from_own_environment`` in the worker); True when that changed them."""
+def own_environment_env(spec: Any, vllm_python: str, server: str = "") -> bool:
+    """Put the server's interpreter, and the server to borrow if any, into a worker's
+    ``SchedulingSpec.env_vars`` (read by ``serve_from_own_environment`` in the worker); True
+    when that changed them."""
     env = dict(spec.env_vars)
     env[ENV_VLLM_PYTHON] = vllm_python
+    if server:
+        env[ENV_SERVER] = server
     if env == spec.env_vars:
         return False
     spec.env_vars = env

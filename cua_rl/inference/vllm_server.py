@@ -16,17 +16,26 @@ interpreter and the same arguments as ``vllm serve``:
 
 If ``--worker-extension-cls`` names AReaL's extension, it is replaced by
 ``cua_rl.inference.vllm_worker.DiskWeightReloadExtension`` (AReaL's default config sends it).
+
+One route is ours: ``POST /cua_rl/attach`` lends the server to one training at a time
+(``inference.server``, ``cua_rl.inference.attach``). It refuses another model's path, loads the
+checkpoint the training starts from, clears the weight-version label (tokens are then the
+training's initial version, as on a new server) and resumes generation; the answer then stays
+open, and the server is lent until the attaching client disconnects.
 """
 
 # No `from __future__ import annotations`: FastAPI resolves handler annotations at route
 # registration, and CompletionRequest is imported inside _install_routes, not at module level.
 import asyncio
+import json
+import os
 import re
 import sys
+import time
 from http import HTTPStatus
 
 from fastapi import APIRouter, Depends, Request
-from fastapi.responses import JSONResponse
+from fastapi.responses import JSONResponse, StreamingResponse
 from pydantic import BaseModel
 
 from cua_rl.logs import get_logger
@@ -43,6 +52,14 @@ router = APIRouter()
 # so it is served by the new weights rather than aborted (AReaL's server does the same).
 _running = asyncio.Event()
 _running.set()
+# The training the server is lent to (POST /cua_rl/attach), while its client stays connected.
+_lent: dict | None = None
+# vLLM's label of weights no update named: the tokens-in answers then carry no version span and
+# the rollout engine gives every token its own initial version.
+UNLABELLED = "default"
+# Seconds between the keep-alive lines of a lent server's answer: a client gone is noticed at
+# the next line at the latest.
+LEASE_BEAT_S = 1.0
 
 
 class UpdateWeightsRequest(BaseModel):
@@ -51,8 +68,8 @@ class UpdateWeightsRequest(BaseModel):
     abort_all_requests: bool = False
 
 
-def _answer(success: bool, message: str) -> JSONResponse:
-    code = HTTPStatus.OK if success else HTTPStatus.BAD_REQUEST
+def _answer(success: bool, message: str, code: HTTPStatus | None = None) -> JSONResponse:
+    code = code or (HTTPStatus.OK if success else HTTPStatus.BAD_REQUEST)
     return JSONResponse({"success": success, "message": message}, status_code=code)
 
 
@@ -71,21 +88,87 @@ def version_of(model_path: str) -> str | None:
     return match.group(1) if match else None
 
 
-@router.post("/areal_update_weights")
-async def update_weights(body: UpdateWeightsRequest, raw: Request):
-    engine = raw.app.state.engine_client
+async def _load(engine, model_path: str, version: str | None) -> list:
+    """Every worker loads ``model_path``, in-flight requests aborted and caches cleared first;
+    ``version`` labels the new weights (None: the label stays)."""
     await engine.pause_generation(mode="abort", clear_cache=True)
     await engine.reset_mm_cache()
     try:
-        results = await engine.collective_rpc("areal_update_weights", args=(body.model_path,))
-        version = version_of(body.model_path)
+        results = await engine.collective_rpc("areal_update_weights", args=(model_path,))
         if version is not None and all(bool(r[0]) for r in results):
             # Labelled before generation resumes, so every token sampled by these weights
             # carries their version in the tokens-in answers (``weight_versions``).
             await engine.update_weight_version(version)
     finally:
         await engine.resume_generation()
+    return results
+
+
+@router.post("/areal_update_weights")
+async def update_weights(body: UpdateWeightsRequest, raw: Request):
+    engine = raw.app.state.engine_client
+    results = await _load(engine, body.model_path, version_of(body.model_path))
     return _collect(results)
+
+
+class AttachRequest(BaseModel):
+    model_path: str
+    who: str = ""
+
+
+def _same_folder(a: str, b: str) -> bool:
+    return os.path.realpath(a.rstrip("/")) == os.path.realpath(b.rstrip("/"))
+
+
+@router.post("/cua_rl/attach")
+async def attach(body: AttachRequest, raw: Request):
+    """Lend the server to one training: its initial weights loaded, the version label cleared,
+    generation resumed. The answer is a stream of JSON lines: the outcome, then a keep-alive
+    line per ``LEASE_BEAT_S`` for as long as the client keeps the connection."""
+    global _lent
+    engine = raw.app.state.engine_client
+    served = engine.model_config.model
+    if not _same_folder(body.model_path, served):
+        return _answer(
+            False,
+            f"this server serves {served}, not {body.model_path}: start one for that model "
+            "(python -m cua_rl.inference.serve with the training's config)",
+        )
+    if _lent is not None and await _lent["request"].is_disconnected():
+        _lent = None  # its client left before its answer was streamed
+    if _lent is not None:
+        held = time.time() - _lent["since"]
+        return _answer(
+            False,
+            f"this server is lent to another training ({_lent['who'] or 'unnamed'}, for "
+            f"{held:.0f}s); one server serves one training at a time: wait for it to end or "
+            "start another server",
+            HTTPStatus.CONFLICT,
+        )
+    _lent = {"who": body.who, "since": time.time(), "request": raw}
+    try:
+        results = await _load(engine, body.model_path, UNLABELLED)
+    except BaseException:
+        _lent = None
+        raise
+    if not all(bool(r[0]) for r in results):
+        _lent = None
+        return _collect(results)
+    _running.set()  # a training that ended inside a pause left completions gated
+    log.info("lent to %s: weights of %s loaded, version label cleared", body.who, served)
+
+    async def lease():
+        global _lent
+        try:
+            yield json.dumps({"success": True, "message": f"lent; serving {served}"}) + "\n"
+            while not await raw.is_disconnected():
+                await asyncio.sleep(LEASE_BEAT_S)
+                yield "\n"
+        finally:
+            _lent = None
+            log.info("returned by %s", body.who)
+
+    return StreamingResponse(lease(), media_type="application/x-ndjson")
 
 
 @router.post("/areal_pause_generation")

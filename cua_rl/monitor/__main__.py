@@ -12,9 +12,11 @@ dataset card (``cua_rl/monitor/export.py``, docs/warehouse.md); it exits 1 with 
 from __future__ import annotations
 
 import argparse
+import errno
 import logging
 import os
 import signal
+import socket
 import sys
 
 from cua_rl.monitor.export import FORMATS
@@ -170,6 +172,30 @@ def _check(parser: argparse.ArgumentParser, args: argparse.Namespace) -> int:
     return retention
 
 
+def listen(host: str, port: int) -> socket.socket:
+    """A socket bound to ``host:port`` (0: a free port) for uvicorn to serve on."""
+    family = socket.AF_INET6 if ":" in host else socket.AF_INET
+    sock = socket.socket(family, socket.SOCK_STREAM)
+    # Reuse a port in TIME_WAIT (a monitor just stopped), never one a live server listens on.
+    sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+    try:
+        sock.bind((host, port))
+    except OSError:
+        sock.close()
+        raise
+    return sock
+
+
+def cannot_listen(host: str, port: int, exc: OSError) -> str:
+    if exc.errno == errno.EADDRINUSE:
+        return (
+            f"port {port} on {host} is already in use: another monitor may serve there (open "
+            f"http://{host}:{port}/), or another program holds it; stop it, or serve on another "
+            "port: --port N (--port 0 picks a free one)"
+        )
+    return f"cannot listen on {host}:{port} ({exc.strerror or exc}): fix --host or --port"
+
+
 def main(argv: list[str] | None = None) -> int:
     parser = _parser()
     args = parser.parse_args(argv)
@@ -180,6 +206,15 @@ def main(argv: list[str] | None = None) -> int:
 
     from cua_rl.monitor.server.app import create_app
     from cua_rl.monitor.server.store import MonitorStore
+
+    # Bound before anything is said or opened: a port in use was announced as served, then
+    # refused by uvicorn in a traceback ending "address already in use".
+    try:
+        sock = listen(args.host, args.port)
+    except OSError as exc:
+        print(f"monitor error: {cannot_listen(args.host, args.port, exc)}", file=sys.stderr)
+        return 1
+    port = sock.getsockname()[1]
 
     logging.basicConfig(level=args.log_level.upper(), format="%(asctime)s %(name)s %(message)s")
     token = args.token or os.environ.get("MONITOR_PROJECT_TOKEN") or None
@@ -199,19 +234,20 @@ def main(argv: list[str] | None = None) -> int:
         heartbeat_timeout_s=args.heartbeat_timeout_s or None,
     )
     print(
-        f"monitor: serving {args.db} on http://{args.host}:{args.port} "
-        f"(auth {'on' if token else 'off'})",
+        f"monitor: serving {args.db} on http://{args.host}:{port} (auth {'on' if token else 'off'})",
         flush=True,
     )
-    print(f"monitor: dashboard http://{args.host}:{args.port}/", flush=True)
+    print(f"monitor: dashboard http://{args.host}:{port}/", flush=True)
     # uvicorn shuts down on SIGTERM, then raises the signal again under the handler in place
     # before it: under the default one the process died there, before the database was closed,
     # and left its WAL (most of a run's records) beside it. Noted here, it ends as it should.
     stopped_by: list[int] = []
     signal.signal(signal.SIGTERM, lambda signum, frame: stopped_by.append(signum))
+    config = uvicorn.Config(app, log_level=args.log_level, access_log=False)
     try:
-        uvicorn.run(app, host=args.host, port=args.port, log_level=args.log_level, access_log=False)
+        uvicorn.Server(config).run(sockets=[sock])
     finally:
+        sock.close()
         shots.close()
         store.close()
     return 128 + stopped_by[0] if stopped_by else 0

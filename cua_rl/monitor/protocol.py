@@ -39,7 +39,23 @@ RECORD_KINDS: tuple[str, ...] = tuple(RECORD_TABLES)
 # ``episodes`` (an accepted episode's token data) after them all, since it names its rollout.
 IMAGE_KIND = "episode_images"
 EPISODE_KIND = "episodes"
-BATCH_ORDER: tuple[str, ...] = (IMAGE_KIND, *RECORD_KINDS, EPISODE_KIND)
+# Verifier audits (cua_rl/audit, docs/audit.md): an audit's record (updated as it runs), then its
+# tasks' verdicts, which name their audit by client id. They reference no training.
+AUDIT_KIND = "audits"
+AUDIT_TASK_KIND = "audit_tasks"
+AUDIT_KINDS: tuple[str, ...] = (AUDIT_KIND, AUDIT_TASK_KIND)
+AUDIT_STATUSES = ("running", "completed", "cancelled", "failed")
+# A task's verdict: the flags first, in the order a task's verdict names the first it has.
+AUDIT_FLAGS = ("free_reward", "rejects_success", "flaky")
+AUDIT_VERDICTS = (*AUDIT_FLAGS, "clean", "unchecked")
+AUDIT_LABELS = {
+    "free_reward": "free reward",
+    "rejects_success": "rejects its own success",
+    "flaky": "flaky",
+    "clean": "clean",
+    "unchecked": "unchecked",
+}
+BATCH_ORDER: tuple[str, ...] = (IMAGE_KIND, *RECORD_KINDS, EPISODE_KIND, *AUDIT_KINDS)
 
 # The status words the worker side writes, by name (each is a word of STATUSES below).
 PENDING = "pending"

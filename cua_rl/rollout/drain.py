@@ -26,63 +26,36 @@ import asyncio
 import threading
 import time
 from collections.abc import Awaitable, Callable, Coroutine, Iterable
-from dataclasses import dataclass, field
 from typing import Any
 
-from cua_rl.errors import ConfigError
 from cua_rl.logs import get_logger
+from cua_rl.rollout.episode import BoxChanged, EpisodeObserver
+from cua_rl.rollout.settings import (  # noqa: F401  (DrainConfig: its documented home was here)
+    AREAL_RUNNER_JOIN_S,
+    LAST_FLUSH_S,
+    MARGIN_S,
+    DrainConfig,
+)
 
 log = get_logger(__name__)
 
 # Why a drained episode's rollout and environment were closed (their status message).
 DRAIN_REASON = "run ended: drained"
-# AReaL's task runner waits this long for the cancelled episodes when its engine is destroyed
-# (``AsyncTaskRunner.destroy``); a drain must end inside it or the worker stops under it.
-AREAL_RUNNER_JOIN_S = 30.0
-# Kept for the monitor flush and the runner's own shutdown after the last episode.
-_MARGIN_S = 5.0
-# A drain past its deadline still gives the monitor this long to take the cancelled records.
-_LAST_FLUSH_S = 1.0
 
 
-@dataclass
-class DrainConfig:
-    timeout_s: float = field(
-        default=20.0,
-        metadata={
-            "help": "Seconds the episodes in flight when a run ends get to close: the agent run "
-            "abandoned, the gym execution terminated, the monitor told (rollout cancelled, "
-            "environment terminated). What is still open then is named in the log. At most "
-            f"{AREAL_RUNNER_JOIN_S - _MARGIN_S:g}: AReaL waits {AREAL_RUNNER_JOIN_S:g} s for a "
-            "worker's episodes before it stops the worker."
-        },
-    )
-
-    def __post_init__(self) -> None:
-        top = AREAL_RUNNER_JOIN_S - _MARGIN_S
-        t = self.timeout_s
-        if isinstance(t, bool) or not isinstance(t, int | float) or not 0 < t <= top:
-            raise ConfigError(
-                f"drain.timeout_s={t!r} must be seconds in (0, {top:g}]: AReaL stops a rollout "
-                f"worker {AREAL_RUNNER_JOIN_S:g} s after it cancels its episodes, and a drain "
-                "cut short there leaves gym executions running (e.g. drain.timeout_s=20)"
-            )
-
-
-@dataclass
-class LiveEpisode:
+class LiveEpisode(EpisodeObserver):
     """What the drain names of an episode in flight: its rollout, and its gym execution once the
-    box is open (it observes the episode's events for it)."""
+    box is open (it observes the episode's box for it)."""
 
-    rollout_uuid: str
-    execution_id: str | None = None
+    name = "drain"
 
-    async def on(self, event: Any) -> None:
-        # Read off the episode's events by shape (``BoxChanged`` carries the box): the episode's
-        # module imports the settings, which import this module's ``DrainConfig``.
-        box = getattr(event, "box", None)
-        if box is not None:
-            self.execution_id = box.execution_id
+    def __init__(self, rollout_uuid: str):
+        self.rollout_uuid = rollout_uuid
+        self.execution_id: str | None = None
+
+    async def box_changed(self, event: BoxChanged) -> None:
+        if event.box is not None:
+            self.execution_id = event.box.execution_id
 
 
 Flush = Callable[[float], Awaitable[bool]]
@@ -144,7 +117,7 @@ class Drain:
         registers after a round is cancelled in the next one. Each task is cancelled once (a
         second cancel would cut its own drain short)."""
         loop = asyncio.get_running_loop()
-        give_up = loop.time() + self.timeout_s + _LAST_FLUSH_S + _MARGIN_S / 2
+        give_up = loop.time() + self.timeout_s + LAST_FLUSH_S + MARGIN_S / 2
         cancelled: set[asyncio.Task] = set()
         while True:
             for _ in range(2):  # a task the runner just started, then the children it gathers
@@ -263,7 +236,7 @@ class Drain:
                 runner.paused.set()  # no episode starts while the drain runs (destroy resumes it)
                 done = asyncio.run_coroutine_threadsafe(self._drain_then_flush(), loop)
                 try:
-                    done.result(timeout=self.timeout_s + _LAST_FLUSH_S + _MARGIN_S + _PRE_FLUSH_S)
+                    done.result(timeout=self.timeout_s + LAST_FLUSH_S + MARGIN_S + _PRE_FLUSH_S)
                 except Exception as exc:  # a stuck loop must not stop the destroy
                     log.warning("draining the episodes before the run's end failed: %r", exc)
             return original(*args, **kwargs)
@@ -293,7 +266,7 @@ class Drain:
                 self.overdue()
             if not inner.done() or inner.cancelled():
                 await on_cancelled()
-            if not await self.flush(max(self.remaining(), _LAST_FLUSH_S)):
+            if not await self.flush(max(self.remaining(), LAST_FLUSH_S)):
                 self.unflushed(episode.rollout_uuid)
             raise
         finally:

@@ -4,19 +4,25 @@
 
     task ─► the model endpoint: this episode's gateway session (or, direct mode, a server URL)
          ─► box: the gym creates an execution, terminated on every exit
-              ─► agent run (the agent service, the built-in loop or an agent function) ─► RunResult
+              ─► hooks.build_run_spec                                           ─► RunSpec
+              ─► hooks.run_agent (the agent service, the built-in loop or a function) ─► RunResult
               ─► evaluation of the box                                          ─► EvaluationResult
          ─► captured calls: the gateway's capture and the agent's turns         ─► CapturedCalls
-         ─► reward: the evaluation and the calls                                ─► RewardOutcome
-         ─► rows: the calls and the reward, converted in a thread              ─► ConversionResult
+         ─► hooks.compute_reward: the evaluation and the calls                  ─► RewardOutcome
+         ─► hooks.build_rows: the calls and the reward                          ─► ConversionResult
 
-Each stage is a function with typed input and output (``EpisodeStages``: the workflow supplies
-them, its hooks among them; the defaults are the functions below). No stage calls the monitor,
-the warehouse or replay: the pipeline emits events (``Started``, ``BoxChanged``, ``AgentRan``,
-``CaptureClosed``, ``Evaluated``, ``Converted``, ``Ended``) to whoever observes the episode
-(``cua_rl.rollout.observers``). A failure of the infrastructure ends it rejected with a counted
-reason (``RejectedEpisode``); a task the agent failed is rows with reward 0 (docs/design.md,
-decision 5).
+The stages a project changes are the workflow's hooks, called here directly (``EpisodeHooks``:
+``CUAAgentWorkflow`` holds their implementations, a subclass overrides them); the model endpoint
+and the box are the worker runtime's (``EpisodeServices``). A hook that raises anything but a
+``RejectedEpisode`` or an error of cua-rl's own ends the episode rejected ``hook_<hook>``, the
+exception and the hook named in the detail: nothing but cancellation leaves ``run_episode``.
+
+No stage calls the monitor, the warehouse or replay: the pipeline emits events (``Started``,
+``BoxChanged``, ``AgentRan``, ``CaptureClosed``, ``Evaluated``, ``Converted``, ``Ended``) to the
+episode's observers, each an ``EpisodeObserver`` with one method per event kind
+(``cua_rl.rollout.observers`` lists them and keeps what they raise out of the episode). A failure
+of the infrastructure ends it rejected with a counted reason (``RejectedEpisode``); a task the
+agent failed is rows with reward 0 (docs/design.md, decision 5).
 """
 
 from __future__ import annotations
@@ -26,27 +32,18 @@ import time
 from collections.abc import Awaitable, Callable, Mapping
 from contextlib import AbstractAsyncContextManager, contextmanager
 from dataclasses import dataclass, field, replace
-from typing import Any, Protocol
+from typing import Any, ClassVar, Protocol
 
 from cua_rl.agent.spec import RunResult, RunSpec
 from cua_rl.clients.genv_answers import EvaluationResult
 from cua_rl.core import reasons
-from cua_rl.core.reasons import AGENT_PREFIX, Reason, agent_reason
+from cua_rl.core.reasons import AGENT_PREFIX, Reason, agent_reason, hook_reason
 from cua_rl.errors import CuaRlError, GymError, RejectedEpisode
 from cua_rl.gateway.capture import EpisodeCapture
 from cua_rl.heap import release_free_memory
 from cua_rl.logs import get_logger
-from cua_rl.reward import EpisodeFacts, RewardConfig, RewardOutcome, compute_reward
-from cua_rl.rollout.settings import WorkflowSettings
-from cua_rl.trajectory import (
-    ConversionResult,
-    TrajectoryConfig,
-    captured,
-    convert_turns,
-    events_to_turns,
-    fetch_images,
-    image_urls_needed,
-)
+from cua_rl.reward import RewardOutcome
+from cua_rl.trajectory import ConversionResult, captured, events_to_turns
 from cua_rl.trajectory.events import Turn
 from cua_rl.trajectory.rows import episode_id_of
 
@@ -144,6 +141,8 @@ class Timings(dict):
 
 @dataclass(frozen=True)
 class Started:
+    kind: ClassVar[str] = "started"
+
     task: EpisodeTask
 
 
@@ -151,6 +150,8 @@ class Started:
 class BoxChanged:
     """The box's state: creating, running (``box`` known), terminated or error (``message``);
     ``cancelled``: terminated because the episode was cancelled (the run's end)."""
+
+    kind: ClassVar[str] = "box_changed"
 
     state: str
     box: Box | None = None
@@ -160,6 +161,8 @@ class BoxChanged:
 
 @dataclass(frozen=True)
 class AgentRan:
+    kind: ClassVar[str] = "agent_ran"
+
     run: RunResult
 
 
@@ -167,11 +170,15 @@ class AgentRan:
 class CaptureClosed:
     """The episode's gateway session closed: what it captured (None in direct mode)."""
 
+    kind: ClassVar[str] = "capture_closed"
+
     capture: EpisodeCapture | None
 
 
 @dataclass(frozen=True)
 class Evaluated:
+    kind: ClassVar[str] = "evaluated"
+
     evaluation: EvaluationResult
     reward: RewardOutcome
     calls: CapturedCalls
@@ -179,6 +186,8 @@ class Evaluated:
 
 @dataclass(frozen=True)
 class Converted:
+    kind: ClassVar[str] = "converted"
+
     calls: CapturedCalls
     rows: ConversionResult
 
@@ -187,6 +196,8 @@ class Converted:
 class Ended:
     """How the episode ended: ``accepted`` (rows), ``rejected`` (``reason``: a counted one),
     ``failed`` (an error of cua-rl's, ``reason`` its type) or ``cancelled`` (the run's end)."""
+
+    kind: ClassVar[str] = "ended"
 
     task: EpisodeTask
     outcome: str
@@ -207,6 +218,41 @@ EpisodeEvent = Started | BoxChanged | AgentRan | CaptureClosed | Evaluated | Con
 Emit = Callable[[EpisodeEvent], Awaitable[None]]
 
 
+class EpisodeObserver:
+    """Who watches an episode: one method per event kind, in the order the pipeline emits them,
+    each doing nothing unless a subclass overrides it. An observer cannot change the episode: it
+    gets frozen events, and whatever it raises is logged (once per observer and event kind) and
+    counted as ``cua/observer_errors/<name>``, and the episode goes on as it would have
+    (``cua_rl.rollout.observers``). ``name``: that stat's name (default: the class's name)."""
+
+    name: ClassVar[str] = ""
+
+    async def started(self, event: Started) -> None:
+        """The episode starts (its task and rollout id are known; nothing exists yet)."""
+
+    async def box_changed(self, event: BoxChanged) -> None:
+        """The box is creating, running (``event.box``), terminated or in error."""
+
+    async def agent_ran(self, event: AgentRan) -> None:
+        """The agent's run ended (completed or not), with its events."""
+
+    async def capture_closed(self, event: CaptureClosed) -> None:
+        """The episode's gateway session closed: what it captured, whatever the episode's end."""
+
+    async def evaluated(self, event: Evaluated) -> None:
+        """The gym's verdict and the reward the workflow computed from it."""
+
+    async def converted(self, event: Converted) -> None:
+        """The rows built (or the reason they were not)."""
+
+    async def ended(self, event: Ended) -> None:
+        """The episode's end, once: accepted, rejected, failed or cancelled."""
+
+    async def on(self, event: EpisodeEvent) -> None:
+        """Tell this observer ``event``: its method for the event's kind."""
+        await getattr(self, event.kind)(event)
+
+
 class ExecutionHandle(Protocol):
     """A live gym execution (``cua_rl.clients.genv.ExecutionHandle``)."""
 
@@ -216,36 +262,55 @@ class ExecutionHandle(Protocol):
     async def evaluate(self, execution_data: Any = None, answer_text: str | None = None): ...
 
 
-@dataclass(frozen=True)
-class EpisodeStages:
-    """The stages ``run_episode`` calls, in its order."""
+class EpisodeHooks(Protocol):
+    """The stages a project overrides: ``CUAAgentWorkflow``'s hooks, called by the pipeline."""
 
-    open_endpoint: Callable[[EpisodeTask], ModelEndpoint]
-    open_box: Callable[[EpisodeTask], AbstractAsyncContextManager[ExecutionHandle]]
-    build_run_spec: Callable[[EpisodeTask, Box, str], RunSpec]
-    run_agent: Callable[[RunSpec], Awaitable[RunResult]]
-    compute_reward: Callable[[EvaluationResult, CapturedCalls], RewardOutcome]
-    build_rows: Callable[[EpisodeTask, CapturedCalls, RewardOutcome], Awaitable[ConversionResult]]
+    def build_run_spec(self, task: EpisodeTask, box: Box, model_base_url: str) -> RunSpec: ...
+
+    async def run_agent(self, spec: RunSpec, task: EpisodeTask) -> RunResult: ...
+
+    def compute_reward(
+        self, evaluation: EvaluationResult, calls: CapturedCalls
+    ) -> RewardOutcome: ...
+
+    async def build_rows(
+        self, task: EpisodeTask, calls: CapturedCalls, reward: RewardOutcome
+    ) -> ConversionResult: ...
+
+
+class EpisodeServices(Protocol):
+    """What the worker's runtime gives one episode (``cua_rl.rollout.runtime.EpisodeScope``): its
+    task, its model endpoint, its box, and the log's memory of what it already explained."""
+
+    task: EpisodeTask
+
+    def open_endpoint(self) -> ModelEndpoint: ...
+
+    def open_box(self) -> AbstractAsyncContextManager[ExecutionHandle]: ...
+
+    def first_time(self, key: tuple) -> bool: ...
 
 
 # ---- the pipeline ----------------------------------------------------------------------------
 
 
 async def run_episode(
-    task: EpisodeTask, stages: EpisodeStages, emit: Emit, timings: Timings
+    episode: EpisodeServices, hooks: EpisodeHooks, emit: Emit, timings: Timings
 ) -> dict[str, Any] | None:
     """The episode told to ``emit`` from ``Started`` to ``Ended``: its rows as one batch (what
-    AReaL trains), or None when it was rejected (a counted reason) or failed. Cancelled, it
-    raises: the drain tells its end."""
-    t0 = time.monotonic()
+    AReaL trains), or None when it was rejected (a counted reason) or failed. Nothing but
+    cancellation leaves it: cancelled, it raises, and the drain tells its end."""
+    task, t0 = episode.task, time.monotonic()
     try:
-        calls, reward, rows = await episode_path(task, stages, emit, timings)
+        calls, reward, rows = await episode_path(episode, hooks, emit, timings)
     except RejectedEpisode as exc:
         log.warning("episode %s rejected: %s", task.rollout_uuid, exc)
         await emit(Ended(task, "rejected", exc.reason, exc.detail, exc, timings=timings))
         return None
-    except CuaRlError as exc:
-        log.warning("episode %s failed: %s", task.rollout_uuid, exc)
+    except Exception as exc:  # cua-rl's own errors, and a bug anywhere on the path
+        log.warning("episode %s failed: %s: %s", task.rollout_uuid, type(exc).__name__, exc)
+        if not isinstance(exc, CuaRlError) and episode.first_time(("failed", type(exc))):
+            log.error("the first episode failed by %s:", type(exc).__name__, exc_info=exc)
         await emit(Ended(task, "failed", type(exc).__name__, str(exc), exc, timings=timings))
         return None
     timings["total"] = time.monotonic() - t0
@@ -254,13 +319,14 @@ async def run_episode(
 
 
 async def episode_path(
-    task: EpisodeTask, stages: EpisodeStages, emit: Emit, timings: Timings
+    episode: EpisodeServices, hooks: EpisodeHooks, emit: Emit, timings: Timings
 ) -> tuple[CapturedCalls, RewardOutcome, ConversionResult]:
     """The pipeline, stage by stage; ``RejectedEpisode`` when the episode has no rows."""
+    task = episode.task
     await emit(Started(task))
-    endpoint = stages.open_endpoint(task)
+    endpoint = episode.open_endpoint()
     try:
-        run, evaluation = await in_box(task, stages, endpoint.url, emit, timings)
+        run, evaluation = await in_box(episode, hooks, endpoint.url, emit, timings)
     except RejectedEpisode as exc:
         sharper = sharpened(exc, endpoint.close())
         if sharper is not None:
@@ -271,10 +337,12 @@ async def episode_path(
         # counters are the episode's, rejected or not).
         await emit(CaptureClosed(endpoint.close()))
     calls = captured_calls(run, endpoint.close())
-    reward = stages.compute_reward(evaluation, calls)
+    with hook(episode, hooks, "compute_reward"):
+        reward = checked(hooks.compute_reward(evaluation, calls), RewardOutcome)
     await emit(Evaluated(evaluation, reward, calls))
     with timings.phase("convert_s"):
-        rows = await stages.build_rows(task, calls, reward)
+        with hook(episode, hooks, "build_rows"):
+            rows = checked(await hooks.build_rows(task, calls, reward), ConversionResult)
         # The episode's screenshots were processed in pool threads (cua_rl/heap.py).
         await asyncio.to_thread(release_free_memory)
     await emit(Converted(calls, rows))
@@ -283,19 +351,21 @@ async def episode_path(
 
 
 async def in_box(
-    task: EpisodeTask, stages: EpisodeStages, model_url: str, emit: Emit, timings: Timings
+    episode: EpisodeServices, hooks: EpisodeHooks, model_url: str, emit: Emit, timings: Timings
 ) -> tuple[RunResult, EvaluationResult]:
     """The box's life: created, the agent's run in it, evaluated, terminated on every exit."""
+    task = episode.task
     await emit(BoxChanged("creating"))
     t0 = time.monotonic()
     try:
-        async with stages.open_box(task) as handle:
+        async with episode.open_box() as handle:
             timings["env_create_s"] = time.monotonic() - t0
             box = Box(handle.execution_id, handle.box_id)
             await emit(BoxChanged("running", box))
-            spec = stages.build_run_spec(task, box, model_url)
-            with timings.phase("agent_s"):
-                run = await stages.run_agent(spec)
+            with hook(episode, hooks, "build_run_spec"):
+                spec = checked(hooks.build_run_spec(task, box, model_url), RunSpec)
+            with timings.phase("agent_s"), hook(episode, hooks, "run_agent"):
+                run = checked(await hooks.run_agent(spec, task), RunResult)
             await emit(AgentRan(run))
             check_completed(run)
             with timings.phase("evaluate_s"):
@@ -315,37 +385,38 @@ async def in_box(
     return run, evaluation
 
 
-# ---- the stages' defaults ------------------------------------------------------------------
+@contextmanager
+def hook(episode: EpisodeServices, hooks: EpisodeHooks, name: str):
+    """Run the workflow's hook ``name``: a ``RejectedEpisode`` or an error of cua-rl's own keeps
+    its reason; anything else the hook raises rejects the episode ``hook_<name>``, naming the
+    exception and the hook (its traceback logged once per hook and exception type)."""
+    try:
+        yield
+    except (RejectedEpisode, CuaRlError):
+        raise
+    except Exception as exc:
+        where = f"{type(hooks).__module__}.{type(hooks).__qualname__}.{name}"
+        if episode.first_time(("hook", where, type(exc))):
+            log.error(
+                "%s raised %s (the traceback is logged once; each episode it ends is rejected %s)",
+                where,
+                type(exc).__name__,
+                hook_reason(name),
+                exc_info=exc,
+            )
+        detail = f"{type(exc).__name__}: {exc} (raised by {where})"
+        raise RejectedEpisode(hook_reason(name), detail) from exc
 
 
-def run_spec(
-    task: EpisodeTask, box: Box, model_base_url: str, settings: WorkflowSettings, model_name: str
-) -> RunSpec:
-    """The agent run an episode asks for: the task's instruction, the agent's limits, and the
-    sampling settings (through the gateway the trainer's win anyway) merged into the model
-    object with the context policy and ``agent.model_options``."""
-    s = settings
-    options = {
-        "temperature": s.sampling.temperature,
-        "maxTokens": s.sampling.max_new_tokens,
-        **s.agent.run_model_options(),
-        **s.agent.model_options,
-    }
-    return RunSpec(
-        task=task.instruction,
-        model_base_url=model_base_url,
-        model_name=model_name,
-        gym_base_url=s.gym.base_url,
-        gym_id=s.gym.gym_id,
-        execution_id=box.execution_id,
-        agent=s.agent.agent,
-        max_steps=s.agent.max_steps,
-        max_run_time_s=s.agent.max_run_time_s,
-        max_step_time_s=s.agent.max_step_time_s,
-        provider=s.endpoint.provider,
-        action_space=s.agent.action_space,
-        model_options=options,
-    )
+def checked(value: Any, kind: type) -> Any:
+    """A hook's answer, if it is of the type the pipeline takes: a wrong one is the hook's error,
+    not a confusing one in the stage after it."""
+    if not isinstance(value, kind):
+        raise TypeError(f"returned a {type(value).__name__}, not a {kind.__name__}")
+    return value
+
+
+# ---- the pipeline's own steps ----------------------------------------------------------------
 
 
 def check_completed(run: RunResult) -> None:
@@ -370,43 +441,6 @@ async def evaluate(handle: ExecutionHandle, run: RunResult) -> EvaluationResult:
 def captured_calls(run: RunResult, capture: EpisodeCapture | None) -> CapturedCalls:
     """The agent's turns from its event log, beside what the gateway captured."""
     return CapturedCalls(events_to_turns(run.events).turns, capture)
-
-
-def reward_of(
-    evaluation: EvaluationResult, calls: CapturedCalls, config: RewardConfig
-) -> RewardOutcome:
-    """Evaluation -> reward (raises RejectedEpisode when the gym gave no verdict)."""
-    return compute_reward(evaluation.raw, EpisodeFacts.from_turns(calls.turns), config)
-
-
-async def rows_of(
-    task: EpisodeTask,
-    calls: CapturedCalls,
-    reward: RewardOutcome,
-    *,
-    processor: Any,
-    config: TrajectoryConfig,
-    http: Any,
-) -> ConversionResult:
-    """Calls -> an episode's rows, from the gateway's capture (direct mode: the events and the
-    images they name, fetched with ``http``). Conversion (image processing) runs in a thread so
-    the rollout event loop never blocks."""
-    turns, fetched = calls.row_turns(), calls.images()
-    if calls.capture is None:
-        try:
-            fetched = await fetch_images(image_urls_needed(turns, config), config, client=http)
-        except RejectedEpisode as exc:
-            return ConversionResult(None, exc.reason, exc.detail, {"turns": len(turns)})
-    return await asyncio.to_thread(
-        convert_turns,
-        turns,
-        processor=processor,
-        reward=reward.reward,
-        version=task.version,
-        config=config,
-        fetched_images=fetched,
-        episode_id=task.episode_id,
-    )
 
 
 def sharpened(exc: RejectedEpisode, capture: EpisodeCapture | None) -> RejectedEpisode | None:

@@ -17,6 +17,9 @@ from cua_rl.logs import get_logger
 
 log = get_logger(__name__)
 
+# The longest detail an outcome line keeps: failfast's line quotes it.
+DETAIL_CHARS = 300
+
 
 class OutcomeLog:
     """Append-only outcome lines of one worker process (one writer per file: no locking)."""
@@ -27,12 +30,23 @@ class OutcomeLog:
         self.path = self.directory / f"outcomes-{socket.gethostname()}-{os.getpid()}.jsonl"
 
     def record(
-        self, *, accepted: bool, reason: str | None, phase: str, probe: bool = False
+        self,
+        *,
+        accepted: bool,
+        reason: str | None,
+        phase: str,
+        probe: bool = False,
+        detail: str = "",
     ) -> None:
         """One episode's outcome; ``probe``: a failed probe of a paused service
-        (``cua_rl.rollout.service_pauses``), which failfast counts as a rejection for ``reason``."""
+        (``cua_rl.rollout.service_pauses``), which failfast counts as a rejection for ``reason``;
+        ``detail``: what failfast's line names beside the reason (a hook's exception)."""
         rec = {"t": self.clock(), "ok": accepted, "reason": reason, "phase": phase}
-        line = json.dumps({**rec, "probe": True} if probe else rec)
+        if probe:
+            rec["probe"] = True
+        if detail:
+            rec["detail"] = detail[:DETAIL_CHARS]
+        line = json.dumps(rec)
         try:
             self.directory.mkdir(parents=True, exist_ok=True)
             with open(self.path, "a", encoding="utf-8") as f:

@@ -15,6 +15,10 @@ stays whole. Each probe is what an episode would do first: the gym creates an ex
 failed episode's task and terminates it, the agent service answers a run lookup, the model server
 has no call held by the gateway any more and answers ``/health``.
 
+The pauses observe the episodes themselves (``PauseObserver``, one per episode): whether the box
+was created and whether the agent service answered its run's create tell a service's failure from
+the episode's (``outage_of``), and a rejection that is the service's opens its pause.
+
 A failed probe is appended to the worker's outcome file as a rejection for the episodes' reason,
 so failfast (``cua_rl.app.failfast``) still stops a service that never comes back: its persistence
 spans the probes. The monitor gets one ``pauses`` record per pause (service, reason, the last
@@ -29,18 +33,20 @@ import socket
 import time
 from collections.abc import Awaitable, Callable
 from dataclasses import dataclass
+from typing import Any
 
 import httpx
 
 from cua_rl.aio import within
-from cua_rl.core.fields import doc
 from cua_rl.core.reasons import Reason, agent_reason, gateway_reason
-from cua_rl.errors import ConfigError, CuaRlError, GymError, ModelServerError, RejectedEpisode
+from cua_rl.errors import CuaRlError, GymError, ModelServerError, RejectedEpisode
 from cua_rl.gateway.engine import server_url
 from cua_rl.gateway.model_outages import Held, Outages
 from cua_rl.logs import get_logger
 from cua_rl.monitor.protocol import pause_client_id
 from cua_rl.monitor.worker.batches import ref
+from cua_rl.rollout.episode import AgentRan, BoxChanged, Ended, EpisodeObserver
+from cua_rl.rollout.settings import PauseConfig
 
 log = get_logger(__name__)
 
@@ -49,37 +55,6 @@ MODEL_OUTAGE = gateway_reason("model_server_error")
 AGENT_CREATE_FAILED = agent_reason("create_failed")
 
 Probe = Callable[[], Awaitable[object]]
-
-
-@dataclass
-class PauseConfig:
-    enabled: bool = doc(
-        True,
-        "Hold new episodes while the gym, the agent service or the model server fails, and "
-        "probe it until it answers (docs/rejections.md). false: every episode is started and "
-        "rejected as the failure goes on.",
-    )
-    probe_initial_s: float = doc(1.0, "Wait before the first probe of a failing service (s).")
-    probe_max_s: float = doc(
-        10.0,
-        "Longest wait between two probes (s); the wait doubles from probe_initial_s. Each "
-        "failed probe is one entry of failfast's streak: 10 s gives failfast.window=16 its "
-        "entries well within failfast.persist_s=180 even with few episodes in flight.",
-    )
-    probe_timeout_s: float = doc(
-        60.0,
-        "Bound on one probe of the agent service or the model server (s). The gym's probe is an "
-        "execution's create and terminate, bounded by gym.timeouts (a box may take minutes).",
-    )
-
-    def __post_init__(self) -> None:
-        if not 0 < self.probe_initial_s <= self.probe_max_s:
-            raise ConfigError(
-                f"pause.probe_initial_s={self.probe_initial_s} and pause.probe_max_s="
-                f"{self.probe_max_s}: need 0 < probe_initial_s <= probe_max_s, e.g. 1 and 30"
-            )
-        if self.probe_timeout_s <= 0:
-            raise ConfigError("pause.probe_timeout_s must be positive (seconds), e.g. 120")
 
 
 @dataclass(frozen=True)
@@ -173,12 +148,29 @@ class PauseRecords:
         client.enqueue("pauses", record)
 
 
-class ServicePauses:
-    """The open pauses of one event loop of a rollout runtime; see the module docstring."""
+@dataclass(frozen=True)
+class ProbeTargets:
+    """What one event loop's probes reach: its gym and agent clients (``gym()``, ``agent()``:
+    made when a probe needs them), its plain HTTP client, the calls the gateway holds, and the
+    model server the gateway is configured with (empty: the engine's, chosen for a probe)."""
 
-    def __init__(self, config: PauseConfig, records: PauseRecords):
+    gym: Callable[[], Any]
+    agent: Callable[[], Any]
+    http: httpx.AsyncClient
+    outages: Outages
+    model_server: str = ""
+
+
+class ServicePauses:
+    """The open pauses of one event loop of a rollout runtime; see the module docstring.
+    ``targets``: what its probes reach (a test that reports its own probes needs none)."""
+
+    def __init__(
+        self, config: PauseConfig, records: PauseRecords, targets: ProbeTargets | None = None
+    ):
         self.config = config
         self.records = records
+        self.targets = targets
         self.open: dict[str, Pause] = {}
         self._clear = asyncio.Event()
         self._clear.set()
@@ -207,6 +199,17 @@ class ServicePauses:
         self._probers.add(task)
         task.add_done_callback(self._probers.discard)
         return pause
+
+    def probe(self, service: str, task_id: str, choose_server: Callable[[], Any]) -> Probe:
+        """The probe of ``service`` for an episode of ``task_id`` that failed on it."""
+        t = self.targets
+        if t is None:
+            raise ValueError("these pauses were made without probe targets")
+        server = t.model_server or (str(choose_server()) if service == MODEL_SERVER else "")
+        return probe_for(
+            service, self.config, genv=t.gym(), agent=t.agent(), http=t.http, task_id=task_id,
+            model_server=server, outages=t.outages,
+        )  # fmt: skip
 
     async def _probe_until_up(self, pause: Pause, probe: Probe) -> None:
         cfg, delay = self.config, self.config.probe_initial_s
@@ -245,6 +248,38 @@ class ServicePauses:
                 model_server=held.server, outages=outages,
             )  # fmt: skip
             self.report(Outage(MODEL_SERVER, MODEL_OUTAGE, held_error(held)), probe, phase=phase)
+
+
+class PauseObserver(EpisodeObserver):
+    """One episode seen by its loop's pauses: a rejection that is a service's failure (the gym's
+    create, the agent service's, a model server out) pauses new episodes. ``choose_server``: the
+    engine's, for a model server the gateway is not configured with."""
+
+    name = "pauses"
+
+    def __init__(
+        self, pauses: ServicePauses, task_id: str, phase: str, choose_server: Callable[[], Any]
+    ):
+        self.pauses, self.task_id, self.phase = pauses, task_id, phase
+        self.choose_server = choose_server
+        self.created = self.agent_unavailable = False
+
+    async def box_changed(self, event: BoxChanged) -> None:
+        if event.box is not None:
+            self.created = True
+
+    async def agent_ran(self, event: AgentRan) -> None:
+        self.agent_unavailable = bool(event.run.summary.create_unavailable)
+
+    async def ended(self, event: Ended) -> None:
+        if event.outcome != "rejected":
+            return
+        outage = outage_of(
+            event.error, created=self.created, agent_unavailable=self.agent_unavailable
+        )
+        if outage is not None:
+            probe = self.pauses.probe(outage.service, self.task_id, self.choose_server)
+            self.pauses.report(outage, probe, phase=self.phase)
 
 
 async def gym_probe(genv, task_id: str) -> None:

@@ -1,8 +1,12 @@
-"""What a rollout worker needs to run episodes: the gym, the agent, the model endpoint.
+"""What a rollout worker needs to run episodes: the gym, the agent, the model endpoint, the
+pauses and the drain.
 
 ``WorkflowSettings`` is one plain, serialisable dataclass that AReaL ships to each rollout worker
 as ``workflow_kwargs``; ``cua_rl.app.config.CUAConfig.workflow_settings()`` builds it from the
 YAML's sections, which are declared here so the rollout package does not depend on the launcher.
+The sections the rollout's behaviour modules read (``drain``, ``pause``) are declared here too,
+not beside their behaviour: those modules observe the episode (``cua_rl.rollout.episode``) and
+may import its types, which a settings module they imported back could not allow.
 """
 
 from __future__ import annotations
@@ -16,11 +20,77 @@ from cua_rl.core.fields import doc
 from cua_rl.errors import ConfigError
 from cua_rl.gateway.config import GatewayConfig, Sampling
 from cua_rl.reward import RewardConfig
-from cua_rl.rollout.drain import DrainConfig
 from cua_rl.rollout.groups import GroupSettings
-from cua_rl.rollout.service_pauses import PauseConfig
 from cua_rl.tasks import TaskSelectionConfig, TaskSourceConfig
 from cua_rl.trajectory.config import TrajectoryConfig
+
+# ---- the run's end, the service pauses (read by cua_rl.rollout.drain, service_pauses) ----
+
+# AReaL's task runner waits this long for the cancelled episodes when its engine is destroyed
+# (``AsyncTaskRunner.destroy``); a drain must end inside it or the worker stops under it.
+AREAL_RUNNER_JOIN_S = 30.0
+# Kept for the monitor flush and the runner's own shutdown after the last episode.
+MARGIN_S = 5.0
+# A drain past its deadline still gives the monitor this long to take the cancelled records.
+LAST_FLUSH_S = 1.0
+
+
+@dataclass
+class DrainConfig:
+    timeout_s: float = field(
+        default=20.0,
+        metadata={
+            "help": "Seconds the episodes in flight when a run ends get to close: the agent run "
+            "abandoned, the gym execution terminated, the monitor told (rollout cancelled, "
+            "environment terminated). What is still open then is named in the log. At most "
+            f"{AREAL_RUNNER_JOIN_S - MARGIN_S:g}: AReaL waits {AREAL_RUNNER_JOIN_S:g} s for a "
+            "worker's episodes before it stops the worker."
+        },
+    )
+
+    def __post_init__(self) -> None:
+        top = AREAL_RUNNER_JOIN_S - MARGIN_S
+        t = self.timeout_s
+        if isinstance(t, bool) or not isinstance(t, int | float) or not 0 < t <= top:
+            raise ConfigError(
+                f"drain.timeout_s={t!r} must be seconds in (0, {top:g}]: AReaL stops a rollout "
+                f"worker {AREAL_RUNNER_JOIN_S:g} s after it cancels its episodes, and a drain "
+                "cut short there leaves gym executions running (e.g. drain.timeout_s=20)"
+            )
+
+
+@dataclass
+class PauseConfig:
+    enabled: bool = doc(
+        True,
+        "Hold new episodes while the gym, the agent service or the model server fails, and "
+        "probe it until it answers (docs/rejections.md). false: every episode is started and "
+        "rejected as the failure goes on.",
+    )
+    probe_initial_s: float = doc(1.0, "Wait before the first probe of a failing service (s).")
+    probe_max_s: float = doc(
+        10.0,
+        "Longest wait between two probes (s); the wait doubles from probe_initial_s. Each "
+        "failed probe is one entry of failfast's streak: 10 s gives failfast.window=16 its "
+        "entries well within failfast.persist_s=180 even with few episodes in flight.",
+    )
+    probe_timeout_s: float = doc(
+        60.0,
+        "Bound on one probe of the agent service or the model server (s). The gym's probe is an "
+        "execution's create and terminate, bounded by gym.timeouts (a box may take minutes).",
+    )
+
+    def __post_init__(self) -> None:
+        if not 0 < self.probe_initial_s <= self.probe_max_s:
+            raise ConfigError(
+                f"pause.probe_initial_s={self.probe_initial_s} and pause.probe_max_s="
+                f"{self.probe_max_s}: need 0 < probe_initial_s <= probe_max_s, e.g. 1 and 30"
+            )
+        if self.probe_timeout_s <= 0:
+            raise ConfigError("pause.probe_timeout_s must be positive (seconds), e.g. 120")
+
+
+# ---- the services ------------------------------------------------------------------------
 
 
 @dataclass

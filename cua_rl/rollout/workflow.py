@@ -1,37 +1,53 @@
 """``CUAAgentWorkflow``: AReaL's rollout workflow for GUI agents, one episode per ``arun_episode``.
 
-The workflow is the adapter between AReaL and an episode; it orchestrates and holds no state of
-its own. AReaL hands ``arun_episode`` its worker's engine and a task. The workflow takes the
-worker's runtime (``cua_rl.rollout.runtime``: the gateway, the service clients, the pauses, the
-drain, the replay pool and the group filter, one per engine), waits while a service is paused,
-and runs the episode's pipeline (``cua_rl.rollout.episode``: box, agent run, captured calls,
-evaluation, reward, rows) with its stages and observers (``cua_rl.rollout.observers``: stats,
-service pauses, monitor, warehouse, replay), inside the drain that closes it if the run ends
-first. Infrastructure failures return ``None`` with a counted reason; a task the agent failed is
-rows with reward 0.
+The workflow is the adapter between AReaL and an episode, and it holds the episode's hooks: the
+stages a project changes, which the pipeline (``cua_rl.rollout.episode``) calls directly, with
+their implementations here:
 
-Users customise an episode by overriding the hooks (examples/cua_agent/README.md):
-``build_run_spec``, ``compute_reward``, ``build_rows`` and ``observers``, and name their subclass
-in the config (``workflow:``).
+- ``build_run_spec(task, box, model_base_url)``: the agent run to start;
+- ``run_agent(spec, task)``: the run, to its end (the agent service, the built-in loop or the
+  user's agent function, as ``agent.mode`` says: the runtime's);
+- ``compute_reward(evaluation, calls)``: the gym's verdict -> the reward (``cua_rl.reward``);
+- ``build_rows(task, calls, reward)``: the captured calls -> the training rows
+  (``cua_rl.trajectory``);
+- ``observers(episode)``: who observes the episode (``cua_rl.rollout.observers``).
+
+A subclass overrides one method to change one stage, and is named in the config (``workflow:``;
+examples/cua_agent/README.md). A hook that raises rejects the episode ``hook_<name>`` (counted,
+and a systematic one stops the training through failfast); the workflow holds no state of its
+own. AReaL hands ``arun_episode`` its worker's engine and a task; the workflow takes the worker's
+runtime (``cua_rl.rollout.runtime``: one per engine), waits while a service is paused, and runs
+the pipeline with the episode's observers inside the drain that closes it if the run ends first.
+Infrastructure failures return ``None`` with a counted reason; a task the agent failed is rows
+with reward 0.
 """
 
 from __future__ import annotations
 
+import asyncio
 import uuid
-from collections.abc import Coroutine
+from collections.abc import Coroutine, Sequence
 from typing import Any
 
 from areal import workflow_context
 from areal.api.workflow_api import RolloutWorkflow
 
-from cua_rl.credit.observer import CreditObserver
-from cua_rl.errors import ConfigError
+from cua_rl import reward as rewards
+from cua_rl.agent.spec import RunResult, RunSpec
+from cua_rl.clients.genv_answers import EvaluationResult
+from cua_rl.core.images import fetch_images
+from cua_rl.core.reasons import hook_reason
+from cua_rl.errors import ConfigError, RejectedEpisode
 from cua_rl.heap import hold_mmap_threshold
+from cua_rl.logs import get_logger
 from cua_rl.rollout import episode as ep
 from cua_rl.rollout import observers as obs
 from cua_rl.rollout.groups import complete_groups  # noqa: F401  (an older dotted path)
-from cua_rl.rollout.runtime import RolloutRuntime
+from cua_rl.rollout.runtime import EpisodeScope, RolloutRuntime
 from cua_rl.rollout.settings import WorkflowSettings
+from cua_rl.trajectory.rows import ConversionResult, convert_turns, image_urls_needed
+
+log = get_logger(__name__)
 
 
 class CUAAgentWorkflow(RolloutWorkflow):
@@ -85,50 +101,82 @@ class CUAAgentWorkflow(RolloutWorkflow):
     def model_name(self) -> str:
         return self.settings.endpoint.model_name or self.settings.processor_path
 
-    # ------------------------------------------------------------------ hooks
+    # ------------------------------------------------------------------ hooks: the stages
 
-    def build_run_spec(self, task: ep.EpisodeTask, box: ep.Box, model_base_url: str):
-        """The agent run request (a ``RunSpec``), once the box exists. Override to change the
-        instruction or the model options; keep ``model_base_url``, or the rows are lost."""
-        return ep.run_spec(task, box, model_base_url, self.settings, self.model_name())
-
-    def compute_reward(self, evaluation, calls: ep.CapturedCalls):
-        """Evaluation -> reward (a ``RewardOutcome``; raises ``RejectedEpisode`` when the gym gave
-        no verdict: an infrastructure failure is no reward 0)."""
-        return ep.reward_of(evaluation, calls, self.settings.reward)
-
-    async def build_rows(self, task: ep.EpisodeTask, calls: ep.CapturedCalls, reward):
-        """Calls -> the episode's rows (a ``ConversionResult``: one row per run of calls that
-        extend one another); return a result with a reason and no rows to reject."""
-        return await ep.rows_of(
-            task,
-            calls,
-            reward,
-            processor=self.processor,
-            config=self.settings.trajectory,
-            http=self.runtime.clients.http(),
+    def build_run_spec(self, task: ep.EpisodeTask, box: ep.Box, model_base_url: str) -> RunSpec:
+        """The agent run an episode asks for, once its box exists: the task's instruction, the
+        agent's limits, and the sampling settings (through the gateway the trainer's win anyway)
+        merged into the model object with the context policy and ``agent.model_options``. Keep
+        ``model_base_url``, or the rows are lost."""
+        s = self.settings
+        options = {
+            "temperature": s.sampling.temperature,
+            "maxTokens": s.sampling.max_new_tokens,
+            **s.agent.run_model_options(),
+            **s.agent.model_options,
+        }
+        return RunSpec(
+            task=task.instruction,
+            model_base_url=model_base_url,
+            model_name=self.model_name(),
+            gym_base_url=s.gym.base_url,
+            gym_id=s.gym.gym_id,
+            execution_id=box.execution_id,
+            agent=s.agent.agent,
+            max_steps=s.agent.max_steps,
+            max_run_time_s=s.agent.max_run_time_s,
+            max_step_time_s=s.agent.max_step_time_s,
+            provider=s.endpoint.provider,
+            action_space=s.agent.action_space,
+            model_options=options,
         )
 
-    def observers(self, task: ep.EpisodeTask, recorder) -> list:
-        """Who observes the episode besides its stats and pauses: the monitor (through
-        ``recorder``, a ``RolloutRecorder``), the warehouse and replay. Override to record more
-        or less; each observer's ``async on(event)`` gets every event."""
-        runtime, s = self.runtime, self.settings
-        found = [
-            obs.MonitorObserver(recorder, s.trajectory, runtime.clients.http()),
-            obs.WarehouseObserver(recorder, s),
-            obs.ReplayObserver(
-                runtime.replay,
-                s,
-                lambda: self.processor,
-                runtime.clients.monitor_client,
-                runtime.groups.ledger,
-            ),
-        ]
-        if s.group.step_credit.enabled and s.phase == "train":
-            # Its rows (Converted) come before the end replay keeps a success at (Ended).
-            found.insert(2, CreditObserver(runtime.groups.ledger, s.group.step_credit, task))
-        return found
+    async def run_agent(self, spec: RunSpec, task: ep.EpisodeTask) -> RunResult:
+        """The agent's run of ``spec``, to its end, as ``agent.mode`` says (the runtime's: the
+        agent service, the built-in loop, or the user's agent function)."""
+        return await self.runtime.run_agent(spec, task)
+
+    def compute_reward(
+        self, evaluation: EvaluationResult, calls: ep.CapturedCalls
+    ) -> rewards.RewardOutcome:
+        """The gym's verdict -> the reward (``cua_rl.reward``: the verdict's score, then
+        ``reward.shaping``). Raises ``RejectedEpisode`` when the gym gave no verdict: an
+        infrastructure failure is no reward 0."""
+        facts = rewards.EpisodeFacts.from_turns(calls.turns)
+        return rewards.compute_reward(evaluation.raw, facts, self.settings.reward)
+
+    async def build_rows(
+        self, task: ep.EpisodeTask, calls: ep.CapturedCalls, reward: rewards.RewardOutcome
+    ) -> ConversionResult:
+        """The captured calls -> the episode's rows, one per run of calls that extend one another
+        (``cua_rl.trajectory``): from the gateway's capture, or in direct mode from the agent's
+        events and the images they name (fetched from allowed hosts). Conversion runs in a thread
+        so the event loop never blocks. A result with a reason and no rows rejects the episode."""
+        config = self.settings.trajectory
+        turns, fetched = calls.row_turns(), calls.images()
+        if calls.capture is None:
+            try:
+                needed = image_urls_needed(turns, config)
+                fetched = await fetch_images(needed, config, client=self.runtime.clients.http())
+            except RejectedEpisode as exc:
+                return ConversionResult(None, exc.reason, exc.detail, {"turns": len(turns)})
+        return await asyncio.to_thread(
+            convert_turns,
+            turns,
+            processor=self.processor,
+            reward=reward.reward,
+            version=task.version,
+            config=config,
+            fetched_images=fetched,
+            episode_id=task.episode_id,
+        )
+
+    def observers(self, episode: EpisodeScope) -> Sequence[ep.EpisodeObserver]:
+        """Who observes the episode (``cua_rl.rollout.observers.observers_of``: stats, service
+        pauses, monitor, warehouse, replay), in the order each event reaches them. Override to
+        add one: ``[*super().observers(episode), Mine(...)]``; what an observer raises is counted
+        and never changes the episode."""
+        return obs.observers_of(episode)
 
     # ------------------------------------------------------------------ the episode
 
@@ -145,27 +193,36 @@ class CUAAgentWorkflow(RolloutWorkflow):
         waited = await runtime.admit(s.phase)
         task = ep.EpisodeTask(dict(data), str(uuid.uuid4()), int(engine.get_version()))
         timings = ep.Timings(pause_wait_s=waited) if waited else ep.Timings()
-        context = workflow_context.get()
-        recorder = await obs.recorder_for(runtime.clients, s, task, context.is_eval)
+        scope = runtime.episode(
+            task,
+            engine,
+            is_eval=workflow_context.get().is_eval,
+            stat_scope=workflow_context.stat_scope(),
+            processor=lambda: self.processor,
+            model_name=self.model_name(),
+        )
         live = runtime.drain.live(task.rollout_uuid)
+        try:
+            watching, refused = self.observers(scope), None
+        except Exception as exc:  # the user's hook: the episode is told to the default list
+            watching, refused = obs.observers_of(scope), exc
         emit = obs.Observers(
-            live,
-            obs.StatsObserver(workflow_context.stat_scope(), s.phase, runtime.outcomes),
-            obs.PauseObserver(runtime.pause_for, s.phase, lambda: engine.choose_server()),
-            *self.observers(task, recorder),
+            [live, *watching], stat_scope=scope.stat_scope, first_time=scope.first_time
         )
-        stages = ep.EpisodeStages(
-            open_endpoint=lambda t: runtime.open_endpoint(
-                t.rollout_uuid,
-                engine,
-                processor=lambda: self.processor,
-                model_name=self.model_name(),
-            ),
-            open_box=lambda t: runtime.clients.gym().execution(t.task_id),
-            build_run_spec=self.build_run_spec,
-            run_agent=lambda spec: runtime.run_agent(spec, task),
-            compute_reward=self.compute_reward,
-            build_rows=self.build_rows,
-        )
-        body = ep.run_episode(task, stages, emit, timings)
+        if refused is None:
+            body = ep.run_episode(scope, self, emit, timings)
+        else:
+            body = self._refused(scope, emit, refused)
         return await runtime.drain.run(body, live, lambda: emit(ep.Ended(task, "cancelled")))
+
+    async def _refused(self, scope: EpisodeScope, emit: obs.Observers, exc: Exception) -> None:
+        """The episode whose ``observers`` hook raised: rejected ``hook_observers`` before it
+        starts anything."""
+        where = f"{type(self).__module__}.{type(self).__qualname__}.observers"
+        if scope.first_time(("hook", where, type(exc))):
+            log.error("%s raised %s:", where, type(exc).__name__, exc_info=exc)
+        detail = f"{type(exc).__name__}: {exc} (raised by {where})"
+        rejected = RejectedEpisode(hook_reason("observers"), detail)
+        log.warning("episode %s rejected: %s", scope.task.rollout_uuid, rejected)
+        await emit(ep.Started(scope.task))
+        await emit(ep.Ended(scope.task, "rejected", rejected.reason, detail, rejected))

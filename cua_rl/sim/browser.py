@@ -18,7 +18,6 @@ closed at once, and every later call on it answers that reason.
 from __future__ import annotations
 
 import asyncio
-import hashlib
 import shutil
 from dataclasses import dataclass
 
@@ -159,9 +158,8 @@ class BrowserDevice:
         return "ended" if self._ended else "task"
 
     async def state_key(self) -> str:
-        """The page's state (its task area's markup and form values), hashed."""
-        page = await self._run("reading the page state", self.page.evaluate(miniwob.PAGE_STATE_JS))
-        return hashlib.sha256(str(page).encode()).hexdigest()[:16]
+        """The page's state as its task sees it, hashed (``miniwob.STATE_KEY_JS``)."""
+        return await self._run("reading the page's state", self.page.evaluate(miniwob.STATE_KEY_JS))
 
     async def close(self) -> None:
         self._closed = True
@@ -334,7 +332,12 @@ class BrowserBackend:
                 "scale": cfg.scale,
                 "episode_max_time_s": cfg.episode_max_time_s,
             },
-            "evaluation": {"reward": cfg.reward, "validators": [{"id": "miniwob_reward"}]},
+            # The page's own reward function decides; it reads no final answer.
+            "evaluation": {
+                "reward": cfg.reward,
+                "validators": [{"id": "miniwob_reward"}],
+                "reads_answer": False,
+            },
         }
 
     async def open(self, task_id: str, seed: int) -> BrowserDevice:

@@ -11,6 +11,11 @@ Errors a device raises mean different things to the gym: ``ActionError`` is the 
 malformed action (answered 400, the execution goes on); ``DeviceFailure`` is the device itself
 breaking (a renderer crash, a page that stops answering): that execution, and only it, is
 failed with the reason, its resources are released, and every later call on it says why.
+
+Whether an action changed the device's state is the device's to say (``state_key``: the phone's
+state object, a MiniWoB page's task area and reward globals); the gym compares the keys taken
+around each action and puts the answer in the action's reply (``changed``), which the agent loop
+keeps in the action's ``rawResult`` (docs/audit.md, *Did an action change the state?*).
 """
 
 from __future__ import annotations
@@ -50,7 +55,9 @@ class Device(Protocol):
 
     # Optional: ``async def state_key(self) -> str``, the device's state hashed (equal keys,
     # equal states). A device that has it gets ``state_key_before`` / ``state_key_after`` in
-    # every action answer (docs/gym.md, *State keys*); both backends have it.
+    # every action answer (docs/gym.md, *State keys*), and ``changed``, whether the two differ
+    # (docs/audit.md); without it the answer says nothing of the action's effect. Both backends
+    # have it.
 
     async def close(self) -> None:
         """Release everything the device holds; safe to call twice."""

@@ -103,6 +103,14 @@ def _parser() -> argparse.ArgumentParser:
     p.add_argument("--log-level", default="warning")
     p.add_argument("--backend", default="phone", choices=BACKENDS)
     p.add_argument(
+        "--task-file",
+        action="append",
+        default=[],
+        metavar="FILE",
+        help="phone: a YAML file of tasks served beside the built-in ones (repeatable; "
+        "docs/gym.md, 'Tasks of your own')",
+    )
+    p.add_argument(
         "--tasks", default="", help="browser: comma-separated MiniWoB task names (default: all)"
     )
     p.add_argument("--scale", type=float, default=2.0, help="browser: pixels per CSS pixel")
@@ -117,8 +125,8 @@ def _parser() -> argparse.ArgumentParser:
     return p
 
 
-def main(argv: list[str] | None = None) -> int:
-    args = _parser().parse_args(argv)
+def config_of(args: argparse.Namespace) -> SimGymConfig:
+    """The command line's ``SimGymConfig`` (a ``ConfigError`` names what is wrong)."""
     faults = {}
     for op in OPS:
         f = {
@@ -131,31 +139,45 @@ def main(argv: list[str] | None = None) -> int:
         }
         if any(f.values()):
             faults[op] = f
+    return SimGymConfig(
+        gym_id=args.gym_id,
+        seed=args.seed,
+        max_live=args.max_live,
+        idle_ttl_s=args.idle_ttl,
+        screenshot_retention_s=args.screenshot_retention,
+        screenshot_spill_dir=args.screenshot_spill_dir,
+        width=args.width,
+        height=args.height,
+        clock=args.clock,
+        faults=faults,
+        backend=args.backend,
+        task_files=args.task_file,
+        browser=BrowserConfig(
+            scale=args.scale,
+            tasks=[t for t in args.tasks.split(",") if t],
+            reward=args.reward,
+            episode_max_time_s=args.episode_max_time,
+        ),
+    )
+
+
+def parse_config(argv: list[str]) -> tuple[argparse.Namespace, SimGymConfig]:
+    """``python -m cua_rl.sim gym``'s arguments and the config they give."""
+    args = _parser().parse_args(argv)
+    return args, config_of(args)
+
+
+def main(argv: list[str] | None = None) -> int:
     try:
-        cfg = SimGymConfig(
-            gym_id=args.gym_id,
-            seed=args.seed,
-            max_live=args.max_live,
-            idle_ttl_s=args.idle_ttl,
-            screenshot_retention_s=args.screenshot_retention,
-            screenshot_spill_dir=args.screenshot_spill_dir,
-            width=args.width,
-            height=args.height,
-            clock=args.clock,
-            faults=faults,
-            backend=args.backend,
-            browser=BrowserConfig(
-                scale=args.scale,
-                tasks=[t for t in args.tasks.split(",") if t],
-                reward=args.reward,
-                episode_max_time_s=args.episode_max_time,
-            ),
-        )
+        args, cfg = parse_config(argv)
     except ConfigError as e:
         print(f"error: {e}", file=sys.stderr)
         return 2
     try:
         server = GymServer(cfg, host=args.host, port=args.port, log_level=args.log_level)
+    except ConfigError as e:  # a task file's mistake, a missing browser
+        print(f"error: {e}", file=sys.stderr)
+        return 2
     except OSError as e:
         print(f"error: cannot listen on {args.host}:{args.port}: {e}", file=sys.stderr)
         return 2

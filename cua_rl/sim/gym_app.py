@@ -312,6 +312,7 @@ def _device_routes(app: FastAPI, gym: SimGym) -> None:
             after = await _on_device(gym, ex, ex.device.state_key()) if keyed else None
         answer = {"ok": error is None, "error": error, "screen": ex.device.label()}
         if keyed:
-            # The states the action was applied to and left (docs/gym.md, *State keys*).
-            answer.update(state_key_before=before, state_key_after=after)
+            # The states the action was applied to and left (docs/gym.md, *State keys*), and
+            # whether it changed anything (docs/audit.md).
+            answer.update(state_key_before=before, state_key_after=after, changed=before != after)
         return answer

@@ -82,6 +82,11 @@ class SimGymConfig:
         factory=dict, help="per-operation fault injection: create, evaluate, terminate"
     )
     backend: str = doc("phone", "the device behind an execution: 'phone' (simulated) or 'browser'")
+    task_files: list[str] = doc(
+        factory=list,
+        help="the phone backend's YAML task files (docs/gym.md, 'Tasks of your own'): their "
+        "tasks are served beside the built-in ones",
+    )
     browser: BrowserConfig = doc(
         factory=BrowserConfig, help="the browser backend's settings (MiniWoB++ pages in Chromium)"
     )
@@ -115,6 +120,11 @@ class SimGymConfig:
             raise ConfigError(f"clock={self.clock!r}: use one of {', '.join(CLOCKS)}")
         if self.backend not in BACKENDS:
             raise ConfigError(f"backend={self.backend!r}: use one of {', '.join(BACKENDS)}")
+        if self.task_files and self.backend != "phone":
+            raise ConfigError(
+                "task files hold phone tasks (validators over the phone's state): use them with "
+                "the phone backend, not --backend browser"
+            )
         if isinstance(self.browser, dict):
             self.browser = BrowserConfig(**self.browser)
         self.faults = {
@@ -145,7 +155,7 @@ def make_backend(config: SimGymConfig) -> Backend:
         return BrowserBackend(config.browser)
     from cua_rl.sim.phone_backend import PhoneBackend
 
-    return PhoneBackend(config.width, config.height, config.clock)
+    return PhoneBackend(config.width, config.height, config.clock, config.task_files)
 
 
 class SimGym:
@@ -166,6 +176,9 @@ class SimGym:
             "expired": 0,
             "failed": 0,
             "rejected_cap": 0,
+            # Most executions live at once (creates being opened included): what a client's
+            # concurrency bound is checked against.
+            "peak_live": 0,
             "faults": 0,
             "drops": 0,
             "spill_errors": 0,
@@ -215,6 +228,7 @@ class SimGym:
                 "terminate some or raise --max-live",
             )
         self._opening += 1
+        self.counters["peak_live"] = max(self.counters["peak_live"], len(self.live) + self._opening)
         try:
             device = await self.backend.open(task_id, seed)
         except DeviceFailure as exc:

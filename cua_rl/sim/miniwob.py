@@ -61,9 +61,7 @@ START_JS = """([seed, maxMs]) => {
   return core.getUtterance();
 }"""
 READY_JS = "() => typeof WOB_TASK_READY === 'undefined' || WOB_TASK_READY === true"
-# The page's state for the gym's state key (docs/gym.md, *State keys*): the task area's markup
-# and its form controls' values (typed text and checked boxes are properties, not markup).
-PAGE_STATE_JS = """() => {
+STATE_JS = """() => {
   const wrap = document.getElementById('wrap') || document.body;
   const values = Array.from(wrap.querySelectorAll('input, textarea, select')).map(
     e => (e.type === 'checkbox' || e.type === 'radio') ? String(e.checked) : e.value);
@@ -71,6 +69,31 @@ PAGE_STATE_JS = """() => {
 }"""
 STATE_JS = """() => ({done: WOB_DONE_GLOBAL, raw: WOB_RAW_REWARD_GLOBAL,
   reward: WOB_REWARD_GLOBAL, reason: WOB_REWARD_REASON, utterance: core.getUtterance()})"""
+# The page's state as the task sees it, hashed: the task area's markup, what its form controls
+# hold (values, checks and selections live outside the markup), scroll offsets, the focused
+# element, the text selection and the reward globals. Two equal keys: nothing the task can read
+# changed. 32-bit FNV-1a over the UTF-16 code units, with the text's length.
+STATE_KEY_JS = """() => {
+  const wrap = document.getElementById('wrap') || document.body;
+  const parts = [wrap.innerHTML];
+  for (const el of wrap.querySelectorAll('input, textarea, select')) {
+    parts.push(el.value, el.checked ? '1' : '0', String(el.selectedIndex));
+  }
+  for (const el of wrap.querySelectorAll('*')) {
+    if (el.scrollTop || el.scrollLeft) parts.push(el.scrollTop + ',' + el.scrollLeft);
+  }
+  const active = document.activeElement;
+  parts.push(active ? active.tagName + '#' + active.id + '.' + active.className : '');
+  parts.push(String(window.getSelection()));
+  parts.push(String(WOB_DONE_GLOBAL), String(WOB_RAW_REWARD_GLOBAL));
+  const text = parts.join('\u0001');
+  let h = 0x811c9dc5;
+  for (let i = 0; i < text.length; i++) {
+    h ^= text.charCodeAt(i);
+    h = Math.imul(h, 0x01000193) >>> 0;
+  }
+  return text.length + ':' + h.toString(16);
+}"""
 
 
 @dataclass(frozen=True)

@@ -8,9 +8,11 @@ from __future__ import annotations
 
 import asyncio
 
-from cua_rl.sim.phone import Phone
+from cua_rl.agent.actions import format_action, parse_action
+from cua_rl.sim.phone import DESIGN_H, DESIGN_W, Phone
 from cua_rl.sim.phone_render import render_png
-from cua_rl.sim.phone_tasks import TASKS, TASKS_BY_ID, SimTask, initial_state, run_validators
+from cua_rl.sim.phone_tasks import TASKS, SimTask, initial_state, run_validators
+from cua_rl.sim.task_file import load_task_files
 
 
 class PhoneDevice:
@@ -41,8 +43,17 @@ class PhoneDevice:
 class PhoneBackend:
     kind = "phone"
 
-    def __init__(self, width: int = 360, height: int = 640, clock: str = "fixed"):
+    def __init__(
+        self,
+        width: int = 360,
+        height: int = 640,
+        clock: str = "fixed",
+        task_files: list[str] | None = None,
+    ):
         self.width, self.height, self.clock = width, height, clock
+        # The built-in tasks, then those of the task files (cua_rl/sim/task_file.py).
+        self.tasks = TASKS + load_task_files(list(task_files or ()), TASKS)
+        self.by_id = {t.task_id: t for t in self.tasks}
 
     async def start(self) -> None:
         """Nothing to start."""
@@ -51,10 +62,10 @@ class PhoneBackend:
         """Nothing to stop."""
 
     def entries(self) -> list[dict]:
-        return [_entry(t) for t in TASKS]
+        return [_entry(t) for t in self.tasks]
 
     def detail(self, task_id: str) -> dict | None:
-        t = TASKS_BY_ID.get(task_id)
+        t = self.by_id.get(task_id)
         if t is None:
             return None
         # The detail is richer than the list entry, as the real server's is.
@@ -73,12 +84,33 @@ class PhoneBackend:
                 "height": self.height,
                 "start_screen": "home",
             },
-            "evaluation": {"validators": [{"id": v.id, "weight": v.weight} for v in t.validators]},
+            "evaluation": {
+                "validators": [{"id": v.id, "weight": v.weight} for v in t.validators],
+                # Whether a final answer counts (the audit's claim-infeasible agent needs one).
+                "reads_answer": t.reads_answer,
+            },
             "seed_id": f"{t.name}-seed",
+            # The known solution, in the agent's action language, on this screen's pixels.
+            **({"solution": self.solution(t)} if t.solution else {}),
         }
 
+    def solution(self, task: SimTask) -> list[str]:
+        """``task.solution`` (written for the 360x640 design grid) scaled to this screen."""
+        sx, sy = self.width / DESIGN_W, self.height / DESIGN_H
+        out = []
+        for call in task.solution:
+            action = parse_action(call)
+            for key, value in action.params.items():
+                if key[0] in "xy" and isinstance(value, int):
+                    action.params[key] = min(
+                        round(value * (sx if key[0] == "x" else sy)),
+                        (self.width if key[0] == "x" else self.height) - 1,
+                    )
+            out.append(format_action(action))
+        return out
+
     async def open(self, task_id: str, seed: int) -> PhoneDevice:
-        task = TASKS_BY_ID[task_id]
+        task = self.by_id[task_id]
         phone = Phone(initial_state(task, seed), self.width, self.height, self.clock)
         return PhoneDevice(task, phone)
 

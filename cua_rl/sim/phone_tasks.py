@@ -10,7 +10,7 @@ from __future__ import annotations
 import random
 import re
 from collections.abc import Callable
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 from cua_rl.sim.phone import NOTE_POOL, PhoneState
 
@@ -22,6 +22,9 @@ class Validator:
     id: str
     weight: float
     check: Check
+    # Whether the check reads the final answer (a task whose validators read none cannot be
+    # answered "infeasible": the audit's claim-infeasible agent skips it).
+    reads_answer: bool = False
 
 
 @dataclass(frozen=True)
@@ -33,10 +36,19 @@ class SimTask:
     description: str
     setup: Callable[[PhoneState], None]
     validators: tuple[Validator, ...]
+    # A known solution in the agent's action language (``tap(300, 116)``, ``finished("111")``),
+    # the oracle the audit replays (docs/audit.md); tasks from a task file may give one.
+    solution: tuple[str, ...] = ()
+    # The id a task file gave; empty: ``sim-NNN-name``.
+    given_id: str = ""
 
     @property
     def task_id(self) -> str:
-        return f"sim-{self.number:03d}-{self.name.replace('_', '-')}"
+        return self.given_id or f"sim-{self.number:03d}-{self.name.replace('_', '-')}"
+
+    @property
+    def reads_answer(self) -> bool:
+        return any(v.reads_answer for v in self.validators)
 
 
 def _is(attr: str, want: object) -> Check:
@@ -92,6 +104,21 @@ def _answer(value: str) -> Check:
     def check(_s: PhoneState, a: str | None) -> tuple[bool, str]:
         ok = a is not None and pattern.search(a.replace(",", "")) is not None
         return ok, f"answer {a!r} {'contains' if ok else 'lacks'} {value!r}"
+
+    return check
+
+
+def _answer_from_calculator(value: str) -> Check:
+    """The answer states ``value`` and the calculator shows it: an answer computed elsewhere (the
+    instruction gives the sum away) earns nothing. The audit found the plain answer check paying
+    half the task's reward for answering at once, with no action (docs/gym.md)."""
+    stated = _answer(value)
+
+    def check(s: PhoneState, a: str | None) -> tuple[bool, str]:
+        ok, msg = stated(s, a)
+        if ok and s.calc_result != value:
+            return False, f"{msg}, but the calculator shows {s.calc_result!r}, not {value!r}"
+        return ok, msg
 
     return check
 
@@ -228,7 +255,10 @@ TASKS: tuple[SimTask, ...] = (
         "calculator",
         "Compute 37*3 with the Calculator and give the result as your final answer.",
         _set(),
-        (V("calculator_result", 1, _calc("111")), V("answer", 1, _answer("111"))),
+        (
+            V("calculator_result", 1, _calc("111")),
+            V("answer", 1, _answer_from_calculator("111"), True),
+        ),
     ),
 )
 
@@ -331,6 +361,57 @@ LEARN_LONG_TASKS: tuple[SimTask, ...] = tuple(
     for number, trap in ((21, 2), (22, 3))
 )
 TASKS = TASKS + LEARN_TASKS + LEARN2_TASKS + LEARN_HARD_TASKS + LEARN_LONG_TASKS
+
+# Each task's known solution on the 360x640 design grid (the backend scales it to its screen),
+# in the agent's action language: the oracle the audit replays (docs/audit.md). Points: the home
+# screen's icons at (70, 130) Settings, (180, 130) Notes, (290, 130) Calculator; on Settings the
+# Wi-Fi switch (300, 116), the Bluetooth switch (300, 186), the brightness track at y = 290 from
+# x = 30 (0%) to 330 (100%); on Notes "+ New" (305, 50), in the editor Save (280, 345); the
+# calculator's keys on a 86 x 90 grid from (51, 239).
+_SETTINGS, _NOTES, _CALCULATOR = "tap(70, 130)", "tap(180, 130)", "tap(290, 130)"
+_WIFI, _BLUETOOTH = "tap(300, 116)", "tap(300, 186)"
+_CALC_KEYS = {
+    k: f"tap({51 + 86 * c}, {239 + 90 * r})"
+    for r, row in enumerate(("789/", "456*", "123-", "C0=+"))
+    for c, k in enumerate(row)
+}
+
+
+def _note(text: str) -> tuple[str, ...]:
+    return ("tap(305, 50)", f'type("{text}")', "tap(280, 345)")
+
+
+def _keys(seq: str) -> tuple[str, ...]:
+    return tuple(_CALC_KEYS[k] for k in seq)
+
+
+SOLUTIONS: dict[int, tuple[str, ...]] = {
+    1: (_SETTINGS, _WIFI),
+    2: (_SETTINGS, _WIFI),
+    3: (_SETTINGS, _BLUETOOTH),
+    4: (_CALCULATOR,),
+    5: (_SETTINGS, "swipe(120, 290, 359, 290)"),
+    6: (_SETTINGS, "tap(180, 290)"),
+    7: (_NOTES, *_note("buy milk")),
+    8: (_CALCULATOR, *_keys("12+7=")),
+    9: (_SETTINGS, _WIFI, _BLUETOOTH),
+    10: (_SETTINGS, _WIFI, _BLUETOOTH, "tap(60, 290)"),
+    11: (_NOTES, *_note("alpha"), *_note("beta")),
+    # The starting notes are "keep me", "old plan", "shopping": rows at y = 112, 168, 224.
+    12: (_NOTES, "tap(320, 168)"),
+    13: (_CALCULATOR, *_keys("37*3="), 'finished("111")'),
+    14: ("tap(300, 106)",),
+    15: ("tap(300, 106)",),
+    16: ("tap(300, 106)",),
+    17: ("tap(300, 106)", "tap(300, 106)"),
+    18: ("tap(300, 106)", "tap(300, 106)"),
+    19: ("tap(270, 96)",),
+    20: ("tap(306, 96)",),
+    # The setup wizard: Next, the middle band (y 213-427), on each of its 4 pages.
+    21: ("tap(180, 320)",) * 4,
+    22: ("tap(180, 320)",) * 4,
+}
+TASKS = tuple(replace(t, solution=SOLUTIONS[t.number]) for t in TASKS)
 TASKS_BY_ID = {t.task_id: t for t in TASKS}
 
 

@@ -166,3 +166,34 @@ class VLLMServer:
 
     def __exit__(self, *exc) -> None:
         self.stop()
+
+
+@dataclass
+class TrainingServer(VLLMServer):
+    """The server a training of ``config`` would start for ``model_dir``, started by the
+    product's ``python -m cua_rl.inference.serve``; trainings borrow it one after another with
+    ``inference.server`` (``borrow_override``) instead of starting one each."""
+
+    config: str = "configs/local.yaml"
+    # AReaL's config needs a fileroot; nothing is written there by the server.
+    fileroot: Path = REPO_ROOT / ".cache" / "serve"
+
+    @property
+    def address(self) -> str:
+        return f"{self.host}:{self.port}"
+
+    def borrow_override(self) -> str:
+        return f"inference.server={self.address}"
+
+    def command(self) -> list[str]:
+        import sys
+
+        return [
+            sys.executable, "-m", "cua_rl.inference.serve",
+            "--config", self.config,
+            "--host", self.host,
+            "--port", str(self.port),
+            f"actor.path={self.model_dir}",
+            f"cluster.fileroot={self.fileroot}",
+            *self.extra_args,
+        ]  # fmt: skip

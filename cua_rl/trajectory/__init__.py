@@ -16,16 +16,16 @@ Pipeline, as the workflow calls it::
 
 from __future__ import annotations
 
-from cua_rl.core.row import ROW_FIELDS, ROW_KEYS, validate_row
-from cua_rl.errors import RejectedEpisode
-from cua_rl.trajectory.config import TrajectoryConfig
-from cua_rl.trajectory.events import ParsedEvents, Turn, events_to_turns, load_event_log
-from cua_rl.trajectory.images import (
+from cua_rl.core.images import (
     check_image_url,
     fetch_images,
     load_images,
     process_images,
 )
+from cua_rl.core.row import ROW_FIELDS, ROW_KEYS, validate_row
+from cua_rl.errors import RejectedEpisode
+from cua_rl.trajectory.config import TrajectoryConfig
+from cua_rl.trajectory.events import ParsedEvents, Turn, events_to_turns, load_event_log
 from cua_rl.trajectory.rows import (
     ConversionResult,
     Segment,

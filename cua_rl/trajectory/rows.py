@@ -16,7 +16,7 @@ processed images, whatever the episode's length. Every row carries the episode's
 the group filter counts episodes by that id, not rows (``cua_rl.rollout.groups``).
 
 ``convert_turns`` is pure (no network): http(s) images arrive as bytes from
-:func:`cua_rl.trajectory.images.fetch_images`.
+:func:`cua_rl.core.images.fetch_images`.
 """
 
 from __future__ import annotations
@@ -27,12 +27,7 @@ from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field, replace
 from typing import Any
 
-from cua_rl.core.reasons import Reason
-from cua_rl.core.row import validate_row
-from cua_rl.errors import RejectedEpisode
-from cua_rl.trajectory.config import TrajectoryConfig
-from cua_rl.trajectory.events import Turn
-from cua_rl.trajectory.images import (
+from cua_rl.core.images import (
     decode_image,
     image_bytes,
     image_token_ids,
@@ -40,6 +35,11 @@ from cua_rl.trajectory.images import (
     process_images,
     tokenizer_of,
 )
+from cua_rl.core.reasons import Reason
+from cua_rl.core.row import validate_row
+from cua_rl.errors import RejectedEpisode
+from cua_rl.trajectory.config import TrajectoryConfig
+from cua_rl.trajectory.events import Turn
 
 
 @dataclass

@@ -13,10 +13,10 @@ from __future__ import annotations
 from collections.abc import Mapping, Sequence
 from typing import Any
 
+from cua_rl.core.images import decode_image, image_token_ids, process_images
 from cua_rl.core.row import validate_row
 from cua_rl.errors import CuaRlError
 from cua_rl.trajectory.events import Turn
-from cua_rl.trajectory.images import decode_image, image_token_ids, process_images
 from cua_rl.trajectory.rows import ConversionResult, image_key_of, pad_runs
 from cua_rl.warehouse.episode import StoredEpisode, StoredRow
 

@@ -11,23 +11,34 @@ bound (``actor.rejection_sampling``). A success older than ``max_age_versions`` 
 one of another task.
 
 ``choose`` and ``apply`` are pure; the ``ReplayPool`` is the rollout worker's memory of its
-recorded successes (filled as the train episodes end) and of which task each episode ran, since
-the filter sees rows only; the worker's runtime owns it (``cua_rl.rollout.runtime``). ``shuffle_rewards`` is the negative control: after replay the group's
+recorded successes and of which task each episode ran, since the filter sees rows only; the
+worker's runtime owns it (``cua_rl.rollout.runtime``). ``ReplayObserver`` fills it as the train
+episodes end: each accepted episode's task, a success's rows rebuilt from their stored form (what
+the warehouse keeps), and on a failure the recorded successes of ``replay.trainings`` read from
+the monitor (once per task and policy version). A failed read or rebuild is counted
+(``cua/replay/record_errors``, ``cua/replay/fetch_errors``), never raised. ``shuffle_rewards`` is the negative control: after replay the group's
 episode rewards are permuted, so the credit lands on a random episode.
 """
 
 from __future__ import annotations
 
+import asyncio
 import collections
 import random
 import threading
-from collections.abc import Sequence
+from collections.abc import Awaitable, Callable, Sequence
 from dataclasses import dataclass, field
 from typing import Any, NamedTuple
 
 from cua_rl.core.fields import doc
-from cua_rl.errors import ConfigError
-from cua_rl.warehouse.episode import StoredEpisode
+from cua_rl.credit.observer import stored_steps
+from cua_rl.errors import ConfigError, MonitorError
+from cua_rl.logs import get_logger
+from cua_rl.rollout.episode import Ended, EpisodeObserver
+from cua_rl.warehouse.episode import StoredEpisode, StoredEpisodeError
+from cua_rl.warehouse.rebuild import RebuildError, rebuild_rows, stored_from_rows
+
+log = get_logger(__name__)
 
 
 @dataclass
@@ -271,3 +282,98 @@ class ReplayPool:
     def candidates(self, task_id: str) -> list[Recorded]:
         with self._lock:
             return list(self._successes.get(task_id, ()))
+
+
+class ReplayObserver(EpisodeObserver):
+    """With ``replay.enabled``, in the train phase: the pool learns each accepted episode's task,
+    keeps a success's rows and, after a failure, reads the recorded successes of
+    ``replay.trainings`` (see the module docstring). ``processor``: ``() ->`` the model's
+    processor (loaded on first use); ``monitor``: ``async () ->`` the loop's monitor client, or
+    None; ``training``: this run's name (its own successes are stored under it)."""
+
+    name = "replay"
+
+    def __init__(
+        self,
+        pool: ReplayPool,
+        config: ReplayConfig,
+        *,
+        training: str,
+        phase: str,
+        processor: Callable[[], Any],
+        monitor: Callable[[], Awaitable[Any]],
+        ledger: Any = None,
+        step_credit: Any = None,
+    ):
+        self.pool, self.config, self.training, self.phase = pool, config, training, phase
+        self.processor, self.monitor = processor, monitor
+        # With step credit (a CreditLedger, its StepCreditConfig), a success keeps its steps
+        # (cua_rl.credit): its own episodes' from the worker's ledger, other trainings' read from
+        # the stored episode.
+        self.ledger, self.step_credit = ledger, step_credit
+
+    async def ended(self, event: Ended) -> None:
+        if not event.accepted or not self.config.enabled or self.phase != "train":
+            return
+        task, success = event.task, bool(event.reward.success)
+        self.pool.note(
+            task.episode_id, task.task_id, task.version, task.rollout_uuid, success=success
+        )
+        if not success:
+            if self.config.trainings and self.pool.first_ask(task.task_id, task.version):
+                await self.fetch(task.task_id, task.version)
+            return
+        rows = event.rows
+        try:
+            stored = stored_from_rows(
+                rows.rows,
+                rows.row_images,
+                task_id=task.task_id,
+                rollout_uuid=task.rollout_uuid,
+                training=self.training,
+                success=True,
+                images=rows.image_data,
+                row_turns=rows.row_turns,
+            )
+            rebuilt = await asyncio.to_thread(rebuild_rows, stored, self.processor())
+        except (RebuildError, StoredEpisodeError, KeyError) as exc:
+            # The episode trains as it is; only its replay is lost, and counted.
+            _replay_error("cua/replay/record_errors", task.task_id, exc)
+            return
+        steps = self.ledger.peek(task.episode_id) if self.ledger is not None else None
+        self.pool.add(recorded_of(stored, rebuilt, steps))
+
+    async def fetch(self, task_id: str, version: int) -> None:
+        """The recorded successes of ``task_id`` in the trainings ``replay.trainings`` names, from
+        the monitor's episode store, rebuilt into the pool."""
+        cfg = self.config
+        client = await self.monitor()
+        if client is None:
+            return
+        # Only what choose() can take: versions within max_age_versions of this one, none
+        # ahead of it (a training further on than this one would fill the pool with successes
+        # it can never use, pushing out its own), and never below 0 (the monitor refuses it).
+        try:
+            found = await client.successes(
+                task_id,
+                cfg.trainings,
+                max(version - cfg.max_age_versions, 0),
+                cfg.pool_per_task,
+                max_version=version,
+            )
+            for stored in found:
+                rows = await asyncio.to_thread(rebuild_rows, stored, self.processor())
+                steps = None
+                if self.ledger is not None:
+                    steps = await asyncio.to_thread(stored_steps, stored, rows, self.step_credit)
+                self.pool.add(recorded_of(stored, rows, steps))
+        except (MonitorError, RebuildError, StoredEpisodeError) as exc:
+            _replay_error("cua/replay/fetch_errors", task_id, exc)
+
+
+def _replay_error(key: str, task_id: str, exc: Exception) -> None:
+    from areal import workflow_context
+    from areal.utils import stats_tracker
+
+    stats_tracker.get(workflow_context.stat_scope()).scalar(**{key: 1.0})
+    log.warning("replay of %s: %s: %s", task_id, key, exc)

@@ -12,11 +12,12 @@ training record ends completed, or failed with the error (cancelled on Ctrl-C or
 
 import sys
 
-from cua_rl.app.usage import exit_with_help_if_asked
+from cua_rl.app.usage import exit_if_arguments_wrong
 
 if __name__ == "__main__":
-    # Before the launcher's imports (AReaL, torch): --help answers at once.
-    exit_with_help_if_asked(sys.argv[1:])
+    # Before the launcher's imports (AReaL, torch): --help, a missing config file or a bad
+    # option answer at once.
+    exit_if_arguments_wrong(sys.argv[1:])
     from cua_rl.app.train import main
 
     sys.exit(main(sys.argv[1:]))

@@ -60,26 +60,12 @@ def load_local(tmp_path: Path, *overrides: str):
     return config_load.load_config(argv, CUAConfig)
 
 
-# The bring-your-own-agent training: the example's openai-SDK agent and a LangChain agent, each
-# called unchanged by agent.mode=function (tests/agent/langchain_agent.py picks by task).
-FUNCTION_AGENT = "tests.agent.langchain_agent:example_or_langchain"
-
-
 @pytest.fixture(scope="session")
-def function_training(tmp_path_factory):
-    """``make demo DEMO_ARGS="--agent-mode function agent.function=..."`` once per session: two
-    asynchronous PPO steps (one step of staleness) of agents written with the openai SDK and
-    with LangChain, through the gateway, every episode stored; the tests of
-    tests/app/test_function_train.py read its artefacts (output, logs, monitor database)."""
-    from tests.conftest import NO_EVAL, run_demo
+def function_training(shared_training):
+    """The bring-your-own-agent training (tests/conftest.py ``FUNCTION_AGENTS``): agents written
+    with the openai SDK and with LangChain, each called unchanged by ``agent.mode=function``;
+    the tests of tests/app/test_function_train.py read its artefacts (output, logs, monitor
+    database)."""
+    from tests.conftest import FUNCTION_AGENTS
 
-    run_dir = tmp_path_factory.mktemp("function-agents") / "run"
-    return run_demo(
-        run_dir,
-        "--agent-mode=function",
-        f"agent.function={FUNCTION_AGENT}",
-        "rollout.max_head_offpolicyness=1",
-        "monitor.store_episodes=all",
-        *NO_EVAL,
-        timeout=1500,
-    )
+    return shared_training(FUNCTION_AGENTS.name)

@@ -122,11 +122,14 @@ def test_model_folder_problems(tmp_path):
 def test_check_prints_the_slurm_lines(tmp_path, monkeypatch, capsys):
     monkeypatch.setenv("PATH", str(tmp_path))  # no sbatch anywhere
     rc = train.main(
-        ["--config", CUA, "--check", *SERVICES, *SLURM, f"actor.path={_model(tmp_path)}"]
+        # A hub id: a local folder that is not a checkpoint is a config error (exit 2) before
+        # these lines (tests/app/test_launch_errors.py).
+        ["--config", CUA, "--check", *SERVICES, *SLURM, "actor.path=Qwen/Qwen3-VL-8B-Instruct"]
     )
     out = capsys.readouterr().out
     assert rc == 1
     lines = {line.split()[1]: line for line in out.splitlines() if line.startswith("FAIL")}
     assert "sbatch is not on PATH" in lines["slurm"]
     assert "cluster.fileroot=./runs/cua is relative" in lines["paths"]
-    assert "no config.json" in lines["model"] and "point actor.path" in lines["model"]
+    (model,) = [line for line in out.splitlines() if line.split()[1:2] == ["model"]]
+    assert model.startswith("skip") and "is a hub id" in model

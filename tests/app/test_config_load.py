@@ -23,6 +23,7 @@ from cua_rl.app.config import CUAConfig
 from cua_rl.app.config_checks import RULES
 from cua_rl.app.config_load import load_config, schema, unknown_key
 from cua_rl.errors import ConfigError, problem_lines
+from cua_rl.testing.cache import ensure_model
 
 ROOT = Path(__file__).resolve().parents[2]
 LOCAL = ROOT / "configs" / "local.yaml"
@@ -55,11 +56,12 @@ BAD = [
 
 
 def _argv(tmp_path, config: Path, *overrides: str) -> list[str]:
+    # A real checkpoint folder: the launcher refuses one that is not (preflight.py).
     return [
         "--config",
         str(config),
         f"cluster.fileroot={tmp_path / 'runs'}",
-        "actor.path=/models/tiny",
+        f"actor.path={ensure_model('qwen2-vl-byte')}",
         *overrides,
     ]
 

@@ -1,20 +1,20 @@
-"""Every call trains, whatever the agent keeps in its context and whoever runs its loop: a real
-asynchronous training per context policy of the local agent (docs/agent.md), on the local agent
-service and in the rollout workers themselves (``agent.mode: builtin``, no agent service).
+"""Every call trains, whatever the agent keeps in its context and whoever runs its loop: the
+session's shared trainings (tests/conftest.py ``REGIMES``), one per context policy of the local
+agent (docs/agent.md), on the local agent service and in the rollout workers themselves
+(``agent.mode: builtin``, no agent service).
 
-``make demo``'s launcher with the local agent building its requests as MAI-UI's agent does (a
-window of 3 screenshots, history re-rendered from the parsed action) or with the current
-screenshot only; one step of staleness, so at most two steps' episodes start before the first
-weight update and the third step's are sampled by a later version (whether an update lands inside
-an episode is the machine's timing: the gateway's handling of that is tested with the append-only
-demo and tests/gateway/test_weight_update.py). The
-append-only policy (``full``) is the demo's own (tests/app/test_train_local.py) and each family's
-(tests/app/test_families_train.py). Expected values come from the run's own records of what was
-sampled (the step stats AReaL logged, the monitor's turns) and from the trainer's transformers
-forward (AReaL's ``behave_approx_kl``), never from the row builder. The actor runs with its
-defaults: each distinct screenshot of a micro-batch through the vision tower once, an episode's
-rows packed together. Every task trains and none evaluates (the demo's own run checks the
-evaluations).
+``make demo``'s launcher in three regimes: the demo's own (the agent service keeping the whole
+conversation, production's asynchronous regime, six steps with an evaluation after each), the
+built-in loop building its requests as MAI-UI's agent does (a window of 3 screenshots, history
+re-rendered from the parsed action) and the agent service sending the current screenshot only
+(three steps each, one step of staleness: at most two steps' episodes start before the first
+weight update, so a third step's are sampled by a later version whatever the machine's speed).
+The demo's run is where weight updates land inside episodes: its evaluation after each step
+pauses the episodes in flight, which go on with the new weights. Expected values come from the
+run's own records of what was sampled (the step stats AReaL logged, the monitor's turns) and from
+the trainer's transformers forward (AReaL's ``behave_approx_kl``), never from the row builder.
+The actor runs with its defaults: each distinct screenshot of a micro-batch through the vision
+tower once, an episode's rows packed together.
 """
 
 from __future__ import annotations
@@ -23,41 +23,33 @@ import json
 
 import pytest
 
-from tests.conftest import CONTEXT_STEPS, DEMO_STEPS, db_rows
+from tests.conftest import BUILTIN_MAI_UI, DEMO, SERVICE_CURRENT, db_rows
 
 pytestmark = pytest.mark.slow
 
-STEPS = CONTEXT_STEPS
 TOL = 1e-3
 
-
-# (agent mode, context policy, steps): the service's append-only run is the demo's own
-# (tests/app/test_train_local.py); the builtin one has the demo's steps, enough for episodes of
-# later steps to be in flight when the weights update.
-RUNS = [
-    ("service", "mai-ui", STEPS),
-    ("service", "current", STEPS),
-    ("builtin", "full", DEMO_STEPS),
-    ("builtin", "mai-ui", STEPS),
-    ("builtin", "current", STEPS),
-]
+# (regime, agent mode, context policy)
+RUNS = [(DEMO, "service", "full"), (BUILTIN_MAI_UI, "builtin", "mai-ui"),
+        (SERVICE_CURRENT, "service", "current")]  # fmt: skip
 
 
-@pytest.fixture(scope="module", params=RUNS, ids=[f"{m}-{p}" for m, p, _ in RUNS])
-def trained(request, context_runs):
-    mode, policy, steps = request.param
-    run = context_runs(mode, policy, steps)
+@pytest.fixture(scope="module", params=RUNS, ids=[r.name for r, _, _ in RUNS])
+def trained(request, shared_training):
+    regime, mode, policy = request.param
+    run = shared_training(regime.name)
     run_dir = run.run_dir
     if mode == "builtin":
         # No agent service was started: the rollout workers ran every episode's loop.
         assert "[demo] agent    builtin" in run.output, run.output[-3000:]
         assert "agent.log" not in {p.name for p in (run_dir / "logs").iterdir()}
-    return policy, steps, run
+    return policy, regime, run
 
 
 @pytest.mark.timeout(1600)
 def test_every_call_is_trained_once_with_exact_logprobs(trained):
-    policy, n_steps, run = trained
+    policy, regime, run = trained
+    n_steps = regime.steps
     assert run.returncode == 0, run.output[-6000:]
     db = run.db
     steps = db_rows(db, "SELECT step, status, metrics_json FROM step ORDER BY step")
@@ -108,7 +100,7 @@ def test_every_call_is_trained_once_with_exact_logprobs(trained):
 
 @pytest.mark.timeout(1600)
 def test_the_monitor_marks_every_turn_trained_in_an_asynchronous_run(trained):
-    policy, n_steps, run = trained
+    policy, regime, run = trained
     assert run.returncode == 0, run.output[-6000:]
     turns = db_rows(
         run.db,
@@ -126,9 +118,10 @@ def test_the_monitor_marks_every_turn_trained_in_an_asynchronous_run(trained):
     # Asynchronous: the rollouts were sampled by several policy versions, and a step trained
     # samples of an older version than the one it updated (AReaL's staleness).
     assert len(versions) >= 2, versions
-    if n_steps >= DEMO_STEPS:
-        # Weight updates landed inside episodes: their turns carry several versions, and
-        # (above) none of them was lost.
+    if regime is DEMO:
+        # The demo's run: weight updates landed inside episodes (the evaluation after each step
+        # paused the episodes in flight): their turns carry several versions, and (above) none
+        # of them was lost.
         assert any(len(v) > 1 for v in per_episode.values()), per_episode
     stale = [
         json.loads(m or "{}").get("ppo_actor/update/version_stats/sample_staleness_theta_max", 0)

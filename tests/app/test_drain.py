@@ -221,7 +221,7 @@ def test_records_queued_when_the_runner_stops_reach_the_monitor(tmp_path):
             monitor_base_url=monitor.url, monitor_spool_path=str(tmp_path / "spool.jsonl")
         )
         runtime = RolloutRuntime(settings)
-        runtime.clients._monitor_config.flush_interval_s = 30.0
+        runtime.monitor_config.flush_interval_s = 30.0
         runtime.bind(_Engine(runner))
 
         async def episode_that_just_ended():

@@ -1,6 +1,7 @@
 """Bring your own agent: Python agents of one's own train through the gateway, unchanged.
 
-One whole training, shared by the tests here (``function_training``, tests/app/conftest.py):
+One whole training, shared by the tests here (``function_training``: the shared training
+``FUNCTION_AGENTS`` of tests/conftest.py):
 ``make demo``'s launcher with ``--agent-mode function`` and an agent function that hands each task
 to the example's agent written with the official ``openai`` SDK
 (examples/cua_agent/openai_agent.py) or to an agent written with LangChain's OpenAI chat model
@@ -10,7 +11,7 @@ stored. Expected values come from the run's own records of what was sampled: the
 monitor recorded for each turn's action (the gateway's capture of each call), the stored
 episodes' rows (what the workflow gave AReaL), the step stats AReaL logged and the trainer's
 transformers forward (``behave_approx_kl``); never from the row builder alone. Costs one
-training (about 4 minutes on this machine's two cores).
+training, on the session's borrowed vLLM server (tests/README.md has its cost).
 """
 
 from __future__ import annotations
@@ -80,7 +81,9 @@ def test_both_agents_train_two_asynchronous_steps_without_losing_an_episode(run)
         for (mj,) in db_rows(run.db, "SELECT metrics_json FROM turn")
         for v in json.loads(mj or "{}").get("versions", [])
     }
-    assert versions == {0, 1}, versions
+    # (Version 2, the weights after the last update, may have sampled episodes still running when
+    # the run ended: whether one reached the monitor first is timing, so it may appear or not.)
+    assert {0, 1} <= versions <= {0, 1, 2}, versions
     stale = [m.get("ppo_actor/update/version_stats/sample_staleness_theta_max", 0) for m in stats]
     assert max(stale) >= 1, stale
     # Step 1's tokens were sampled by version 0, the weights the trainer held: its transformers

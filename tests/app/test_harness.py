@@ -20,7 +20,9 @@ ROOT = Path(__file__).resolve().parents[2]
 PROD = ROOT / "configs" / "cua.yaml"
 CLOSED = "http://127.0.0.1:9"  # the discard port: nothing listens there
 REQUIRED = [
-    "actor.path=/nonexistent/policy",
+    # A hub id: nothing to look for on this machine (a missing local folder is refused at the
+    # load, before what these tests are about; preflight.py).
+    "actor.path=Qwen/Qwen3-VL-8B-Instruct",
     f"gym.base_url={CLOSED}",
     "gym.gym_id=android-world",
     f"agent.base_url={CLOSED}",

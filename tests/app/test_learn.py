@@ -14,6 +14,7 @@ import json
 import os
 import subprocess
 import sys
+import time
 from pathlib import Path
 
 import pytest
@@ -39,6 +40,7 @@ from cua_rl.app.learning_curves import (
     summarise_arm,
 )
 from cua_rl.monitor.server.store import MonitorStore
+from tests.conftest import note_cost
 
 ROOT = Path(__file__).resolve().parents[2]
 
@@ -258,6 +260,7 @@ MARGIN = 0.4
 
 def _learn(tmp_path: Path, name: str, *extra: str) -> dict:
     run_dir = tmp_path / name
+    t0 = time.monotonic()
     proc = subprocess.run(
         [
             sys.executable,
@@ -277,6 +280,7 @@ def _learn(tmp_path: Path, name: str, *extra: str) -> dict:
         timeout=900,
         env={**os.environ, "PYTHONUNBUFFERED": "1"},
     )
+    note_cost(f"learning proof {name}", time.monotonic() - t0)
     assert proc.returncode == 0, proc.stdout[-4000:] + proc.stderr[-4000:]
     curve = json.loads((run_dir / "curve.json").read_text())
     assert curve["steps"] == STEPS, curve
@@ -286,12 +290,16 @@ def _learn(tmp_path: Path, name: str, *extra: str) -> dict:
 
 @pytest.mark.slow
 @pytest.mark.timeout(1900)
-def test_the_policy_learns_and_the_shifted_credit_control_does_not(tmp_path, tiny_vl_bpe_model_dir):
-    learned = _learn(tmp_path, "learn")
+def test_the_policy_learns_and_the_shifted_credit_control_does_not(
+    tmp_path, tiny_vl_bpe_model_dir, model_servers
+):
+    # Both runs borrow the session's server; each loads the tiny model's initial weights into it.
+    borrow = model_servers("qwen2-vl-bpe").borrow_override()
+    learned = _learn(tmp_path, "learn", borrow)
     gain = learned["last_mean"] - learned["first_mean"]
     assert gain >= MARGIN, learned["success"]
 
-    control = _learn(tmp_path, "control", "--control", "shifted-credit")
+    control = _learn(tmp_path, "control", "--control", "shifted-credit", borrow)
     gain = control["last_mean"] - control["first_mean"]
     assert gain < MARGIN, control["success"]
 

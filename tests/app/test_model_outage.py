@@ -1,14 +1,22 @@
 """The local stack trains through a model-server outage, for real (issue 38's first check).
 
-train.py (AReaL's PPOTrainer, a vLLM CPU server, the tiny Qwen2-VL) against the local gym and the
-local agent, in this process, with the rollout gateway's model calls sent through a fault proxy
-(``gateway.model_server_url``) whose upstream is the vLLM server. Once step 1 is committed the
-test cuts every answer (``FaultProxy.outage``), waits until the proxy has cut one (a call is in
-flight and held by the gateway), keeps the outage for 60 s from its start, well within
-``gateway.model_outage_s`` (100 in configs/local.yaml, below ``agent.max_step_time_s``), then
-restores the server. The training must run to its last step with no episode rejected; the calls
-the gateway held end in completed, trained episodes; and every answer the agent received (its own
-event log) is the text of the tokens the monitor recorded and the row trained.
+train.py (AReaL's PPOTrainer, the session's shared vLLM CPU server, the tiny Qwen2-VL) against the
+local gym and the local agent, in this process, with the rollout gateway's model calls sent
+through a fault proxy (``gateway.model_server_url``) whose upstream is the vLLM server. The
+proxy cuts every answer from the start (``FaultProxy.outage``); the test waits until it has cut
+one (a call is in flight and held by the gateway), keeps the outage for 60 s from that cut, well
+within ``gateway.model_outage_s`` (100 in configs/local.yaml, below ``agent.max_step_time_s``),
+then restores the server. The training must run to its last step with no episode rejected; the
+calls the gateway held end in completed, trained episodes; and every answer the agent received
+(its own event log) is the text of the tokens the monitor recorded and the row trained.
+
+Which episodes the outage meets is decided by construction, not by timing: no evaluation runs,
+so the first model calls are step 1's, and the run is synchronous (``max_head_offpolicyness=0``),
+so before step 1 commits only step 1's groups can start. The episode whose call the proxy cut
+first is one of them: step 1 trains it once the outage is over (no episode can end while every
+answer is cut), and step 1 is recorded. (An outage that meets the run later can hold only
+episodes sampled after the last step, which are not recorded, by design: the test depended on
+timing then.)
 """
 
 from __future__ import annotations
@@ -27,11 +35,11 @@ import pytest
 from cua_rl.sim.agent import AgentServer
 from cua_rl.sim.gym import GymServer
 from cua_rl.testing.fault_proxy import FaultProxy
-from cua_rl.testing.procs import vllm_port
-from tests.conftest import db_rows, train_command
+from tests.conftest import NO_EVAL, db_rows, note_cost, train_command
 
 ROOT = Path(__file__).resolve().parents[2]
-STEPS = 3
+# The outage holds step 1's episodes; step 2 shows the run going on after it.
+STEPS = 2
 OUTAGE_S = 60.0
 LOCAL_MODEL_OUTAGE_S = 100.0  # configs/local.yaml's gateway.model_outage_s
 WAIT_S = 900.0  # guards each wait against a hang; no assertion depends on it
@@ -78,35 +86,36 @@ def _received(agent: AgentServer) -> dict[str, list[str]]:
 
 
 @pytest.mark.timeout(1800)
-def test_the_local_stack_trains_through_a_60s_model_server_outage_mid_step(
-    tmp_path, tiny_vl_model_dir
+def test_the_local_stack_trains_through_a_60s_model_server_outage(
+    tmp_path, tiny_vl_bpe_model_dir, model_servers
 ):
     from transformers import AutoTokenizer
 
     assert OUTAGE_S + 10 < LOCAL_MODEL_OUTAGE_S  # the last re-send comes at most 10 s late
     db = tmp_path / "monitor.db"
     log = tmp_path / "train.log"
+    server = model_servers("qwen2-vl-bpe")
     proxy = FaultProxy().start()
+    proxy.set_upstream(server.host, server.port)
+    proxy.outage()  # from the first model call on
     proc = None
+    t0 = time.monotonic()
     try:
         with GymServer() as gym, AgentServer() as agent, open(log, "wb") as out:
             proc = subprocess.Popen(
                 train_command(
-                    tiny_vl_model_dir, gym.url, agent.url, f"monitor.db_path={db}", tmp_path,
-                    f"+gateway.model_server_url={proxy.url}",
+                    tiny_vl_bpe_model_dir, gym.url, agent.url, f"monitor.db_path={db}", tmp_path,
+                    f"+gateway.model_server_url={proxy.url}", server.borrow_override(), *NO_EVAL,
+                    "rollout.max_head_offpolicyness=0",
                     f"total_train_steps={STEPS}", f"total_train_epochs={STEPS}",
                 ),
                 cwd=ROOT, stdout=out, stderr=subprocess.STDOUT, start_new_session=True,
             )  # fmt: skip
-            port = _until(lambda: vllm_port(proc.pid), "vLLM started", proc, log)
-            proxy.set_upstream("127.0.0.1", port)
-            _until(lambda: _committed(db) >= 1, "step 1 committed", proc, log)
-            proxy.outage()
-            began = time.monotonic()
             # A call is in flight and the gateway holds it: the proxy cut its answer.
             _until(lambda: proxy.dropped >= 1, "a model call during the outage", proc, log, 0.05)
+            began = time.monotonic()
             at_first_cut = _committed(db)
-            # The outage lasts 60 s from its start; the trainer must live through it.
+            # The outage lasts 60 s from its first cut; the trainer must live through it.
             _until(lambda: time.monotonic() - began >= OUTAGE_S, "the outage's end", proc, log)
             at_restore = _committed(db)
             cut = proxy.dropped
@@ -118,12 +127,14 @@ def test_the_local_stack_trains_through_a_60s_model_server_outage_mid_step(
             os.killpg(proc.pid, signal.SIGKILL)
             proc.wait()
         proxy.stop()
+    note_cost("model outage", time.monotonic() - t0)
     tail = log.read_text(errors="replace")[-4000:]
     print(f"outage: {cut} answers cut; steps committed at the first cut {at_first_cut}, at the "
           f"restore {at_restore}")  # fmt: skip
     assert rc == 0, tail
-    # In the middle of the run: a step was in progress through the outage and completed after it.
-    assert at_restore < STEPS, (at_first_cut, at_restore)
+    # Step 1 was in progress through the outage (no episode can end while every answer is cut)
+    # and completed after it.
+    assert at_first_cut == at_restore == 0, (at_first_cut, at_restore)
     ((status, err),) = db_rows(db, "SELECT status, error_message FROM training")
     assert status == "completed", (status, err)
     steps = db_rows(db, "SELECT step, status FROM step ORDER BY step")
@@ -138,7 +149,7 @@ def test_the_local_stack_trains_through_a_60s_model_server_outage_mid_step(
         "WHERE r.source_type = 'step' ORDER BY r.id, t.turn",
     )
     assert turns, tail
-    tokenizer = AutoTokenizer.from_pretrained(tiny_vl_model_dir)
+    tokenizer = AutoTokenizer.from_pretrained(tiny_vl_bpe_model_dir)
     recorded: dict[str, list[str]] = {}
     held = 0
     for uuid, _, response, metrics, tokens in turns:

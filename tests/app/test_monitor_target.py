@@ -5,7 +5,7 @@ whose environment differs does not read its own."""
 from __future__ import annotations
 
 from cua_rl.app.endpoint import MonitorEndpoint
-from cua_rl.rollout.runtime import ServiceClients
+from cua_rl.rollout.runtime import monitor_config
 from tests.app.conftest import load_local
 
 URL = "http://127.0.0.1:9"  # the discard port: nothing is sent in these tests
@@ -14,7 +14,7 @@ URL = "http://127.0.0.1:9"  # the discard port: nothing is sent in these tests
 def _worker_client(config, endpoint: MonitorEndpoint):
     """The monitor client a rollout worker makes from the settings the trainer sends it."""
     settings = config.workflow_settings(monitor_base_url=endpoint.url, monitor_token=endpoint.token)
-    return ServiceClients(settings)._monitor_config
+    return monitor_config(settings)
 
 
 def test_the_environment_s_token_is_read_by_the_trainer_only(tmp_path, monkeypatch):

@@ -16,6 +16,7 @@ from cua_rl.clients.genv import GenvClient, GenvTimeouts
 from cua_rl.errors import AgentError, ConfigError, GymError
 from cua_rl.serving import bind_free_port
 from cua_rl.sim.gym import GymServer
+from cua_rl.testing.cache import ensure_model
 
 ROOT = Path(__file__).resolve().parents[2]
 
@@ -87,7 +88,7 @@ def test_the_launcher_reports_an_unreachable_gym_in_one_line(tmp_path, dead_url)
         "--config",
         str(ROOT / "configs" / "local.yaml"),
         f"cluster.fileroot={tmp_path}",
-        "actor.path=/models/tiny",
+        f"actor.path={ensure_model('qwen2-vl-byte')}",
         f"gym.base_url={dead_url}",
         "gym.timeouts.read_attempts=1",
         "monitor.enabled=false",

@@ -135,7 +135,13 @@ def test_check_prints_the_stack_and_gpu_step_lines(capsys, monkeypatch, tmp_path
     from cua_rl.app import harness
 
     monkeypatch.setattr(harness, "cuda_available", lambda: False)
-    train.main(["--config", CUA, "--check", *SERVICES, f"inference.python={tmp_path / 'py'}"])
+    train.main(
+        [
+            "--config", CUA, "--check", *SERVICES, f"inference.python={tmp_path / 'py'}",
+            # A hub id: a missing local folder would be a config error before these lines.
+            "actor.path=Qwen/Qwen3-VL-8B-Instruct",
+        ]
+    )  # fmt: skip
     out = capsys.readouterr().out.splitlines()
     (stack,) = [line for line in out if " stack " in line]
     assert stack.startswith("FAIL") and "no inference environment" in stack

@@ -50,7 +50,9 @@ def _tree(root: Path) -> dict[str, int]:
     return {str(p.relative_to(root)): p.stat().st_size for p in root.rglob("*")}
 
 
-def test_check_reports_every_problem_at_once_and_writes_nothing(tmp_path, capsys):
+def test_check_reports_every_problem_at_once_and_writes_nothing(
+    tmp_path, tiny_vl_model_dir, capsys
+):
     """Three problems, each of which stopped --check on its own before: a missing gym id, a
     negative learning rate and a fileroot nobody can create (/proc takes no new folders, from
     root either). All three in one run, as config errors naming the key, the command line
@@ -65,7 +67,7 @@ def test_check_reports_every_problem_at_once_and_writes_nothing(tmp_path, capsys
             "cluster.fileroot=/proc/cua-rl-check",
             f"cluster.name_resolve.nfs_record_root={runs / 'name_resolve'}",
             f"monitor.db_path={runs / 'monitor.db'}",
-            "actor.path=/models/tiny",
+            f"actor.path={tiny_vl_model_dir}",
             "gym.gym_id=",
             "actor.optimizer.lr=-1e-6",
         ]
@@ -129,7 +131,7 @@ def test_check_in_builtin_mode_needs_no_agent_service(tmp_path, tiny_vl_model_di
     assert agent.startswith("ok") and "builtin" in agent, out
 
 
-def test_check_names_each_unreachable_service(tmp_path, dead_url, capsys):
+def test_check_names_each_unreachable_service(tmp_path, dead_url, tiny_vl_model_dir, capsys):
     rc = train.main(
         _argv(
             tmp_path,
@@ -138,7 +140,7 @@ def test_check_names_each_unreachable_service(tmp_path, dead_url, capsys):
             "endpoint.mode=direct",
             f"endpoint.base_url={dead_url}/v1",
             f"monitor.base_url={dead_url}",
-            "actor.path=/models/tiny",
+            f"actor.path={tiny_vl_model_dir}",
             "+gym.timeouts.read_attempts=1",
         )
     )
@@ -149,7 +151,7 @@ def test_check_names_each_unreachable_service(tmp_path, dead_url, capsys):
     assert "unreachable or misconfigured: gym, agent, model, monitor" in out
 
 
-def test_check_reports_a_refused_monitor_token(tmp_path, capsys):
+def test_check_reports_a_refused_monitor_token(tmp_path, tiny_vl_model_dir, capsys):
     from cua_rl.monitor.server.app import create_app
     from cua_rl.monitor.server.store import MonitorStore
     from cua_rl.serving import ThreadedServer
@@ -167,7 +169,7 @@ def test_check_reports_a_refused_monitor_token(tmp_path, capsys):
                 f"agent.base_url={agent.url}",
                 f"monitor.base_url={mon.url}",
                 "monitor.token=wrong",
-                "actor.path=/models/tiny",
+                f"actor.path={tiny_vl_model_dir}",
             )
         )
     store.close()

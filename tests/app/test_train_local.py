@@ -1,9 +1,11 @@
 """The main job on the local stack, for real: ``make demo``'s launcher and a crashing run.
 
-The first test runs ``python -m cua_rl.app.demo`` (monitor on SQLite, local gym, local
-agent, AReaL's PPOTrainer with a vLLM CPU server and the tiny Qwen2-VL) and reads the monitor's
-database afterwards. The second starts train.py against a model folder that holds no model, so the
-real PPOTrainer fails while it starts, and checks that the training is left failed with its error.
+The demo's tests read the session's shared demo run (``demo_run``: ``python -m cua_rl.app.demo``
+in production's regime, tests/conftest.py ``DEMO``: monitor on SQLite, local gym, local agent,
+AReaL's PPOTrainer with its own vLLM CPU server and the tiny Qwen2-VL) and its monitor database.
+The last starts train.py against a model folder whose weights cannot be read, so the real PPOTrainer fails
+while it starts, and checks that the training is left failed with its error. How a run ends on
+SIGTERM or a fail-fast stop: tests/app/test_run_end.py.
 """
 
 from __future__ import annotations
@@ -11,6 +13,7 @@ from __future__ import annotations
 import json
 import os
 import re
+import shutil
 import signal
 import subprocess
 import sys
@@ -20,9 +23,9 @@ from pathlib import Path
 import httpx
 import pytest
 
-from cua_rl.sim.gym import Fault, GymServer, SimGymConfig
+from cua_rl.sim.gym import GymServer
 from cua_rl.testing.sockets import listening, off_loopback
-from tests.conftest import DEMO_STEPS
+from tests.conftest import DEMO_STEPS, note_cost
 from tests.conftest import db_rows as _rows
 
 ROOT = Path(__file__).resolve().parents[2]
@@ -34,29 +37,6 @@ def _leftovers(marker: str) -> list[str]:
     """Processes whose command line names ``marker`` (the run folder): none may outlive a run."""
     out = subprocess.run(["ps", "-eo", "pid,args"], capture_output=True, text=True).stdout
     return [line for line in out.splitlines() if marker in line and "ps -eo" not in line]
-
-
-def _descendants(root: int) -> list[int]:
-    """Every process whose parent chain leads to ``root`` (AReaL's workers, the vLLM server)."""
-    out = subprocess.run(["ps", "-eo", "pid=,ppid="], capture_output=True, text=True).stdout
-    children: dict[int, list[int]] = {}
-    for line in out.splitlines():
-        pid, ppid = map(int, line.split())
-        children.setdefault(ppid, []).append(pid)
-    found, stack = [], [root]
-    while stack:
-        for child in children.get(stack.pop(), []):
-            found.append(child)
-            stack.append(child)
-    return found
-
-
-def _alive(pid: int) -> bool:
-    try:
-        status = Path(f"/proc/{pid}/status").read_text()
-    except OSError:
-        return False
-    return "\nState:\tZ" not in status  # a zombie has exited; only its parent's wait is missing
 
 
 @pytest.mark.timeout(1800)
@@ -99,6 +79,7 @@ def test_a_running_demo_listens_on_loopback_only_and_talks_to_nothing_else(demo_
         "--role actor",
         "--role rollout",
         "cua_rl.inference.vllm_server",
+        "cua_rl.sim gym",
     ):
         assert any(who in e.cmd for e in listeners), (who, sorted(map(str, listeners)))
     assert off_loopback(list(demo_run.sockets)) == []
@@ -271,12 +252,20 @@ def _recorded_config_is_the_config_that_ran(db: Path) -> None:
 
 
 @pytest.mark.timeout(900)
-def test_a_crashing_run_leaves_the_training_failed_with_its_error(tmp_path):
+def test_a_crashing_run_leaves_the_training_failed_with_its_error(tmp_path, tiny_vl_model_dir):
+    # A folder the launch checks accept (a real config.json beside a weights file) whose weights
+    # cannot be read: the run starts, is recorded, and dies loading them. (An empty folder is a
+    # config error now, reported before the monitor is written to: test_config_load.py.)
     not_a_model = tmp_path / "not-a-model"
     not_a_model.mkdir()
+    shutil.copy(Path(tiny_vl_model_dir) / "config.json", not_a_model / "config.json")
+    (not_a_model / "model.safetensors").write_bytes(b"not a safetensors file")
     db = tmp_path / "monitor.db"
-    with GymServer() as gym:
-        proc = subprocess.run(
+    out, err = tmp_path / "stdout.txt", tmp_path / "stderr.txt"
+    t0 = time.monotonic()
+    # Files, not pipes: a worker left running would hold a pipe open and hang the test.
+    with GymServer() as gym, out.open("w") as out_f, err.open("w") as err_f:
+        returncode = subprocess.run(
             [
                 sys.executable,
                 "-m",
@@ -290,11 +279,18 @@ def test_a_crashing_run_leaves_the_training_failed_with_its_error(tmp_path):
                 f"cluster.name_resolve.nfs_record_root={tmp_path / 'name_resolve'}",
             ],
             cwd=ROOT,
-            capture_output=True,
-            text=True,
+            stdout=out_f,
+            stderr=err_f,
             timeout=800,
-        )
+        ).returncode
+    note_cost("crash at start", time.monotonic() - t0)
+    proc = subprocess.CompletedProcess([], returncode, out.read_text(), err.read_text())
     assert proc.returncode != 0, proc.stdout[-3000:]
+    # The actor's worker had started when its engine failed to load: it stopped with the run.
+    left = _leftovers(str(tmp_path))
+    for line in left:
+        os.kill(int(line.split()[0]), signal.SIGKILL)
+    assert not left, left
     rows = _rows(db, "SELECT status, error_message FROM training")
     assert len(rows) == 1, rows
     status, err = rows[0]
@@ -309,125 +305,3 @@ def test_a_crashing_run_leaves_the_training_failed_with_its_error(tmp_path):
     # (A crash this early can reach the monitor in the same batch as the start: the client merges
     # the two updates of one record, so "running" need not appear in the history.)
     assert history and history[-1][0] == "failed", history
-
-
-@pytest.mark.timeout(900)
-def test_sigterm_mid_run_cancels_the_training_and_stops_every_worker(tmp_path, tiny_vl_model_dir):
-    """A scheduler's SIGTERM while episodes run: AReaL's workers and vLLM stop, the record says so."""
-    from cua_rl.sim.agent import AgentServer
-
-    db = tmp_path / "monitor.db"
-    fileroot = tmp_path / "areal"
-    # Evaluate answers only after a minute, so the signal surely lands while episodes hold
-    # open executions (the baseline's, which run first).
-    slow_evaluate = SimGymConfig(faults={"evaluate": Fault(latency_s=60)})
-    with GymServer(slow_evaluate) as gym, AgentServer() as agent:
-        proc = subprocess.Popen(
-            [
-                sys.executable,
-                "-m",
-                "examples.cua_agent.train",
-                "--config",
-                "configs/local.yaml",
-                f"actor.path={tiny_vl_model_dir}",
-                f"gym.base_url={gym.url}",
-                f"agent.base_url={agent.url}",
-                f"monitor.db_path={db}",
-                f"cluster.fileroot={fileroot}",
-                f"cluster.name_resolve.nfs_record_root={tmp_path / 'name_resolve'}",
-                # Enough steps that the signal lands mid-run, never after the end.
-                "total_train_steps=50",
-                "total_train_epochs=50",
-            ],
-            cwd=ROOT,
-            stdout=subprocess.DEVNULL,
-            stderr=subprocess.PIPE,
-            text=True,
-            start_new_session=True,
-        )
-        try:
-            # Wait until episodes have run their agent (vLLM served them) and sit in evaluate.
-            deadline = time.monotonic() + 600
-            while time.monotonic() < deadline and proc.poll() is None:
-                if gym.gym.counters["evaluations"] > 0:
-                    break
-                time.sleep(1)
-            assert proc.poll() is None, proc.stderr.read()[-3000:]
-            assert httpx.get(f"{gym.base_url}/executions", timeout=10).json()["executions"]
-            workers = _descendants(proc.pid)
-            assert workers, "the trainer has started no worker process"
-            proc.send_signal(signal.SIGTERM)
-            rc = proc.wait(timeout=180)
-            # Episodes cut short still terminate their gym executions: no box is left running.
-            left_open = httpx.get(f"{gym.base_url}/executions", timeout=10).json()["executions"]
-        finally:
-            if proc.poll() is None:
-                os.killpg(proc.pid, signal.SIGKILL)
-                proc.wait()
-    assert rc == 128 + signal.SIGTERM, proc.stderr.read()[-3000:]
-    assert left_open == [], left_open
-    status, message = _rows(db, "SELECT status, status_message FROM training")[0]
-    assert status == "cancelled" and "SIGTERM" in message, (status, message)
-    # Nothing the run started is left looking alive in the monitor: the episodes cut short, their
-    # environments, and the baseline they belonged to all carry an end state.
-    live = {
-        "rollout": _rows(db, "SELECT status FROM rollout WHERE status NOT IN "
-                             "('completed', 'failed', 'cancelled')"),
-        "environment": _rows(db, "SELECT status FROM environment WHERE status NOT IN "
-                                 "('terminated', 'error')"),
-        "baseline": _rows(db, "SELECT status FROM baseline WHERE status != 'cancelled'"),
-        "eval": _rows(db, "SELECT status FROM eval WHERE status NOT IN ('completed', 'cancelled')"),
-    }  # fmt: skip
-    assert not any(live.values()), live
-    assert _rows(db, "SELECT COUNT(*) FROM rollout WHERE status = 'cancelled'")[0][0] > 0
-    alive = [pid for pid in workers if _alive(pid)]
-    assert not alive, subprocess.run(["ps", "-o", "pid,args", "-p", ",".join(map(str, alive))],
-                                     capture_output=True, text=True).stdout  # fmt: skip
-
-
-@pytest.mark.timeout(900)
-def test_systematic_rejection_stops_the_training_failed_with_its_reason(
-    tmp_path, tiny_vl_model_dir
-):
-    """An agent that returns no token data, called directly (no gateway): every episode is
-    rejected missing_tokens. The run stops within the window, failed, naming reason and fix."""
-    from cua_rl.sim.agent import AgentServer
-
-    db = tmp_path / "monitor.db"
-    window = 6
-    with GymServer() as gym, AgentServer() as agent:
-        t0 = time.monotonic()
-        proc = subprocess.run(
-            [
-                sys.executable, "-m", "examples.cua_agent.train",
-                "--config", "configs/local.yaml",
-                f"actor.path={tiny_vl_model_dir}",
-                f"gym.base_url={gym.url}",
-                f"agent.base_url={agent.url}",
-                f"monitor.db_path={db}",
-                f"cluster.fileroot={tmp_path / 'areal'}",
-                f"cluster.name_resolve.nfs_record_root={tmp_path / 'name_resolve'}",
-                "endpoint.mode=direct",
-                # local.yaml's agent already asks for no token data, like an unpatched agent.
-                f"failfast.window={window}",
-                # Above local.yaml's 4 episodes in flight: a count is allowed to trip at once.
-                "failfast.persist_s=0",
-                "total_train_steps=20",
-                "total_train_epochs=20",
-            ],
-            cwd=ROOT, capture_output=True, text=True, timeout=800,
-        )  # fmt: skip
-        took = time.monotonic() - t0
-        left_open = httpx.get(f"{gym.base_url}/executions", timeout=10).json()["executions"]
-    assert left_open == [], left_open
-    assert proc.returncode == 3, (proc.returncode, proc.stderr[-3000:])
-    assert "missing_tokens" in proc.stderr and "endpoint.mode=gateway" in proc.stderr
-    status, err = _rows(db, "SELECT status, error_message FROM training")[0]
-    assert status == "failed", (status, err)
-    assert "missing_tokens" in err and "endpoint.mode=gateway" in err, err
-    rejected = _rows(db, "SELECT COUNT(*) FROM rollout WHERE status = 'failed'")[0][0]
-    # Stopped within the window: the rejections that tripped it, plus at most the episodes
-    # already running when it did (4 groups of 2) and those ending during one poll and the stop.
-    assert window <= rejected <= window + 2 * 4 * 2, rejected
-    print(f"stopped after {took:.0f}s and {rejected} rejected episodes")
-    assert not _leftovers(str(tmp_path)), _leftovers(str(tmp_path))

@@ -23,12 +23,12 @@ from cua_rl.gateway import GatewayConfig, Sampling
 from cua_rl.monitor.protocol import step_client_id
 from cua_rl.monitor.server.app import create_app
 from cua_rl.monitor.server.store import MonitorStore
+from cua_rl.monitor.worker.observer import recorder_for
 from cua_rl.reward import RewardConfig
 from cua_rl.rollout import groups
 from cua_rl.rollout.episode import EpisodeTask
 from cua_rl.rollout.groups import GroupSettings
-from cua_rl.rollout.observers import recorder_for
-from cua_rl.rollout.runtime import RolloutRuntime
+from cua_rl.rollout.runtime import EpisodeScope, RolloutRuntime
 from cua_rl.rollout.service_pauses import PauseConfig
 from cua_rl.rollout.settings import AgentSection, EndpointSection, GymSection, WorkflowSettings
 from cua_rl.rollout.workflow import CUAAgentWorkflow
@@ -479,14 +479,18 @@ def test_direct_mode_points_the_agent_at_the_engine_or_an_external_server(
 
 
 async def test_rollouts_after_the_last_step_are_not_recorded_against_a_step():
-    class Clients:
+    class Loop:
         async def monitor_client(self):
             return "a monitor client"
 
     async def recorder(phase: str, total_steps: int, version: int):
         settings = _bare_workflow(training_ref=RUN, phase=phase, total_steps=total_steps).settings
         task = EpisodeTask({"task_id": "t"}, "u", version)
-        return await recorder_for(Clients(), settings, task, is_eval=False)
+        runtime = RolloutRuntime(settings)
+        episode = EpisodeScope(
+            task, settings, runtime, Loop(), None, False, "rollout", _unused, "m"
+        )  # fmt: skip
+        return recorder_for(await episode.monitor(), settings, task, is_eval=False)
 
     # Versions 0 and 1 are trained by steps 1 and 2; version 2 was prefetched and never trained.
     assert [(await recorder("train", 2, v)).enabled for v in (0, 1, 2, 3)] == [

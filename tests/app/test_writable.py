@@ -6,6 +6,7 @@ from pathlib import Path
 
 from cua_rl.app import train
 from cua_rl.app.writable import file_system_type, why_unwritable
+from cua_rl.testing.cache import ensure_model
 
 ROOT = Path(__file__).resolve().parents[2]
 
@@ -41,7 +42,8 @@ def test_a_training_on_an_unwritable_fileroot_is_one_config_error(tmp_path, caps
     # Not --check: the load that would write config.yaml there stops first (it was a traceback).
     rc = train.main(
         [
-            "--config", str(ROOT / "configs" / "local.yaml"), "actor.path=/models/tiny",
+            "--config", str(ROOT / "configs" / "local.yaml"),
+            f"actor.path={ensure_model('qwen2-vl-byte')}",
             "cluster.fileroot=/proc/cua-rl-train",
             f"cluster.name_resolve.nfs_record_root={tmp_path / 'nr'}",
         ]

@@ -57,6 +57,17 @@ def test_plan_images_encodes_each_key_once_and_maps_every_span():
     assert plan.token_index.tolist() == [4 * d + i for d in spans for i in range(4)]
 
 
+def test_without_a_repeat_the_plan_has_no_index_the_tower_output_is_read_in_order():
+    """Rows of the current screenshot only: nothing to share, so no gather of the tower's output
+    (and no scatter of its gradient) is planned."""
+    gen = torch.Generator().manual_seed(0)
+    pixels = {k: torch.randn(16, 3, generator=gen) for k in (10, 20, 30)}
+    rows = [_media([10], pixels), {}, _media([20], pixels), _media([30], pixels)]
+    plan = vd.plan_images(rows, merge=2)
+    assert (plan.images, plan.distinct, plan.token_index) == (3, 3, None)
+    assert torch.equal(plan.pixel_values, torch.cat([pixels[k] for k in (10, 20, 30)]))
+
+
 def test_plan_images_refuses_one_key_for_two_images():
     gen = torch.Generator().manual_seed(0)
     a, b = torch.randn(16, 3, generator=gen), torch.randn(16, 3, generator=gen)
@@ -237,6 +248,37 @@ def test_compute_logp_is_areals_and_the_tower_sees_distinct_images(actors, mb_to
     assert stats["cua_vision/row_images"] == 18
     assert stats["cua_vision/distinct_images"] == sum(len(c) for c in encoded.calls)
     assert stats["cua_vision/encoded_images"] == sum(len(c) for c in encoded.calls)
+
+
+@pytest.mark.slow
+def test_current_screenshot_rows_are_areals_with_no_gather_of_the_tower_output(actors):
+    """Every image distinct (one screenshot per row): AReaL's logprobs and gradients, and no
+    indexing operator beyond AReaL's own in the step (the tower's output is used in order)."""
+    from cua_rl.testing.actor import group_rows, vision_geometry
+
+    areal, dedup, model_dir, *_ = actors
+    _set_mb_tokens(actors, ONE_MB)
+    vocab = areal.model.get_output_embeddings().weight.shape[0]
+    patch_dim, merge = vision_geometry(model_dir)
+    rows = group_rows(4, window=1, vocab_size=vocab, patch_dim=patch_dim, merge=merge)
+    for row, logp in zip(rows, areal.compute_logp(copy.deepcopy(rows)), strict=True):
+        row["prox_logp"] = logp + 0.3
+    indexing = {}
+    for name, actor in (("areal", areal), ("dedup", dedup)):
+        got = actor.compute_logp(copy.deepcopy(rows))
+        assert _logp_diff(rows, [r["prox_logp"] - 0.3 for r in rows], got) < 1e-6
+        batch = actor.compute_advantages(copy.deepcopy(rows))
+        actor.export_stats()
+        with torch.profiler.profile() as prof:
+            actor.ppo_update(batch)
+        indexing[name] = sum(
+            e.count for e in prof.key_averages() if e.key in ("aten::index", "aten::index_put_")
+        )
+        indexing[name + " grads"] = _grads(actor)
+    stats = dedup.export_stats()
+    assert stats["cua_vision/encoded_images"] == stats["cua_vision/row_images"] == 8
+    _assert_same_grads(indexing["areal grads"], indexing["dedup grads"])
+    assert indexing["dedup"] == indexing["areal"], indexing
 
 
 @pytest.mark.slow

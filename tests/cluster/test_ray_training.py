@@ -2,7 +2,8 @@
 
 ``python -m cua_rl.app.demo --ray`` (what ``make demo-ray`` runs): the monitor, the local gym
 and agent, a Ray head and a second node on loopback, then two asynchronous PPO steps with
-AReaL's actor and rollout workers as Ray actors. Afterwards: both steps completed with every
+AReaL's actor and rollout workers as Ray actors (the rollout worker borrowing the session's vLLM
+server). Afterwards: both steps completed with every
 episode accepted, the monitor recorded every rollout finished, the workers ran on two different
 nodes (the GCS's actor table, saved by the demo), and nothing the run started is left.
 """
@@ -18,7 +19,7 @@ import pytest
 
 pytest.importorskip("ray", reason="Ray is not installed (pip install -r requirements/ray.txt)")
 
-from tests.conftest import db_rows, run_demo  # noqa: E402
+from tests.conftest import NO_LATENCY, db_rows, run_demo  # noqa: E402
 
 pytestmark = pytest.mark.slow
 
@@ -29,9 +30,13 @@ def _leftovers(marker: str) -> list[str]:
 
 
 @pytest.mark.timeout(1200)
-def test_two_async_steps_on_a_two_node_ray_cluster(tmp_path, tiny_vl_bpe_model_dir):
+def test_two_async_steps_on_a_two_node_ray_cluster(tmp_path, tiny_vl_bpe_model_dir, model_servers):
     run_dir = tmp_path / "demo-ray"
-    run = run_demo(run_dir, "--ray", "--quiet", timeout=1100)
+    # The rollout worker, a Ray actor, borrows the session's server instead of starting one.
+    server = model_servers("qwen2-vl-bpe")
+    run = run_demo(
+        run_dir, "--ray", "--quiet", *NO_LATENCY, server=server, timeout=1100, name="ray training"
+    )
     text = run.output
     assert run.returncode == 0, text[-6000:]
 

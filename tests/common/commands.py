@@ -18,6 +18,11 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parents[2]
 # The interpreters a command may name: the environments make demo builds.
 INTERPRETERS = (".venv/bin/python", ".venv-vllm/bin/python")
+# A GPU node's environments (docs/gpu.md, A fresh GPU node), never built here: their commands
+# are checked with the environment here that runs the same modules.
+GPU_STAND_INS = {".venv-gpu/bin/python": ".venv/bin/python",
+                 ".venv-gpu-sglang/bin/python": ".venv/bin/python",
+                 ".venv-vllm-cuda/bin/python": ".venv-vllm/bin/python"}  # fmt: skip
 _FENCE = re.compile(r"^\s*```(\w*)\s*$")
 _SHELL = ("", "bash", "sh", "console", "shell")
 _ASSIGNMENT = re.compile(r"^[A-Z_][A-Z0-9_]*=")
@@ -106,10 +111,14 @@ def printed_commands(output: str) -> list[Command]:
 
 def problems(cmd: Command) -> list[str]:
     """What keeps ``cmd`` from running as written (empty: nothing found), without running it."""
-    if cmd.interpreter not in INTERPRETERS:
-        return [f"names {cmd.interpreter!r}, not an environment's interpreter {INTERPRETERS}"]
-    if not (ROOT / cmd.interpreter).exists():
-        return [f"{cmd.interpreter} does not exist (make demo builds it)"]
+    if cmd.module == "venv" and re.fullmatch(r"python3(\.\d+)?", cmd.interpreter):
+        return []  # a base Python creating an environment (docs/gpu.md's recipe)
+    interpreter = GPU_STAND_INS.get(cmd.interpreter, cmd.interpreter)
+    if interpreter not in INTERPRETERS:
+        known = (*INTERPRETERS, *GPU_STAND_INS)
+        return [f"names {cmd.interpreter!r}, not an environment's interpreter {known}"]
+    if not (ROOT / interpreter).exists():
+        return [f"{interpreter} does not exist (make demo builds it)"]
     if cmd.code:
         try:
             compile(cmd.code, cmd.where, "exec")
@@ -130,7 +139,7 @@ def problems(cmd: Command) -> list[str]:
 
 def help_of(cmd: Command, timeout: float = 120) -> subprocess.CompletedProcess:
     return subprocess.run(
-        [str(ROOT / cmd.interpreter), *cmd.target, "--help"],
+        [str(ROOT / GPU_STAND_INS.get(cmd.interpreter, cmd.interpreter)), *cmd.target, "--help"],
         cwd=ROOT,
         capture_output=True,
         text=True,

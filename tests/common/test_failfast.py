@@ -106,7 +106,7 @@ def test_watch_thread_calls_back_once(tmp_path):
     watch = RejectionWatch(
         tmp_path,
         FailFastConfig(window=2, persist_s=0, poll_s=0.05),
-        on_trip=lambda reason, count: (seen.append((reason, count)), tripped.set()),
+        on_trip=lambda reason, count, detail: (seen.append((reason, count, detail)), tripped.set()),
     )
     log = OutcomeLog(tmp_path)
     for _ in range(3):
@@ -114,8 +114,33 @@ def test_watch_thread_calls_back_once(tmp_path):
     watch.start()  # after the writes: one poll reads all three
     assert tripped.wait(5)
     watch.stop()
-    assert seen == [("agent_model_error", 3)]
+    assert seen == [("agent_model_error", 3, "")]
     assert watch.tripped == "agent_model_error"
+
+
+def test_a_hook_s_rejections_stop_the_run_naming_the_hook_and_its_exception(tmp_path):
+    # A workflow hook that raises on every episode (cua_rl/rollout/episode.py): its rejections
+    # carry the exception and the hook, and the failfast line quotes the latest.
+    from cua_rl.app.signals import SystematicRejection
+
+    clock, log, watch = _watch(tmp_path, window=3, persist_s=0)
+    for n in range(3):
+        log.record(
+            accepted=False,
+            reason="hook_compute_reward",
+            phase="train",
+            detail=f"ZeroDivisionError: division by zero #{n} (raised by my.Workflow.compute_reward)",
+        )
+    assert watch.poll() == "hook_compute_reward"
+    line = str(SystematicRejection(watch.streak.reason, 3, watch.streak.detail))
+    assert "'hook_compute_reward'" in line and "compute_reward hook raised" in line, line
+    assert "ZeroDivisionError: division by zero #2 (raised by my.Workflow.compute_reward)" in line
+    assert "\n" not in line  # the one line the launcher prints
+    # Other reasons' advice is unchanged by a detail; an accepted episode clears it.
+    assert advice_for("missing_tokens", "x") == advice_for("missing_tokens")
+    log.record(accepted=True, reason=None, phase="train")
+    watch.poll()
+    assert watch.streak.detail == ""
 
 
 def test_advice_names_a_fix():

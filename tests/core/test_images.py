@@ -9,12 +9,17 @@ import io
 import pytest
 from PIL import Image
 
-from cua_rl.core.images import ImageRefused, check_image_url, decode_data_url, sniff_mime
+from cua_rl.core.images import (
+    ImageRefused,
+    check_image_url,
+    decode_data_url,
+    image_bytes,
+    sniff_mime,
+)
 from cua_rl.errors import RejectedEpisode
 from cua_rl.monitor.protocol import ScreenshotError
 from cua_rl.monitor.worker import uploader
 from cua_rl.trajectory import TrajectoryConfig
-from cua_rl.trajectory import images as trajectory_images
 
 
 def _png() -> bytes:
@@ -64,7 +69,7 @@ def test_the_trajectory_and_the_monitor_decode_alike():
     png = _png()
     config = TrajectoryConfig(max_image_bytes=10)
     with pytest.raises(ImageRefused, match="image_too_large"):
-        trajectory_images.decode_data_url(_url(png), config)
+        image_bytes(_url(png), {}, config)  # the row builder's read of a screenshot
     assert uploader.decode_data_url(_url(png)) == decode_data_url(_url(png)) == png
     assert uploader.sniff_mime(png) == sniff_mime(png) == "image/png"
     for bad in ("data:text/plain;base64,AAAA", "data:image/png;base64,@@@"):

@@ -7,11 +7,13 @@ import math
 import os
 import subprocess
 import sys
+import time
 from pathlib import Path
 
 import pytest
 
 from cua_rl.cpu.smoke import lowercase_share
+from tests.conftest import note_cost
 
 REPO = Path(__file__).resolve().parents[2]
 
@@ -45,6 +47,7 @@ def _processes_mentioning(text: str) -> list[str]:
 @pytest.mark.timeout(1800)
 def test_two_ppo_steps_on_cpu(tmp_path):
     run_dir = tmp_path / "smoke"
+    t0 = time.monotonic()
     proc = subprocess.run(
         [sys.executable, "-m", "cua_rl.cpu.smoke", "--run-dir", str(run_dir), "--steps", "2"],
         cwd=REPO,
@@ -52,6 +55,7 @@ def test_two_ppo_steps_on_cpu(tmp_path):
         text=True,
         timeout=1700,
     )
+    note_cost("AReaL's PPO smoke", time.monotonic() - t0)
     out = proc.stdout + proc.stderr
     assert proc.returncode == 0, out[-6000:]
     steps = [json.loads(line) for line in (run_dir / "steps.jsonl").read_text().splitlines()]

@@ -31,8 +31,20 @@ def _workflow(enabled: bool, phase: str = "train") -> CUAAgentWorkflow:
 
 async def test_the_workflow_observes_steps_only_with_step_credit_on_in_training():
     # On the loop an episode runs on: the observers take the runtime's clients of that loop.
+    class Engine:  # the pause observer keeps its server choice, never called here
+        def choose_server(self):
+            raise AssertionError("not called")
+
     def kinds(workflow):
-        return [type(o).__name__ for o in workflow.observers(TASK, recorder=None)]
+        scope = workflow.runtime.episode(
+            TASK,
+            Engine(),
+            is_eval=False,
+            stat_scope="rollout",
+            processor=lambda: None,
+            model_name="m",
+        )
+        return [type(o).__name__ for o in workflow.observers(scope)]
 
     assert "CreditObserver" in kinds(_workflow(True))
     assert "CreditObserver" not in kinds(_workflow(False))
@@ -42,7 +54,7 @@ async def test_the_workflow_observes_steps_only_with_step_credit_on_in_training(
 async def test_an_accepted_episode_leaves_its_steps_in_the_ledger(images, processor):
     turns, result = converted(images, processor, break_prefix=True)
     ledger = CreditLedger()
-    observer = CreditObserver(ledger, StepCreditConfig(enabled=True), TASK)
+    observer = CreditObserver(ledger, StepCreditConfig(enabled=True), TASK, "rollout")
     await observer.on(Converted(CapturedCalls(turns), result))
     steps = ledger.peek(TASK.episode_id)
     assert steps is not None and steps.rollout_uuid == "uuid-1"
@@ -52,11 +64,11 @@ async def test_an_accepted_episode_leaves_its_steps_in_the_ledger(images, proces
     )
     # A rejected conversion leaves nothing, and a failure to read the steps is not the episode's.
     other = EpisodeTask({"task_id": "t"}, "uuid-2", 3)
-    await CreditObserver(ledger, StepCreditConfig(enabled=True), other).on(
+    await CreditObserver(ledger, StepCreditConfig(enabled=True), other, "rollout").on(
         Converted(CapturedCalls(turns), ConversionResult(None, "no_turns"))
     )
     broken = ConversionResult(result.rows, None, row_images=[], row_turns=[])
-    await CreditObserver(ledger, StepCreditConfig(enabled=True), other).on(
+    await CreditObserver(ledger, StepCreditConfig(enabled=True), other, "rollout").on(
         Converted(CapturedCalls(turns), broken)
     )
     assert ledger.peek(other.episode_id) is None and len(ledger) == 1

@@ -1,7 +1,7 @@
 """The curriculum in a real training on the local stack, stopped and resumed by AReaL's recover.
 
-Local gym and agent, the embedded monitor on a SQLite file, AReaL's PPOTrainer with a vLLM CPU
-server and the tiny Qwen2-VL. The first run trains two steps with ``curriculum.kind=ucb`` and
+Local gym and agent, the embedded monitor on a SQLite file, AReaL's PPOTrainer with the
+session's shared vLLM CPU server (borrowed by both runs) and the tiny Qwen2-VL. The first run trains two steps with ``curriculum.kind=ucb`` and
 zero-variance groups dropped, writing a recover checkpoint after each step; the second run, a
 new process on the same trial, recovers and trains a third step with the drop turned off. The
 checks read the curriculum's decision log and the monitor's database:
@@ -19,6 +19,7 @@ import json
 import sqlite3
 import subprocess
 import sys
+import time
 from collections import Counter
 from contextlib import closing
 from pathlib import Path
@@ -28,6 +29,7 @@ import pytest
 from cua_rl.curriculum.selector import CurriculumConfig, TaskEstimate, select_batch
 from cua_rl.sim.agent import AgentServer
 from cua_rl.sim.gym import GymServer
+from tests.conftest import note_cost
 
 ROOT = Path(__file__).resolve().parents[2]
 GROUP = 2
@@ -36,7 +38,8 @@ pytestmark = pytest.mark.slow
 
 
 def _train(tmp_path: Path, gym, agent, model_dir, *overrides: str) -> subprocess.CompletedProcess:
-    return subprocess.run(
+    t0 = time.monotonic()
+    proc = subprocess.run(
         [
             sys.executable,
             "-m",
@@ -71,6 +74,8 @@ def _train(tmp_path: Path, gym, agent, model_dir, *overrides: str) -> subprocess
         text=True,
         timeout=1100,
     )
+    note_cost(f"curriculum {overrides[-1]}", time.monotonic() - t0)
+    return proc
 
 
 def _rows(db: Path, sql: str) -> list[tuple]:
@@ -84,14 +89,18 @@ def _decisions(tmp_path: Path) -> list[dict]:
 
 
 @pytest.mark.timeout(2400)
-def test_ucb_batches_follow_the_outcomes_and_survive_a_restart(tmp_path, tiny_vl_model_dir):
+def test_ucb_batches_follow_the_outcomes_and_survive_a_restart(
+    tmp_path, tiny_vl_bpe_model_dir, model_servers
+):
     db = tmp_path / "monitor.db"
+    borrow = model_servers("qwen2-vl-bpe").borrow_override()
     with GymServer() as gym, AgentServer() as agent:
         first = _train(
             tmp_path,
             gym,
             agent,
-            tiny_vl_model_dir,
+            tiny_vl_bpe_model_dir,
+            borrow,
             "total_train_steps=2",
             "curriculum.drop_zero_variance=true",
         )
@@ -100,7 +109,8 @@ def test_ucb_batches_follow_the_outcomes_and_survive_a_restart(tmp_path, tiny_vl
             tmp_path,
             gym,
             agent,
-            tiny_vl_model_dir,
+            tiny_vl_bpe_model_dir,
+            borrow,
             "total_train_steps=3",
             "curriculum.drop_zero_variance=false",
         )

@@ -17,6 +17,7 @@ import httpx
 import openai
 import pytest
 
+from cua_rl.core.images import image_token_ids
 from cua_rl.gateway import Gateway, GatewayConfig, Sampling, SessionSpec
 from cua_rl.gateway.render import collapse_pads
 from cua_rl.serving import ThreadedServer
@@ -24,7 +25,6 @@ from cua_rl.testing.cache import ensure_model
 from cua_rl.testing.model_standin import ModelStandIn
 from cua_rl.trajectory import captured
 from cua_rl.trajectory.config import TrajectoryConfig
-from cua_rl.trajectory.images import image_token_ids
 from tests.gateway.conftest import FakeEngine, data_url, png, row_of, user
 
 TOOLS = [

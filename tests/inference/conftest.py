@@ -25,10 +25,16 @@ class AReaLVLLMServer(VLLMServer):
             max_num_seqs=8,
         )
         args = vLLMConfig.build_args(config, tp_size=1, pp_size=1, host=self.host, port=self.port)
-        return server_command(args, vllm_python=str(vllm_python()))
+        return [*server_command(args, vllm_python=str(vllm_python())), *self.extra_args]
 
 
 @pytest.fixture(scope="module")
 def areal_vllm_server(tiny_text_model_dir):
-    with AReaLVLLMServer(tiny_text_model_dir, model="areal-text", max_model_len=1024) as server:
+    # The tokens-in route too (--enable-scale-out): it labels each token with its weights' version.
+    with AReaLVLLMServer(
+        tiny_text_model_dir,
+        model="areal-text",
+        max_model_len=1024,
+        extra_args=["--enable-scale-out"],
+    ) as server:
         yield server

@@ -93,3 +93,31 @@ def test_gpu_stack_never_installs_vllm_into_areals_environment():
     installs = [line for line in dry.splitlines() if "install" in line]
     assert installs and all("/areal/bin/python" not in line for line in installs)
     assert any(".venv-vllm-cuda" in line and "gpu-vllm.txt" in line for line in installs)
+
+
+def test_the_fresh_node_recipe_gives_the_resolved_versions(resolved):
+    """docs/gpu.md's table of a fresh node's environments says what uv resolves: each
+    environment's torch and its CUDA build, AReaL, vLLM, SGLang and transformers. The SGLang
+    route's trainer holds SGLang's torch (2.9.1), not the vLLM route's."""
+    from tests.inference.test_gpu_recipe import recipe_text
+
+    rows = {}
+    for line in recipe_text().splitlines()[1:]:
+        cells = [c.strip() for c in line.strip("|").split("|")]
+        if line.startswith("| ") and len(cells) == 5:
+            rows[cells[1].split()[0].strip("`,")] = cells[3]
+    for interpreter, name in (
+        (".venv-gpu/bin/python", "trainer"),
+        (".venv-vllm-cuda/bin/python", "vllm"),
+        (".venv-gpu-sglang/bin/python", "sglang"),
+    ):
+        pins, holds = resolved[name].pins, rows[interpreter]
+        assert f"torch {pins['torch']}" in holds, (name, holds)
+        major, minor = pins["transformers"].split(".")[:2]
+        assert f"transformers {major}.{minor}" in holds, (name, holds)
+        runtime = pins.get("nvidia-cuda-runtime-cu12") or pins["nvidia-cuda-runtime"]
+        cuda = ".".join(runtime.split(".")[:2]) if name != "vllm" else runtime.split(".")[0]
+        assert f"CUDA {cuda} wheels" in holds, (name, runtime, holds)
+        for package, shown in (("areal", "AReaL"), ("vllm", "vLLM"), ("sglang", "SGLang")):
+            if package in pins:
+                assert f"{shown} {pins[package]}" in holds, (name, package, holds)

@@ -222,3 +222,74 @@ def test_an_unknown_environment_is_refused():
 
     with pytest.raises(ConfigError, match="inference.environment='docker'; use auto"):
         InferenceSection(environment="docker").check(object())
+
+
+# -- inference.server: the rollout worker borrows a running server (cua_rl/inference/attach.py)
+
+
+def _config(tmp_path, *overrides: str):
+    from cua_rl.app.train import load_config
+
+    root = launch.PACKAGE_ROOT
+    return load_config(
+        ["--config", f"{root}/configs/local.yaml", f"cluster.fileroot={tmp_path}",
+         "actor.path=/m", *overrides],
+        write=False,
+    )  # fmt: skip
+
+
+@pytest.mark.parametrize(
+    ("overrides", "message"),
+    [
+        (("inference.server=127.0.0.1",), "is not host:port"),
+        (("inference.server=127.0.0.1:http",), "is not host:port"),
+        (("inference.server=127.0.0.1:8000", "rollout.backend=vllm:d2"), "rollout.backend=vllm:d1"),
+        (
+            ("inference.server=127.0.0.1:8000", "inference.environment=areal"),
+            "only a vLLM server of our own",
+        ),
+    ],
+)
+def test_a_server_to_borrow_that_cannot_work_is_refused(tmp_path, overrides, message):
+    with pytest.raises(ConfigError, match=message):
+        _config(tmp_path, *overrides)
+
+
+def test_the_rollout_workers_and_only_they_get_the_server_to_borrow(tmp_path):
+    from cua_rl.inference.config import use_own_environment
+
+    config = _config(tmp_path, "inference.server=127.0.0.1:8123")
+    changes = use_own_environment(config, "/envs/vllm/bin/python")
+    (rollout,) = config.rollout.scheduling_spec
+    assert rollout.env_vars[launch.ENV_SERVER] == "127.0.0.1:8123"
+    assert all(launch.ENV_SERVER not in s.env_vars for s in config.actor.scheduling_spec)
+    assert "rollout.scheduling_spec[0].env_vars: CUA_INFERENCE_SERVER=127.0.0.1:8123" in changes
+    without = use_own_environment(_config(tmp_path), "/envs/vllm/bin/python")
+    assert not [line for line in without if launch.ENV_SERVER in line]
+
+
+def test_the_worker_borrows_instead_of_launching(monkeypatch):
+    from areal.engine import vllm_remote
+    from areal.infra import remote_inf_engine
+    from transformers.modeling_utils import ALL_ATTENTION_FUNCTIONS
+
+    from cua_rl.areal import worker
+    from cua_rl.inference.attach import AttachError
+    from cua_rl.testing.vllm_server import free_port
+
+    # What worker.apply replaces is put back after the test.
+    backend = vllm_remote.VLLMBackend
+    monkeypatch.setattr(backend, "launch_server", backend.launch_server)
+    wait = remote_inf_engine.RemoteInfEngine._wait_for_server
+    monkeypatch.setattr(remote_inf_engine.RemoteInfEngine, "_wait_for_server", wait)
+    monkeypatch.setitem(ALL_ATTENTION_FUNCTIONS, "sdpa", ALL_ATTENTION_FUNCTIONS["sdpa"])
+    # No such interpreter: a launch would fail to start it, not to reach a server.
+    monkeypatch.setenv("CUA_VLLM_PYTHON", "/envs/vllm-cuda/bin/python")
+    port = free_port()  # nothing listens there
+    monkeypatch.setenv(launch.ENV_SERVER, f"127.0.0.1:{port}")
+    worker.apply()
+    server_args = {"model": "/m", "port": 1, "host": "10.1.2.3"}
+    with pytest.raises(AttachError, match=f"127.0.0.1:{port} cannot be reached"):
+        backend().launch_server(server_args)
+    # AReaL reads the borrowed server's address back from the same dict.
+    assert (server_args["host"], server_args["port"]) == ("127.0.0.1", port)

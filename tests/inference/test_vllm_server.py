@@ -3,7 +3,10 @@
 from __future__ import annotations
 
 import asyncio
+import io
+import os
 import shutil
+import signal
 
 import httpx
 import pytest
@@ -12,6 +15,10 @@ from areal.api.cli_args import GenerationHyperparameters
 from areal.api.io_struct import ModelRequest, WeightUpdateMeta
 from areal.engine.vllm_remote import VLLMBackend
 from safetensors.torch import load_file, save_file
+
+from cua_rl.gateway.backends import VLLMTokens
+from cua_rl.inference import attach
+from cua_rl.testing.vllm_server import free_port
 
 pytestmark = pytest.mark.slow
 
@@ -145,3 +152,67 @@ async def test_nccl_routes_answer_how_to_fix(areal_vllm_server, route):
         resp = await client.post(route, json={})
     assert resp.status_code == 400
     assert "weight_update_mode=disk" in resp.json()["message"]
+
+
+# -- a server lent to one training at a time (inference.server, cua_rl/inference/attach.py) -----
+
+
+async def _tokens_in(server, n_tokens: int = 6) -> tuple[list[int], list[float], set[str]]:
+    """Greedy on the tokens-in route the rollout gateway samples with: ids, logprobs and the
+    versions its spans name (vLLM's "default" where no update labelled the weights)."""
+    body = {
+        "token_ids": PROMPT,
+        "sampling_params": {"temperature": 0.0, "max_tokens": n_tokens, "logprobs": 0},
+        "return_token_ids": True,
+        "model": str(server.model_dir),  # served under its path, as a training's is
+    }
+    async with httpx.AsyncClient(base_url=_root(server), timeout=120) as client:
+        resp = await client.post("/inference/v1/generate", json=body)
+    assert resp.status_code == 200, resp.text
+    parsed = VLLMTokens().parse(resp.json())
+    return parsed.output_ids, parsed.logprobs, {span["version"] for span in parsed.spans}
+
+
+async def test_a_borrowed_server_serves_the_trainings_weights_to_one_training_at_a_time(
+    areal_vllm_server, tiny_text_model_dir, scaled_checkpoint, tmp_path, monkeypatch
+):
+    address = f"{areal_vllm_server.host}:{areal_vllm_server.port}"
+    ids0, lps0, spans0 = await _tokens_in(areal_vllm_server)
+    assert spans0 == {"default"}  # a new server's weights carry no version label
+    # What a previous training leaves: its last weights, labelled with their version.
+    last = tmp_path / "ckpt" / "weight_update_v3"
+    shutil.copytree(scaled_checkpoint, last)
+    async with httpx.AsyncClient(base_url=_root(areal_vllm_server), timeout=120) as client:
+        assert (await _send(client, _update(last))).json()["success"] is True
+    _, lps1, spans1 = await _tokens_in(areal_vllm_server)
+    assert lps1 != pytest.approx(lps0, abs=1e-2) and spans1 == {"3"}
+
+    holder = attach.attach_process(address, str(tiny_text_model_dir))
+    try:
+        # The training's own weights, unlabelled, as on a new server.
+        ids2, lps2, spans2 = await _tokens_in(areal_vllm_server)
+        assert ids2 == ids0 and lps2 == pytest.approx(lps0, abs=1e-5) and spans2 == {"default"}
+        # A second training is refused while the first holds the server, naming the holder.
+        monkeypatch.setattr(attach, "BUSY_WAIT_S", 0.0)
+        said = io.StringIO()
+        assert attach.hold(address, str(tiny_text_model_dir), "second", out=said) == 2
+        assert f"lent to another training (pid {os.getpid()}" in said.getvalue(), said.getvalue()
+    finally:
+        holder.kill()  # as a killed trainer's process group dies: no goodbye
+        holder.wait()
+    # Another model's checkpoint is refused whoever holds the server.
+    said = io.StringIO()
+    assert attach.hold(address, str(scaled_checkpoint), "wrong", out=said) == 2
+    assert f"serves {tiny_text_model_dir}, not {scaled_checkpoint}" in said.getvalue()
+    # The holder gone, the server is lent again (a refusal while its release is under way is
+    # retried: the wait is for that state, BUSY_WAIT_S at most).
+    monkeypatch.setattr(attach, "BUSY_WAIT_S", 60.0)
+    again = attach.attach_process(address, str(tiny_text_model_dir))
+    again.terminate()
+    assert again.wait(10) == -signal.SIGTERM
+
+
+def test_an_unreachable_server_is_named(tmp_path):
+    port = free_port()
+    with pytest.raises(attach.AttachError, match=f"127.0.0.1:{port} cannot be reached"):
+        attach.attach_process(f"127.0.0.1:{port}", str(tmp_path))

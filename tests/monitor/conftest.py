@@ -339,3 +339,12 @@ def full_batch(run_name: str | None = None) -> dict:
             }
         ],
     }
+
+
+@pytest.fixture
+def browser(tmp_path):
+    from .browser import Browser
+
+    b = Browser(tmp_path / "profile")
+    yield b
+    b.close()

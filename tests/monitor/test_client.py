@@ -54,6 +54,18 @@ async def test_retries_then_sends(fake, tmp_path, store):
     assert task_count(store) == 5
 
 
+async def test_what_is_queued_when_the_run_ends_reaches_the_monitor(fake, tmp_path, store):
+    """A run's last records (its training's final status among them) are queued just before
+    the client closes, with no flush between: close sends every one."""
+    client = make_client(fake, tmp_path, flush_interval_s=10)
+    await client.start()
+    for i in range(5):
+        assert client.enqueue("tasks", _task(f"e{i}"))
+    await client.close()
+    assert (client.counters.sent, client.counters.spooled, client.counters.dropped) == (5, 0, 0)
+    assert task_count(store) == 5
+
+
 async def test_spools_while_down_then_replays_in_order(fake, tmp_path, store):
     fake.down = True
     client = make_client(fake, tmp_path)

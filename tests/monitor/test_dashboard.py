@@ -11,7 +11,7 @@ import httpx
 import pytest
 
 from cua_rl.monitor.server.rollout_view import conversion_view
-from cua_rl.monitor.server.views import action_overlay, reward_colour, token_view
+from cua_rl.monitor.server.views import EQUAL_REWARDS, action_overlay, reward_colour, token_view
 
 from .conftest import MonitorProcess, uid
 
@@ -285,7 +285,8 @@ def test_token_view_marks_the_least_likely_and_averages():
 def test_reward_colour_runs_from_red_to_green():
     assert reward_colour(0.0, 0.0, 1.0) == "hsl(0, 65%, 72%)"
     assert reward_colour(1.0, 0.0, 1.0) == "hsl(120, 65%, 72%)"
-    assert reward_colour(0.5, 0.5, 0.5) == "hsl(60, 65%, 72%)"
+    # All equal: one neutral colour, not the scale's yellow middle (test_dashboard_edges.py).
+    assert reward_colour(0.5, 0.5, 0.5) == EQUAL_REWARDS != "hsl(60, 65%, 72%)"
 
 
 def test_episodes_stopped_by_the_end_of_a_run_are_not_rejections(store):

@@ -17,65 +17,10 @@ import pytest
 
 from tests.conftest import db_rows
 
+from .browser import login as _login
 from .conftest import MonitorProcess
 
 pytestmark = [pytest.mark.slow, pytest.mark.timeout(1800)]
-
-BROWSER_ARGS = [
-    "--headless",
-    "--no-sandbox",
-    "--disable-gpu",
-    "--disable-quic",
-    "--no-first-run",
-    "--disable-background-networking",
-    "--disable-component-update",
-    "--disable-sync",
-]
-
-
-def chromium_path() -> str:
-    path = shutil.which("chromium")
-    if not path:
-        pytest.fail(
-            "Debian's chromium is not installed; `make test` installs it (apt-get install chromium)"
-        )
-    return path
-
-
-class Browser:
-    """One Chromium with a fresh profile; records console errors and failed requests."""
-
-    def __init__(self, user_data_dir):
-        from playwright.sync_api import sync_playwright
-
-        self._pw = sync_playwright().start()
-        self.context = self._pw.chromium.launch_persistent_context(
-            str(user_data_dir),
-            executable_path=chromium_path(),
-            headless=True,
-            args=BROWSER_ARGS,
-            viewport={"width": 1400, "height": 1000},
-        )
-        self.page = self.context.pages[0] if self.context.pages else self.context.new_page()
-        self.problems: list[str] = []
-        self.page.on(
-            "console",
-            lambda m: (
-                self.problems.append(f"console {m.type}: {m.text}") if m.type == "error" else None
-            ),
-        )
-        self.page.on("requestfailed", lambda r: self.problems.append(f"failed: {r.url}"))
-        self.page.on(
-            "response",
-            lambda r: (
-                self.problems.append(f"HTTP {r.status}: {r.url}") if r.status >= 400 else None
-            ),
-        )
-        self.page.on("pageerror", lambda e: self.problems.append(f"page error: {e}"))
-
-    def close(self) -> None:
-        self.context.close()
-        self._pw.stop()
 
 
 @pytest.fixture(scope="module")
@@ -91,30 +36,12 @@ def served(demo_run, tmp_path_factory):
     proc.stop()
 
 
-@pytest.fixture
-def browser(tmp_path):
-    b = Browser(tmp_path / "profile")
-    yield b
-    b.close()
-
-
 def _ids(db, sql: str) -> list[int]:
     con = sqlite3.connect(db)
     try:
         return [r[0] for r in con.execute(sql)]
     finally:
         con.close()
-
-
-def _login(browser: Browser, base: str, token: str) -> None:
-    page = browser.page
-    page.goto(f"{base}/")
-    assert "/login" in page.url
-    page.fill("#token", token)
-    with page.expect_navigation():
-        page.click("button[type=submit]")
-    page.wait_for_load_state("networkidle")
-    assert "/login" not in page.url, page.content()[:2000]
 
 
 def test_every_page_loads_cleanly_with_curves_screenshots_and_drawn_actions(

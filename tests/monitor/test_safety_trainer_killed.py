@@ -1,9 +1,10 @@
 """A trainer killed outright mid-step, for real: the monitor's safety net fails its training.
 
-train.py (AReaL's PPOTrainer, a vLLM CPU server, the tiny Qwen2-VL) runs against a monitor this
-test serves with a short heartbeat timeout, the local gym and the local agent. Once a step's
-episode is running (read from the monitor's database), the trainer's process group (AReaL's
-workers and the vLLM server with it) gets SIGKILL: nothing of the run can close anything. After
+train.py (AReaL's PPOTrainer, the session's shared vLLM CPU server, the tiny Qwen2-VL) runs
+against a monitor this test serves with a short heartbeat timeout, the local gym and the local
+agent. Once a step's episode is running (read from the monitor's database), the trainer's process
+group (AReaL's workers, and the hold on the borrowed server with them) gets SIGKILL: nothing of
+the run can close anything. After
 the timeout the monitor has marked the training failed ("heartbeat lost") and closed every record
 under it.
 """
@@ -21,7 +22,7 @@ import pytest
 
 from cua_rl.sim.agent import AgentServer
 from cua_rl.sim.gym import GymServer, SimGymConfig
-from tests.conftest import db_rows, train_command
+from tests.conftest import NO_EVAL, db_rows, note_cost, train_command
 
 from .conftest import MonitorProcess
 
@@ -63,9 +64,11 @@ def _wait_for(db: Path, sql: str, timeout: float, proc=None, log: Path | None = 
 
 @pytest.mark.timeout(1500)
 def test_a_trainer_killed_mid_step_leaves_a_failed_training_with_nothing_open(
-    tmp_path, tiny_vl_model_dir
+    tmp_path, tiny_vl_bpe_model_dir, model_servers
 ):
     db = tmp_path / "monitor.db"
+    server = model_servers("qwen2-vl-bpe")
+    t0 = time.monotonic()
     monitor = MonitorProcess(db, token=None, extra_args=("--heartbeat-timeout-s", str(TIMEOUT_S)))
     monitor.start()
     proc = None
@@ -77,8 +80,10 @@ def test_a_trainer_killed_mid_step_leaves_a_failed_training_with_nothing_open(
         ):
             proc = subprocess.Popen(
                 train_command(
-                    tiny_vl_model_dir, gym.url, agent.url, f"monitor.base_url={monitor.base_url}",
-                    tmp_path, "total_train_steps=50", "total_train_epochs=50", f"monitor.heartbeat_s={HEARTBEAT_S}",
+                    tiny_vl_bpe_model_dir, gym.url, agent.url,
+                    f"monitor.base_url={monitor.base_url}", tmp_path, server.borrow_override(),
+                    *NO_EVAL, "total_train_steps=50", "total_train_epochs=50",
+                    f"monitor.heartbeat_s={HEARTBEAT_S}",
                 ),
                 cwd=ROOT,
                 stdout=log,
@@ -96,6 +101,7 @@ def test_a_trainer_killed_mid_step_leaves_a_failed_training_with_nothing_open(
         if proc is not None and proc.poll() is None:
             _kill(proc)
         monitor.stop()
+    note_cost("trainer killed", time.monotonic() - t0)
     assert open_before > 0  # the kill left open records: the safety net had work to do
     ((status, message),) = db_rows(db, "SELECT status, status_message FROM training")
     assert status == "failed" and message.startswith("heartbeat lost: silent for"), message

@@ -2,8 +2,8 @@
 
 One training per context policy of the local agent (the full conversation, MAI-UI's window, the
 current screenshot only): ``make demo``'s launcher, real asynchronous PPO steps with every episode
-stored (``monitor.store_episodes=all``), the very trainings tests/app/test_context_train.py
-checks (``context_runs``: run once per session). Each export loads with
+stored (``monitor.store_episodes=all``), the session's shared trainings that
+tests/app/test_context_train.py checks (``shared_training``, tests/conftest.py ``REGIMES``). Each export loads with
 ``datasets.load_from_disk``; the tiny model's processor and a forward pass take every example (an
 example whose images do not match its placeholders fails there: "Image features and image tokens
 do not match", as MAI-UI's records did when the export wrote one record per episode with the
@@ -21,26 +21,22 @@ import sqlite3
 import pytest
 
 from cua_rl.monitor.export import Filters, export_episodes
-from tests.conftest import CONTEXT_STEPS, DEMO_STEPS, db_rows
+from tests.conftest import BUILTIN_MAI_UI, DEMO, SERVICE_CURRENT, db_rows
+from tests.monitor.browser import Browser
 from tests.monitor.conftest import MonitorProcess
-from tests.monitor.test_dashboard_browser import Browser
 
 pytestmark = [pytest.mark.slow, pytest.mark.timeout(1800)]
 
-# The context-policy trainings of tests/app/test_context_train.py, shared within the session
-# (every episode stored): the append-only conversation from the builtin loop, the windowed and
-# current-only agents from the agent service.
-RUNS = {
-    "full": ("builtin", "full", DEMO_STEPS),
-    "mai-ui": ("service", "mai-ui", CONTEXT_STEPS),
-    "current": ("service", "current", CONTEXT_STEPS),
-}
+# The shared trainings, one per context policy (every episode stored): the append-only
+# conversation from the agent service (the demo's own run), the windowed agent from the built-in
+# loop, the current-only one from the agent service.
+RUNS = {"full": DEMO, "mai-ui": BUILTIN_MAI_UI, "current": SERVICE_CURRENT}
 
 
 @pytest.fixture(scope="module", params=list(RUNS))
-def trained(request, context_runs):
+def trained(request, shared_training):
     """(the context policy, the run) of one real training with every episode stored."""
-    run = context_runs(*RUNS[request.param])
+    run = shared_training(RUNS[request.param].name)
     assert run.returncode == 0, run.output[-6000:]
     return request.param, run
 

@@ -5,27 +5,20 @@ from __future__ import annotations
 
 import pytest
 
-from cua_rl.monitor.worker.context import MonitorContext
-from cua_rl.monitor.worker.recorder import RolloutRecorder
 from cua_rl.reward import RewardOutcome
 from cua_rl.rollout.episode import CapturedCalls, Ended, EpisodeTask
-from cua_rl.rollout.observers import WarehouseObserver
 from cua_rl.warehouse import rebuild_rows
+from cua_rl.warehouse.store import WarehouseObserver
 from tests.app.test_workflow import RUN, _bare_workflow
 
 from .conftest import TASK, assert_rows_equal, converted
 
 
 class StoringClient:
-    """The members of ``MonitorClient`` the recorder and the hook use; keeps what it is given."""
+    """The member of ``MonitorClient`` the warehouse's observer uses; keeps what it is given."""
 
     def __init__(self):
-        self.records: list[tuple[str, dict]] = []
         self.stored: list = []
-
-    def enqueue(self, kind: str, record: dict) -> bool:
-        self.records.append((kind, record))
-        return True
 
     def store_episode(self, episode) -> bool:
         self.stored.append(episode)
@@ -38,10 +31,15 @@ async def _store(images, processor, *, policy: str, phase: str, success: bool):
     task = EpisodeTask({"task_id": TASK}, "u-1", 3)
     reward = RewardOutcome(float(success), float(success), success, None)
     client = StoringClient()
-    source = MonitorContext(eval_id="e") if phase == "eval" else MonitorContext(step_id="s")
-    recorder = RolloutRecorder(client, "u-1", task_id=TASK, model_path="m", source=source)
+
+    async def monitor():
+        return client
+
     ended = Ended(task, "accepted", calls=CapturedCalls(turns), reward=reward, rows=result)
-    await WarehouseObserver(recorder, settings).on(ended)
+    observer = WarehouseObserver(
+        monitor, task, policy=policy, phase=phase, training=settings.training_ref
+    )
+    await observer.on(ended)
     return client.stored, result
 
 

@@ -23,7 +23,7 @@ from starlette.exceptions import HTTPException as StarletteHTTPException
 
 from cua_rl.logs import get_logger
 from cua_rl.monitor.protocol import IMAGE_KIND, ScreenshotError
-from cua_rl.monitor.server import episodes
+from cua_rl.monitor.server import audits, episodes
 from cua_rl.monitor.server.dashboard import DEFAULT_STALE_AFTER_S, DashboardAuth, install_dashboard
 from cua_rl.monitor.server.read import MonitorReader
 from cua_rl.monitor.server.safety import DEFAULT_HEARTBEAT_TIMEOUT_S
@@ -119,6 +119,7 @@ def create_app(
     _install_rollouts(app, store.read, auth)
     _install_screenshots(app, screenshots, auth, max_body_bytes)
     _install_episodes(app, store.read, auth)
+    _install_audits(app, store.read, auth)
     if dashboard:
         install_dashboard(
             app, store.path, auth, stale_after_s=stale_after_s, screenshots_root=screenshots.root
@@ -364,6 +365,32 @@ def _install_episodes(app: FastAPI, read: MonitorReader, auth: DashboardAuth) ->
         except episodes.NoEpisodeStore as exc:
             raise ApiError(409, "no_episode_store", str(exc)) from None
         return _json({"task_id": task_id, "episodes": found, "skipped": skipped})
+
+
+def _install_audits(app: FastAPI, read: MonitorReader, auth: DashboardAuth) -> None:
+    """Verifier audits (``python -m cua_rl.audit``, docs/audit.md)."""
+
+    @app.get("/api/audits")
+    async def list_audits(request: Request):
+        _check_auth(auth, request)
+        gym_id = request.query_params.get("gym_id", "")
+        limit = _int_param(request, "limit", 50, 1, 1000)
+        rows = await _in_thread(lambda: audits.list_audits(read.conn(), gym_id=gym_id, limit=limit))
+        return _json({"audits": rows})
+
+    @app.get("/api/audits/flagged")
+    async def flagged(request: Request):
+        """The newest completed audit of a gym and its flagged tasks (``curriculum.skip_flagged``)."""
+        _check_auth(auth, request)
+        gym_id = _str_param(request, "gym_id")
+        audit, tasks = await _in_thread(lambda: audits.flagged_tasks(read.conn(), gym_id))
+        return _json({"gym_id": gym_id, "audit": audit, "tasks": tasks})
+
+    @app.get("/api/audits/{audit_id}")
+    async def audit(request: Request, audit_id: int):
+        return await _one_by_id(
+            auth, request, lambda i: audits.get_audit(read.conn(), i), "audit", audit_id
+        )
 
 
 def _screenshot_path(sha256: str) -> str:

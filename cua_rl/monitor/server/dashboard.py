@@ -45,6 +45,7 @@ from cua_rl.monitor.protocol import SOURCE_TYPES
 from cua_rl.monitor.server import views
 from cua_rl.monitor.server.read import MonitorReader
 from cua_rl.monitor.server.screenshots import default_root
+from cua_rl.monitor.server.views import parse_time
 
 HERE = Path(__file__).parent
 STATIC = HERE / "static"
@@ -137,6 +138,28 @@ def _fmt_duration(seconds: Any) -> str:
     return f"{float(seconds):.1f}s" if seconds < 60 else _span(int(seconds))
 
 
+def _fmt_when(value: Any) -> str:
+    """Every timestamp of the pages in one form, to the second, UTC (the database keeps some to
+    the microsecond, some to the millisecond, some as ISO with a T); the value as stored stays in
+    a template's ``title``."""
+    parsed = parse_time(value)
+    if parsed is None:
+        return "–" if not value else str(value)
+    return parsed.astimezone(UTC).strftime("%Y-%m-%d %H:%M:%S")
+
+
+def _fmt_model_name(path: Any) -> str:
+    """A model's name for a narrow column: a local checkpoint's folder name (cutting a long path
+    at its start left a fragment such as ``t/i55/.cache/...``), a hub id (``org/name``) whole.
+    The full path is the column's ``title`` and is shown whole on the training's page."""
+    if not path:
+        return "–"
+    text = str(path).rstrip("/")
+    if text.startswith(("/", ".", "~")):
+        return text.rsplit("/", 1)[-1] or text
+    return text
+
+
 def _environment() -> Environment:
     env = Environment(
         loader=FileSystemLoader(HERE / "templates"),
@@ -148,6 +171,8 @@ def _environment() -> Environment:
     env.filters["pct"] = _fmt_pct
     env.filters["age"] = _fmt_age
     env.filters["duration"] = _fmt_duration
+    env.filters["when"] = _fmt_when
+    env.filters["model_name"] = _fmt_model_name
     return env
 
 
@@ -246,6 +271,7 @@ def install_dashboard(
     _install_login(app, pages)
     _install_training_pages(app, pages, read, stale_after_s)
     _install_rollout_pages(app, pages, read)
+    _install_audit_pages(app, pages, read)
     shots = Path(screenshots_root) if screenshots_root else default_root(Path(db_path))
     _install_rollout_export(app, pages, read, shots)
     _install_static(app, pages)
@@ -342,6 +368,22 @@ def _install_rollout_pages(app: FastAPI, pages: _Pages, read: MonitorReader) -> 
         )
 
 
+def _install_audit_pages(app: FastAPI, pages: _Pages, read: MonitorReader) -> None:
+    """Verifier audits (``python -m cua_rl.audit``): the list and one audit's verdicts."""
+
+    @app.get("/audits")
+    async def audits_index(request: Request):
+        return await pages.render(
+            request, "audits.html", lambda: views.audits_page(read), "Verifier audits"
+        )
+
+    @app.get("/audits/{audit_id}")
+    async def audit_detail(request: Request, audit_id: int):
+        return await pages.render(
+            request, "audit.html", lambda: views.audit_page(read, audit_id), f"Audit {audit_id}"
+        )
+
+
 def _install_rollout_export(app: FastAPI, pages: _Pages, read: MonitorReader, shots: Path) -> None:
     """The rollout page's export link: the records ``python -m cua_rl.monitor export`` writes
     for that rollout's stored episode, as one Parquet file."""
@@ -352,23 +394,36 @@ def _install_rollout_export(app: FastAPI, pages: _Pages, read: MonitorReader, sh
         if denied is not None:
             return denied
 
-        def build() -> tuple[bytes | None, str]:
-            try:
-                from cua_rl.monitor.export import ExportError, parquet_bytes, rollout_examples
-            except ImportError as exc:  # a monitor installed without the datasets package
-                return None, f"the export needs the datasets package: {exc}"
-            try:
-                return parquet_bytes(rollout_examples(read.conn(), shots, rollout_id)), ""
-            except ExportError as exc:
-                return None, str(exc)
+        def build() -> tuple[bytes | None, str, int]:
+            from cua_rl.monitor.export import ExportError, parquet_bytes, rollout_examples
 
-        data, why = await anyio.to_thread.run_sync(build)
+            try:
+                return parquet_bytes(rollout_examples(read.conn(), shots, rollout_id)), "", 200
+            except ExportError as exc:
+                return None, str(exc), 404
+            except ImportError as exc:
+                # A monitor served from a light install (pip install -e .): the export decodes
+                # with transformers and writes with datasets, which only the extra brings.
+                return None, export_missing(exc), 501
+
+        data, why, status = await anyio.to_thread.run_sync(build)
         headers = {"Cache-Control": "no-store", "X-Content-Type-Options": "nosniff"}
         if data is None:
-            return PlainTextResponse(f"no export: {why}\n", status_code=404, headers=headers)
+            return PlainTextResponse(f"no export: {why}\n", status_code=status, headers=headers)
         name = f"rollout-{rollout_id}-examples.parquet"
         headers["Content-Disposition"] = f'attachment; filename="{name}"'
         return Response(data, media_type="application/vnd.apache.parquet", headers=headers)
+
+
+def export_missing(exc: ImportError) -> str:
+    """What a monitor without the export's packages says instead of a server error."""
+    name = exc.name or str(exc)
+    return (
+        f"this monitor's environment lacks {name}, which the export needs: install the "
+        "monitor's export extra there (pip install -e '.[export]': datasets and transformers) "
+        "and restart it, or export with python -m cua_rl.monitor export from the training's "
+        "environment (docs/warehouse.md)"
+    )
 
 
 def _install_static(app: FastAPI, pages: _Pages) -> None:

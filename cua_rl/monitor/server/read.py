@@ -351,6 +351,24 @@ class MonitorReader:
             (training_id,),
         )
 
+    def free_reward_counts(self, training_id: int) -> dict[int, dict[str, int]]:
+        """Per step id, its training episodes marked rewarded while no action changed the state
+        (``free_reward``) or while the gym said nothing of it (``free_reward_unknown``): the
+        marks ``cua_rl.audit.live`` keeps in the rollout's extra fields."""
+        rows = self._rows(
+            "SELECT r.step_id, "
+            "SUM(COALESCE(json_extract(x.fields_json, '$.free_reward'), 0)) AS free, "
+            "SUM(COALESCE(json_extract(x.fields_json, '$.free_reward_unknown'), 0)) AS unknown "
+            "FROM rollout r LEFT JOIN extra_field x "
+            "ON x.entity_type = 'rollout' AND x.entity_id = r.id "
+            f"WHERE {_TRAINING_ROLLOUT} GROUP BY r.step_id",
+            (training_id,),
+        )
+        return {
+            r["step_id"]: {"free_reward": int(r["free"]), "free_reward_unknown": int(r["unknown"])}
+            for r in rows
+        }
+
     def rollout_counts(self, kind: str, source_id: int) -> dict[str, int]:
         """Rollouts of a step, eval or baseline per status."""
         col = SOURCE_ID_COLUMNS[self._source_table(kind)]

@@ -538,10 +538,55 @@ CREATE INDEX idx_episode_image_sha256 ON episode_image (sha256);
 EPISODE_STORE_VERSION = 5
 
 
+# Migration 6: verifier audits (cua_rl/audit, docs/audit.md). One row per audit (its gym, status,
+# progress and counts per verdict) and one per audited task (its verdict, the flags with their
+# evidence, the rewarded runs per agent, every run as JSON).
+_AUDIT_SQL = """
+CREATE TABLE audit (
+    id INTEGER PRIMARY KEY AUTOINCREMENT,
+    client_id TEXT NOT NULL UNIQUE,
+    status TEXT NOT NULL DEFAULT 'running'
+        CHECK (status IN ('running', 'completed', 'cancelled', 'failed')),
+    gym_base_url TEXT NOT NULL DEFAULT '',
+    gym_id TEXT NOT NULL DEFAULT '',
+    config_path TEXT NOT NULL DEFAULT '',
+    tasks_total INTEGER NOT NULL DEFAULT 0,
+    tasks_done INTEGER NOT NULL DEFAULT 0,
+    flagged INTEGER NOT NULL DEFAULT 0,
+    counts_json TEXT,
+    settings_json TEXT,
+    executions_json TEXT,
+    message TEXT,
+    started_at TIMESTAMP,
+    finished_at TIMESTAMP,
+    created_at TIMESTAMP DEFAULT CURRENT_TIMESTAMP,
+    updated_at TIMESTAMP DEFAULT CURRENT_TIMESTAMP
+);
+CREATE INDEX idx_audit_gym ON audit (gym_id, id);
+CREATE TABLE audit_task (
+    id INTEGER PRIMARY KEY AUTOINCREMENT,
+    audit_id INTEGER NOT NULL REFERENCES audit(id) ON DELETE CASCADE,
+    task_id TEXT NOT NULL,
+    name TEXT NOT NULL DEFAULT '',
+    verdict TEXT NOT NULL
+        CHECK (verdict IN ('free_reward', 'rejects_success', 'flaky', 'clean', 'unchecked')),
+    flags_json TEXT,
+    summary_json TEXT,
+    skipped_json TEXT,
+    runs_json TEXT,
+    seconds REAL,
+    created_at TIMESTAMP DEFAULT CURRENT_TIMESTAMP,
+    UNIQUE (audit_id, task_id)
+);
+""" + _updated_at_triggers(("audit",))
+AUDIT_VERSION = 6
+
+
 MIGRATIONS: tuple[Migration, ...] = (
     Migration(1, "seed schema", _migration_1()),
     Migration(2, "screenshot store", _SCREENSHOT_SQL),
     Migration(3, "environment before its rollout", _migration_3()),
     Migration(4, "service pauses", _PAUSE_SQL),
     Migration(EPISODE_STORE_VERSION, "trajectory warehouse", _EPISODE_STORE_SQL),
+    Migration(AUDIT_VERSION, "verifier audits", _AUDIT_SQL),
 )

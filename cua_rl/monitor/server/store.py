@@ -36,13 +36,14 @@ from typing import Any
 import sqlite_utils
 
 from cua_rl.monitor.protocol import (
+    AUDIT_KINDS,
     EPISODE_KIND,
     IMAGE_KIND,
     SOURCE_ID_COLUMNS,
     SOURCE_TYPES,
     STATUSES,
 )
-from cua_rl.monitor.server import compat, episodes, safety
+from cua_rl.monitor.server import audits, compat, episodes, safety
 from cua_rl.monitor.server.batch import (
     BATCH_KEYS,
     SPECS,
@@ -101,11 +102,11 @@ class MonitorStore:
         """Apply one batch atomically; returns ``{"training_id", <key>: [{client_id, id}]}``."""
         if not isinstance(batch, dict):
             raise IngestValidationError("the batch must be a JSON object")
-        unknown = sorted(set(batch) - set(BATCH_KEYS) - {EPISODE_KIND})
+        unknown = sorted(set(batch) - set(BATCH_KEYS) - {EPISODE_KIND, *AUDIT_KINDS})
         if unknown:
             raise IngestValidationError(
                 f"unknown batch key(s) {unknown}; expected some of "
-                f"{[*BATCH_KEYS, EPISODE_KIND]} ({IMAGE_KIND} only over HTTP)",
+                f"{[*BATCH_KEYS, EPISODE_KIND, *AUDIT_KINDS]} ({IMAGE_KIND} only over HTTP)",
                 kind=unknown[0],
             )
         with self._lock:
@@ -154,6 +155,7 @@ class MonitorStore:
             result[spec.key] = out
         if batch.get(EPISODE_KIND) is not None:  # last: an episode names its rollout
             result[EPISODE_KIND] = episodes.apply_episodes(ctx, batch[EPISODE_KIND])
+        result.update(audits.apply_audits(conn, batch))
         self._settle(conn, result)
         return result
 

@@ -17,7 +17,8 @@ import math
 from datetime import UTC, datetime
 from typing import Any
 
-from cua_rl.monitor.protocol import SOURCE_ID_COLUMNS, TERMINAL
+from cua_rl.monitor.protocol import AUDIT_LABELS, AUDIT_VERDICTS, SOURCE_ID_COLUMNS, TERMINAL
+from cua_rl.monitor.server import audits
 from cua_rl.monitor.server.read import MonitorReader
 from cua_rl.monitor.server.rollout_view import (
     action_overlay,
@@ -79,7 +80,9 @@ ACTIVE_TRAINING = ("pending", "initializing", "running", "paused")
 # The status message the safety net (safety.py) gives a training it failed for silence.
 HEARTBEAT_LOST = "heartbeat lost"
 FINISHED = TERMINAL["rollout"]
+ENDED = ("completed", "failed", "cancelled")
 _NO_OUTCOMES = {"accepted": 0, "rejected": 0, "stopped": 0, "running": 0}
+_NO_FREE_REWARD = {"free_reward": 0, "free_reward_unknown": 0}
 
 
 def parse_time(value: Any) -> datetime | None:
@@ -179,6 +182,7 @@ def training_page(read: MonitorReader, training_id: int, *, now: datetime, stale
         else:
             per["running"] += r["n"]
 
+    free = read.free_reward_counts(training_id)
     eval_by_step = {e["step"]: e for e in evals}
     for s in steps:
         metrics = _json(s.pop("metrics_json")) or {}
@@ -189,6 +193,8 @@ def training_page(read: MonitorReader, training_id: int, *, now: datetime, stale
             s[f"ep_{key}"] = _metric(metrics, key)
         for key in ("row_images", "distinct_images", "encoded_images", *CREDIT_METRICS):
             s[key] = _metric(metrics, key)
+        # Its rollouts rewarded while no action changed the state (cua_rl/audit/live.py).
+        s.update(free.get(s["id"], _NO_FREE_REWARD))
         s["ep_dropped"] = (
             s["ep_trained_tokens"] is not None
             and s["ep_sampled_tokens"] is not None
@@ -263,6 +269,9 @@ def training_charts(steps: list[dict], baseline_success: float | None) -> list[d
          "series": [["rollout", col("rollout_s")], ["logprobs", col("logp_s")],
                     ["train", col("train_s")], ["weight sync", col("weights_s")],
                     ["eval", col("eval_s")]]},
+        {"id": "free_reward", "title": "Rewarded episodes whose actions changed nothing", "x": x,
+         "series": [["no action changed the state", col("free_reward")],
+                    ["the gym did not say", col("free_reward_unknown")]]},
         {"id": "episodes", "title": "Episodes", "x": x,
          "series": [["accepted", col("accepted")], ["rejected", col("rejected")],
                     ["stopped", col("stopped")]]},
@@ -288,7 +297,11 @@ def source_page(read: MonitorReader, kind: str, source_id: int, *, limit: int = 
     source = read.source(kind, source_id)
     if source is None:
         return None
+    if source.get("status") in ENDED:
+        # The phase it was in when it ended (an eval's last is "aggregation") is no longer so.
+        source["current_phase"] = source["status"]
     training = read.training_brief(source["training_id"])
+    group = group_size(read.training(source["training_id"]), kind)
     rollouts = read.source_rollouts(kind, source_id, limit)
     tasks: dict[int, dict] = {}
     rewards = [r["reward"] for r in rollouts if _finite(r["reward"]) is not None]
@@ -307,6 +320,8 @@ def source_page(read: MonitorReader, kind: str, source_id: int, *, limit: int = 
         )
         task["samples"].append(r)
     width = max((len(t["samples"]) for t in tasks.values()), default=0)
+    if group and width > group:
+        width = -(-width // group) * group  # whole groups
     counts: dict[str, int] = {}
     for r in rollouts:
         counts[r["status"]] = counts.get(r["status"], 0) + 1
@@ -318,6 +333,8 @@ def source_page(read: MonitorReader, kind: str, source_id: int, *, limit: int = 
         "training": training,
         "tasks": list(tasks.values()),
         "width": width,
+        "group": group if group and width > group else None,
+        "group_size": group,
         "counts": sorted(counts.items()),
         "reward_range": (lo, hi),
         "truncated": len(rollouts) >= limit,
@@ -326,13 +343,33 @@ def source_page(read: MonitorReader, kind: str, source_id: int, *, limit: int = 
     }
 
 
+# A grid whose rewards are all equal has no lowest or highest: one neutral colour, not the
+# scale's middle (which read as "half way").
+EQUAL_REWARDS = "hsl(210, 30%, 86%)"
+
+
 def reward_colour(reward: Any, lo: float, hi: float) -> str:
     """Red (lowest reward of the grid) through yellow to green (highest) as an HSL colour."""
     v = _finite(reward)
     if v is None:
         return "hsl(0, 0%, 80%)"
-    frac = 0.5 if hi <= lo else (v - lo) / (hi - lo)
+    if hi <= lo:
+        return EQUAL_REWARDS
+    frac = (v - lo) / (hi - lo)
     return f"hsl({round(120 * frac)}, 65%, 72%)"
+
+
+def group_size(training: dict | None, kind: str) -> int | None:
+    """Episodes per task of a group: the training's ``gconfig.n_samples`` for a step, its
+    ``eval_gconfig``'s for an eval or the baseline (as recorded with the training)."""
+    if training is None:
+        return None
+    config = _json(training.get("config_json")) or {}
+    section = config.get("eval_gconfig") if kind != "step" else None
+    n = (section or config.get("gconfig") or {}).get("n_samples")
+    if not isinstance(n, int):
+        n = training.get("group_size") if kind == "step" else None
+    return n if isinstance(n, int) and n > 0 else None
 
 
 # ---------------------------------------------------------------------------- one rollout
@@ -368,18 +405,25 @@ def rollout_page(read: MonitorReader, rollout_id: int) -> dict | None:
             item["extra"] = extras.get(item["id"], {})
             by_id[item["turn_id"]][key].append(item)
     for t in turns:
-        shot = next((o for o in t["observations"] if o.get("screenshot_uri")), None)
-        t["screenshot"] = screenshot_view(shot)
+        own, earlier = _turn_screenshots(t["observations"])
+        t["screenshot"] = screenshot_view(own)
+        t["context_shots"] = [screenshot_view(o) for o in earlier]
+        t["context_images"] = (own or {}).get("extra", {}).get("context_images") or (
+            len(earlier) + 1 if own else 0
+        )
     # Only images the store holds get an <img> (no broken image for one dropped by retention).
-    digests = [
-        t["screenshot"]["sha256"] for t in turns if t["screenshot"] and t["screenshot"]["sha256"]
-    ]
-    stored = read.stored_screenshots(digests)
+    shown = [s for t in turns for s in (t["screenshot"], *t["context_shots"]) if s]
+    stored = read.stored_screenshots([s["sha256"] for s in shown if s["sha256"]])
+    for s in shown:
+        s["stored"] = s["sha256"] in stored
     for t in turns:
-        if t["screenshot"]:
-            t["screenshot"]["stored"] = t["screenshot"]["sha256"] in stored
         t["drawn"] = [
-            action_overlay(a.get("tool_name") or a.get("action_type"), _json(a.get("tool_args")))
+            {
+                **action_overlay(
+                    a.get("tool_name") or a.get("action_type"), _json(a.get("tool_args"))
+                ),
+                "result": action_result_view(a["extra"].get("result")),
+            }
             for a in t["actions"]
         ]
         t["tokens"] = token_view(t["actions"])
@@ -406,6 +450,38 @@ def rollout_page(read: MonitorReader, rollout_id: int) -> dict | None:
     }
 
 
+def _turn_screenshots(observations: list[dict]) -> tuple[dict | None, list[dict]]:
+    """The turn's own screenshot and the earlier ones its request also held (a MAI-UI window),
+    in the order the model received them. The recorder marks each with its place in the
+    request (``context_image`` of ``context_images``; the turn's own is the last); an
+    observation without a mark is the turn's own."""
+    shots = [o for o in observations if o.get("screenshot_uri")]
+
+    def place(o: dict) -> tuple[int | None, int | None]:
+        extra = o.get("extra") or {}
+        k, n = extra.get("context_image"), extra.get("context_images")
+        ok = isinstance(k, int) and isinstance(n, int)
+        return (k, n) if ok else (None, None)
+
+    own = next((o for o in shots if place(o)[0] is None or place(o)[0] == place(o)[1]), None)
+    earlier = [o for o in shots if o is not own and place(o)[0] is not None]
+    return own, sorted(earlier, key=lambda o: place(o)[0])
+
+
+def action_result_view(result: Any) -> dict | None:
+    """What the environment answered an action, for its line under the action: refused (with
+    the error) or done; None when nothing was recorded."""
+    if not isinstance(result, dict):
+        return None
+    error = result.get("error")
+    refused = bool(error) or result.get("ok") is False or result.get("success") is False
+    return {
+        "refused": refused,
+        "text": str(error) if error else ("refused" if refused else "done"),
+        "detail": result.get("detail"),
+    }
+
+
 # ---------------------------------------------------------------------------- history
 
 
@@ -415,3 +491,42 @@ def status_history(read: MonitorReader, entity_type: str, entity_id: int) -> lis
         r["entity_type"] = entity_type
         r["entity_id"] = entity_id
     return rows
+
+
+# ---------------------------------------------------------------------------- verifier audits
+
+
+def audits_page(read: MonitorReader, *, limit: int = 200) -> dict:
+    """Every audit, newest first (``python -m cua_rl.audit``)."""
+    rows = audits.list_audits(read.conn(), limit=limit)
+    return {
+        "audits": rows,
+        "labels": AUDIT_LABELS,
+        "live": any(a["status"] == "running" for a in rows) or not rows,
+    }
+
+
+def audit_page(read: MonitorReader, audit_id: int) -> dict | None:
+    """One audit: its header, the counts per verdict, and each task's verdict with its flags
+    and each agent's rewarded runs (flagged tasks first)."""
+    audit = audits.get_audit(read.conn(), audit_id, runs=False)
+    if audit is None:
+        return None
+    agents = ("stop", "wait", "random", "infeasible", "replay", "ablation", "answer")
+    for t in audit["tasks"]:
+        summary, skipped = t["summary"] or {}, t["skipped"] or {}
+        t["agents"] = [
+            {"agent": a, **summary[a]} if a in summary else {"agent": a, "skipped": skipped.get(a)}
+            for a in agents
+        ]
+    counts = audit["counts"] or {}
+    if not counts:  # still running: count what arrived
+        for t in audit["tasks"]:
+            counts[t["verdict"]] = counts.get(t["verdict"], 0) + 1
+    return {
+        "audit": audit,
+        "agents": agents,
+        "counts": [(v, counts.get(v, 0)) for v in AUDIT_VERDICTS],
+        "labels": AUDIT_LABELS,
+        "live": audit["status"] == "running",
+    }

@@ -18,6 +18,7 @@ Rollout status: ``start`` creates it ``pending``; ``environment("creating")`` mo
 from __future__ import annotations
 
 import asyncio
+import json
 import time
 from collections.abc import Mapping
 from datetime import UTC, datetime
@@ -48,6 +49,31 @@ log = get_logger(__name__)
 def _utc(epoch_s: float) -> str:
     """Epoch seconds in the layout of ``utc_now``."""
     return datetime.fromtimestamp(epoch_s, UTC).strftime("%Y-%m-%d %H:%M:%S.%f")
+
+
+# The longest environment answer kept with an action (a refusal is a line; a full answer
+# could be a whole page of state).
+RESULT_CHARS = 500
+
+
+def action_result(action: Mapping[str, Any]) -> dict[str, Any]:
+    """What the environment answered an action (the agent's ``rawResult``), as the action's
+    ``result`` field: ``ok`` / ``success`` and ``error`` as given, the rest as JSON cut to
+    ``RESULT_CHARS``."""
+    raw = action.get("rawResult")
+    if not isinstance(raw, Mapping):
+        return {} if raw is None else {"result": {"detail": str(raw)[:RESULT_CHARS]}}
+    out: dict[str, Any] = {}
+    for key in ("ok", "success"):
+        if isinstance(raw.get(key), bool):
+            out[key] = raw[key]
+    if raw.get("error"):
+        out["error"] = str(raw["error"])[:RESULT_CHARS]
+    rest = {k: v for k, v in raw.items() if k not in ("ok", "success", "error")}
+    if rest:
+        text = json.dumps(rest, default=str)
+        out["detail"] = text if len(text) <= RESULT_CHARS else text[:RESULT_CHARS] + "..."
+    return {"result": out}
 
 
 class RolloutRecorder:
@@ -271,11 +297,16 @@ class RolloutRecorder:
         fetch: Fetch | None = None,
     ) -> None:
         """Each turn of an episode (``cua_rl.trajectory.Turn``): the reply, its actions (the
-        reply's tokens and logprobs on the first: one reply per turn) and the screenshot the
-        model saw (its last image), from ``images`` when the bytes are in hand (the gateway
-        captured them), else decoded or fetched (``fetch``) from its URL."""
+        reply's tokens and logprobs on the first: one reply per turn) with what the environment
+        answered each (``result``: the gym's refusal of an off-screen tap, say), and the
+        screenshots the model received: its last image, the turn's own, as observation 0, from
+        ``images`` when the bytes are in hand (the gateway captured them), else decoded or
+        fetched (``fetch``) from its URL; the request's earlier images (a MAI-UI window of
+        three) as observations 1.., each marked with its place in the request and reusing the
+        stored screenshot of the turn it came from."""
         if not self.enabled:
             return
+        kept: dict[str, dict[str, Any]] = {}  # an image URL -> its observation's fields
         for turn in turns:
             n = turn.step
             # The agent's own step times: turns are recorded after the episode, when the
@@ -301,10 +332,23 @@ class RolloutRecorder:
                     dict(action.get("args") or {}),
                     tokens=list(turn.output_ids or []) if i == 0 else None,
                     logprobs=list(turn.output_logprobs or []) if i == 0 else None,
+                    **action_result(action),
                 )
-            if turn.image_urls:
-                url = turn.image_urls[-1]
-                await self.screenshot(n, 0, (images or {}).get(url, url), fetch=fetch)
+            urls = list(turn.image_urls or [])
+            if not urls:
+                continue
+            # Observation 0 is the turn's own (the last image); 1.. the request's earlier ones.
+            order = [urls[-1], *urls[:-1]]
+            for index, url in enumerate(order):
+                place = len(urls) if index == 0 else index
+                fields = {"context_image": place, "context_images": len(urls)}
+                if len(urls) == 1:
+                    fields = {}
+                if url in kept:
+                    await self.observation(n, index, **kept[url], **fields)
+                else:
+                    source = (images or {}).get(url, url)
+                    kept[url] = await self.screenshot(n, index, source, fetch=fetch, **fields)
 
     async def screenshot(
         self,
@@ -315,17 +359,18 @@ class RolloutRecorder:
         fetch: Fetch | None = None,
         max_edge: int = DEFAULT_MAX_EDGE,
         **fields: Any,
-    ) -> None:
+    ) -> dict[str, Any]:
         """The screenshot the model saw at ``turn``, kept by the monitor's screenshot store.
 
         ``source`` is the image bytes, a data: URL, or an http(s) URL that ``fetch`` reads
         (presigned URLs expire; without ``fetch`` only the URL is recorded). The image is
         downscaled and compressed in a thread, queued for upload, and the observation references
         it by hash with the size the agent saw. A screenshot that cannot be read is recorded as
-        a note on the observation; nothing raises into the caller.
+        a note on the observation; nothing raises into the caller. Returns the observation's
+        screenshot fields (for another observation of the same image).
         """
         if not self.enabled:
-            return
+            return {}
         record: dict[str, Any] = {"obs_type": "screenshot"}
         if isinstance(source, str):
             record["source_url"] = (
@@ -345,6 +390,7 @@ class RolloutRecorder:
                 record["screenshot_uri"] = source
             log.warning("monitor: screenshot of turn %d not kept: %s", turn, exc)
         await self.observation(turn, index, **record, **fields)
+        return record
 
     async def validation(self, *, success: bool, **fields: Any) -> None:
         if not self.enabled:
@@ -372,6 +418,14 @@ class RolloutRecorder:
         if self._t0 is not None:
             out["rollout_time"] = time.monotonic() - self._t0
         return out
+
+    async def note(self, **fields: Any) -> None:
+        """Fields of the rollout that change no status (those the schema does not name are kept
+        in its ``extra``): a free-reward episode's mark (cua_rl/audit/live.py)."""
+        if not self.enabled:
+            return
+        await self._ensure_started()
+        self._rollout(**fields)
 
     async def complete(self, *, reward: float, **fields: Any) -> None:
         if not self.enabled:

@@ -114,7 +114,7 @@ Fetch = Callable[[str], Awaitable[bytes]]
 def http_fetcher(config: Any, client: httpx.AsyncClient) -> Fetch:
     """A fetch for :meth:`RolloutRecorder.screenshot` that follows the trajectory's image policy
     (allowed hosts, size and time bounds) of ``config`` (a ``TrajectoryConfig``)."""
-    from cua_rl.trajectory.images import fetch_images
+    from cua_rl.core.images import fetch_images
 
     async def fetch(url: str) -> bytes:
         return (await fetch_images([url], config, client=client))[url]
