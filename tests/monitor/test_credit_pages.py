@@ -22,7 +22,6 @@ from cua_rl.credit.steps import EpisodeSteps, Step
 
 from .conftest import MonitorProcess
 from .test_dashboard_browser import _login
-from .test_dashboard_browser import browser as browser  # noqa: F401  (a fixture)
 
 pytestmark = [pytest.mark.slow, pytest.mark.timeout(600)]
 
