@@ -27,6 +27,8 @@ from cua_rl.areal.support import check_areal_version
 from cua_rl.areal.vision import CuaActorConfig, vision_packing_warning
 from cua_rl.audit.config import AuditConfig
 from cua_rl.core.fields import doc
+from cua_rl.credit.config import StepCreditConfig
+from cua_rl.credit.keys import require_imagehash
 from cua_rl.curriculum.selector import CurriculumConfig
 from cua_rl.errors import ConfigError, ConfigProblems
 from cua_rl.gateway.config import (
@@ -222,6 +224,12 @@ class CUAConfig(GRPOConfig):
         "(cua_rl/warehouse/replay.py, docs/learning.md); off by default",
         factory=ReplayConfig,
     )
+    step_credit: StepCreditConfig = doc(
+        help="Step credit from screen states: steps of a task's group that start from one "
+        "state share a step group, and each step's return minus its group's mean is added to "
+        "its tokens' advantage (cua_rl/credit, docs/credit.md); off by default",
+        factory=StepCreditConfig,
+    )
     group_norm: GroupNormConfig = doc(
         help="GRPO's per-group normalisation of episode rewards, done by the group filter "
         "(each episode counted once, however many rows it has); actor.reward_norm stays null",
@@ -268,6 +276,7 @@ class CUAConfig(GRPOConfig):
             self._validate_agent_function,
             self._validate_model_endpoint,
             self._validate_normalisation,
+            self._validate_step_credit,
             self.validate_curriculum,
             self._validate_inference,
             self._validate_placement,
@@ -468,6 +477,37 @@ class CUAConfig(GRPOConfig):
                 "loss) or null; group-level centring is group_norm's",
             )
 
+    def _validate_step_credit(self) -> None:
+        """Step credit adds each token's step advantage to the one AReaL's GAE gives it
+        (cua_rl/credit/trainer.py): that is the episode's only at discount 1, lambda 1, with the
+        reward passed as it is."""
+        if not self.step_credit.enabled:
+            return
+        a = self.actor
+        for key, value, want in (
+            ("actor.discount", a.discount, 1.0),
+            ("actor.gae_lambda", a.gae_lambda, 1.0),
+            ("actor.reward_scaling", a.reward_scaling, 1.0),
+            ("actor.reward_bias", a.reward_bias, 0.0),
+        ):
+            if value != want:
+                raise FieldError(
+                    key,
+                    f"{key}={value} with step_credit.enabled: AReaL's GAE must give every "
+                    f"trained token its episode's advantage unchanged for the step advantages "
+                    f"added to it to mean what they say; set {key}={want:g} (discount a step's "
+                    "return with step_credit.gamma instead)",
+                )
+        for key in ("mask_no_eos_with_zero", "overlong_reward_penalty"):
+            if getattr(a, key):
+                raise FieldError(
+                    f"actor.{key}",
+                    f"actor.{key}=true with step_credit.enabled: it changes a row's reward "
+                    "but not its step advantages; set it false or turn step credit off",
+                )
+        if self.step_credit.key.hashes:
+            require_imagehash()
+
     def validate_curriculum(self) -> None:
         if self.curriculum.kind == "ucb":
             if not self.monitor.enabled:
@@ -532,5 +572,6 @@ class CUAConfig(GRPOConfig):
                 norm=self.group_norm,
                 replay=self.replay,
                 training=self.run_name,
+                step_credit=self.step_credit,
             ),
         )

@@ -8,14 +8,16 @@ target. Several values of ``--offpolicyness`` or ``--seeds`` run one after anoth
 ``<run-dir>/<label>``) and end with a table and one plot of every curve. ``--control`` trains the
 negative control (cua_rl/app/controls.py) instead, which must not learn. ``--family learn2``
 trains the two-step family (configs/learn2.yaml), ``--family learn-hard`` the one whose chance
-rate is about 1 in 80 (configs/learn-hard.yaml); ``--context`` picks the local agent's context
-policy (full, mai-ui, current; docs/agent.md). ``--replay on`` puts recorded successes into
-all-fail groups (cua_rl/warehouse/replay.py), ``--replay shuffled`` is its control.
+rate is about 1 in 80 (configs/learn-hard.yaml), ``--family learn-long`` the 8-step setup wizard
+(configs/learn-long.yaml); ``--context`` picks the local agent's context policy (full, mai-ui,
+current; docs/agent.md). ``--replay on`` puts recorded successes into all-fail groups
+(cua_rl/warehouse/replay.py), ``--replay shuffled`` is its control. ``--credit step`` adds step
+credit from screen states (cua_rl/credit), ``--credit episode`` states the default.
 
-    python -m cua_rl.app.learn [--family learn|learn2|learn-hard] [--context POLICY] [--history-n N]
-        [--offpolicyness 0 1 2] [--seeds 1 2 3] [--steps N]
-        [--control [shifted-credit|shifted-mask]] [--replay on|shuffled] [--run-dir DIR]
-        [key=value overrides for train.py]
+    python -m cua_rl.app.learn [--family learn|learn2|learn-hard|learn-long] [--context POLICY]
+        [--history-n N] [--offpolicyness 0 1 2] [--seeds 1 2 3] [--steps N]
+        [--control [shifted-credit|shifted-mask]] [--replay on|shuffled] [--credit episode|step]
+        [--run-dir DIR] [key=value overrides for train.py]
 """
 
 from __future__ import annotations
@@ -57,6 +59,7 @@ FAMILY_CONFIGS = {
     "learn": "configs/learn.yaml",
     "learn2": "configs/learn2.yaml",
     "learn-hard": "configs/learn-hard.yaml",
+    "learn-long": "configs/learn-long.yaml",
 }
 CONTEXTS = ("full", "mai-ui", "current")
 # --replay: the train.py overrides of each arm (cua_rl/warehouse/replay.py).
@@ -64,6 +67,9 @@ REPLAY_ARMS = {
     "on": ["replay.enabled=true"],
     "shuffled": ["replay.enabled=true", "replay.shuffle_rewards=true"],
 }
+# --credit: episode credit (every token its episode's advantage) or step credit besides it
+# (cua_rl/credit, docs/credit.md).
+CREDIT_ARMS = {"episode": ["step_credit.enabled=false"], "step": ["step_credit.enabled=true"]}
 
 
 @dataclass
@@ -224,8 +230,9 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
         "--family",
         choices=sorted(FAMILY_CONFIGS),
         default="learn",
-        help="task family: learn (one tap), learn2 (two taps in sequence) or learn-hard (one "
-        "tap on a 10x10 grid: chance rarely succeeds); picks its config",
+        help="task family: learn (one tap), learn2 (two taps in sequence), learn-hard (one "
+        "tap on a 10x10 grid: chance rarely succeeds) or learn-long (an 8-step setup wizard "
+        "with a trap page); picks its config",
     )
     parser.add_argument(
         "--context",
@@ -255,6 +262,13 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
         default=None,
         help="replay recorded successes into all-fail groups (on), or the control whose "
         "replayed episodes' credit is shuffled within the group (shuffled); docs/learning.md",
+    )
+    parser.add_argument(
+        "--credit",
+        choices=CREDIT_ARMS,
+        default=None,
+        help="episode: every token its episode's advantage (the default); step: each step's "
+        "advantage from its screen state added (step_credit.enabled; docs/credit.md)",
     )
     parser.add_argument("--target", type=float, default=0.8, help="success rate a run should reach")
     parser.add_argument(
@@ -318,6 +332,7 @@ def run_label(args: argparse.Namespace, off: int | None, seed: int | None) -> st
     parts = [f"control-{args.control}"] if args.control else []
     parts += [args.family] if args.family != "learn" else []
     parts += [f"replay-{args.replay}"] if args.replay else []
+    parts += [f"credit-{args.credit}"] if args.credit else []
     parts += [f"context-{args.context}"] if args.context else []
     parts += [f"offpolicy{off}"] if off is not None else []
     parts += [f"seed{seed}"] if seed is not None else []
@@ -359,6 +374,8 @@ def main(argv: list[str] | None = None) -> int:
         extra.append(f"workflow={CONTROLS[args.control]}")
     if args.replay:
         extra += REPLAY_ARMS[args.replay]
+    if args.credit:
+        extra += CREDIT_ARMS[args.credit]
 
     results = []
     for off, seed in combos:

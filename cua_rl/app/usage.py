@@ -64,6 +64,8 @@ SECTIONS: tuple[tuple[str, str, str, str], ...] = (
      "AuditConfig", "cua_rl/audit/config.py"),
     ("replay", "recorded successes put into groups that all failed",
      "ReplayConfig", "cua_rl/warehouse/replay.py"),
+    ("step_credit", "each step's own advantage, from the screens' states (off by default)",
+     "StepCreditConfig", "cua_rl/credit/config.py"),
     ("logits", "where the trainer computes full-vocabulary logits",
      "LogitsConfig", "cua_rl/areal/logits.py"),
     ("failfast", "stop a run whose episodes are all rejected",

@@ -12,7 +12,8 @@ never decides whether a fix applies. With gradient checkpointing, ``CuaPPOActor.
 makes each checkpointed layer's recompute cast its inputs as the forward did, which torch <= 2.12
 does not (``cua_rl.areal.recompute``). ``CuaPPOActor.ppo_update`` returns the heap's free pages after
 each update (``cua_rl.heap``); ``compute_advantages`` keeps each row's own images (AReaL's would
-hand every row a copy of the whole batch's).
+hand every row a copy of the whole batch's), and adds each token's step advantage when the rows
+carry one (``step_credit``: ``cua_rl.credit.trainer``).
 
 ``ActorMixin`` overrides ``PPOTrainer._create_train_engine`` (declared in ``cua_rl.areal.support``)
 with AReaL's fsdp branch and ``actor_class``; other backends (megatron, archon) are AReaL's own,
@@ -28,12 +29,14 @@ from typing import Any
 
 from areal import PPOTrainer
 from areal.engine.fsdp_engine import FSDPPPOActor
+from areal.utils.data import batched_call
 from areal.utils.environ import is_single_controller
 
 from cua_rl.areal.attention import keep_packed_sequences_apart
 from cua_rl.areal.positions import fix_qwen2_5_vl_image_positions
 from cua_rl.areal.recompute import cast_recomputed_inputs
 from cua_rl.areal.vision_dedup import VisionDedupMixin
+from cua_rl.credit.trainer import advantages_with_steps, carries_steps
 from cua_rl.heap import hold_mmap_threshold, release_free_memory
 
 # Workers import this module by the engine's dotted path: the trainer's Qwen2.5-VL positions
@@ -66,14 +69,21 @@ class CuaPPOActor(VisionDedupMixin, FSDPPPOActor):
         # (60 per-call rows of 5 screenshots: about 11 GiB at the bench's tiny screenshots).
         # The advantages read no image: the rows' own media go around the call.
         if not any("multi_modal_input" in row for row in data):
-            return super().compute_advantages(data, *args, **kwargs)
+            return self._advantages(data, *args, **kwargs)
         media = [row.get("multi_modal_input") for row in data]
         bare = [{k: v for k, v in row.items() if k != "multi_modal_input"} for row in data]
-        rows = super().compute_advantages(bare, *args, **kwargs)
+        rows = self._advantages(bare, *args, **kwargs)
         for row, own in zip(rows, media, strict=True):
             if own is not None:
                 row["multi_modal_input"] = own
         return rows
+
+    def _advantages(self, data: list[dict[str, Any]], *args, **kwargs) -> list[dict]:
+        if not carries_steps(data):
+            return super().compute_advantages(data, *args, **kwargs)
+        # Step credit: AReaL's computation on the batch, each token's step advantage added
+        # before AReaL's normalisation (cua_rl/credit/trainer.py says why it must be there).
+        return batched_call(functools.partial(advantages_with_steps, self.actor), data)
 
     def ppo_update(self, *args, **kwargs) -> None:
         super().ppo_update(*args, **kwargs)

@@ -92,6 +92,7 @@ _REMOTE = "areal.infra.remote_inf_engine"
 _GATEWAY = "cua_rl/gateway/engine.py calls"
 _HOOKS = "cua_rl/areal/hooks.py"
 _VISION = "cua_rl/areal/vision_dedup.py"
+_CREDIT = "cua_rl/credit/trainer.py"
 
 RELIANCES: tuple[Reliance, ...] = (
     # The trainer factory (every fsdp engine is our class); selective logits: six FSDPEngine
@@ -112,6 +113,19 @@ RELIANCES: tuple[Reliance, ...] = (
     Reliance(_FSDP, "FSDPPPOActor._compute_logprobs", _LOGITS),
     Reliance(_FSDP, "FSDPPPOActor._compute_logprobs_entropy", _LOGITS),
     Reliance(_FSDP, "FSDPPPOActor._get_vocab_min_max_logits", _LOGITS),
+    # Step credit (cua_rl/credit/trainer.py): AReaL's per-batch advantages with its own
+    # normaliser held back, the step advantages added, then that normaliser applied.
+    Reliance(_FSDP, "FSDPPPOActor.actor", _CREDIT + " calls its methods", set_by="__init__"),
+    Reliance(
+        "areal.trainer.ppo.actor", "PPOActor._compute_advantages", _CREDIT + " calls per batch"
+    ),
+    Reliance(
+        "areal.trainer.ppo.actor",
+        "PPOActor.adv_norm",
+        _CREDIT + " holds it back and applies it after",
+        set_by="__init__",
+    ),
+    Reliance("areal.utils.data", "batched_call", "cua_rl/areal/actor.py calls (step credit)"),
     # One pass of the vision tower per distinct screenshot (cua_rl/areal/vision_dedup.py).
     Reliance(_FSDP, "FSDPPPOActor._prepare_mb_list", _VISION + " overrides"),
     Reliance(_FSDP, "FSDPPPOActor._create_device_model", _VISION + " overrides (freeze)"),

@@ -31,6 +31,11 @@ and the normalisation: ``cua/replay/all_fail`` (share of complete groups whose e
 failed, by the gym's verdict, before replay), ``cua/replay/rescued`` (share of those that got a replayed episode),
 ``cua/replay/episodes`` (replayed episodes per rescued group) and ``cua/replay/age`` (their age in
 policy versions).
+
+With ``step_credit.enabled`` an accepted group's rows also get each step's advantage on its
+tokens (``step_advantages``, ``cua_rl.credit``): the steps of its episodes come from the worker's
+``CreditLedger`` (fresh episodes) or from the replayed successes themselves, and the step
+groups' shares and sizes are recorded as ``cua/credit/...``.
 """
 
 from __future__ import annotations
@@ -42,6 +47,9 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from cua_rl.core.fields import doc
+from cua_rl.credit import advantages as credit
+from cua_rl.credit.config import StepCreditConfig
+from cua_rl.credit.ledger import CreditLedger
 from cua_rl.errors import ConfigError
 from cua_rl.logs import get_logger
 from cua_rl.warehouse import replay
@@ -88,6 +96,7 @@ class GroupSettings:
     norm: GroupNormConfig = field(default_factory=GroupNormConfig)
     replay: ReplayConfig = field(default_factory=ReplayConfig)
     training: str = ""  # this training's run name: its own successes may be replayed
+    step_credit: StepCreditConfig = field(default_factory=StepCreditConfig)
 
 
 def episode_rewards(traj: dict[str, Any]) -> tuple[list[int], list[float], list[list[int]]]:
@@ -156,10 +165,14 @@ class GroupFilter:
         settings: GroupSettings,
         pool: replay.ReplayPool | None = None,
         notes: Callable[[], Callable[[str, dict], bool] | None] = lambda: None,
+        ledger: CreditLedger | None = None,
     ):
         self.settings = settings
         self.pool = pool if pool is not None else replay.ReplayPool(settings.replay.pool_per_task)
         self.notes = notes
+        self.ledger = (
+            ledger if ledger is not None else CreditLedger(settings.step_credit.max_episodes)
+        )
         self._rng: random.Random | None = None  # the negative control's, made on first use
 
     def complete_groups(self, traj: dict[str, Any]) -> bool:
@@ -183,6 +196,7 @@ class GroupFilter:
         if drop_zero_variance:
             stats["cua/group/rejected/zero_variance"] = 0.0
         accepted = True
+        plan = replay.NO_PLAN
         if len(episodes) != settings.size:
             log.warning(
                 "group rejected: %d of %d episodes returned rows", len(episodes), settings.size
@@ -191,7 +205,9 @@ class GroupFilter:
             accepted = False
         else:
             if settings.replay.enabled:
-                traj, episodes, rewards, rows = self._replay(traj, episodes, rewards, rows, stats)
+                traj, episodes, rewards, rows, plan = self._replay(
+                    traj, episodes, rewards, rows, stats
+                )
             zero_variance = max(rewards) - min(rewards) <= settings.zero_variance_tol
             stats["cua/group/zero_variance"] = float(zero_variance)
             if zero_variance and drop_zero_variance:
@@ -202,6 +218,8 @@ class GroupFilter:
             for adv, idx in zip(normalised(rewards, settings.norm), rows, strict=True):
                 out[idx] = adv
             traj["rewards"] = out
+            if settings.step_credit.enabled:
+                self._step_credit(traj, episodes, rewards, rows, plan, stats)
         stats["cua/group/accepted"] = float(accepted)
         _record(**stats)
         return accepted
@@ -214,18 +232,19 @@ class GroupFilter:
         settings, pool = self.settings, self.pool
         cfg, tol = settings.replay, settings.zero_variance_tol
         known = [pool.episode(e) for e in episodes]
+        unchanged = traj, episodes, rewards, rows, replay.NO_PLAN
         if max(rewards) - min(rewards) > tol:
             stats["cua/replay/all_fail"] = 0.0
-            return traj, episodes, rewards, rows
+            return unchanged
         if any(k is None for k in known) or len({k.task_id for k in known}) != 1:
             # Rows of episodes this worker did not run (or of two tasks): never guess the task.
             stats["cua/replay/unknown_task"] = 1.0
-            return traj, episodes, rewards, rows
+            return unchanged
         # Equal rewards: all failed, or all succeeded (nothing to replay then).
         all_fail = not any(k.success for k in known)
         stats["cua/replay/all_fail"] = float(all_fail)
         if not all_fail:
-            return traj, episodes, rewards, rows
+            return unchanged
         task_id, version = known[0].task_id, max(k.version for k in known)
         trainings = [settings.training, *cfg.trainings]
         plan = replay.choose(
@@ -233,7 +252,7 @@ class GroupFilter:
         )
         stats["cua/replay/rescued"] = float(bool(plan))
         if not plan:
-            return traj, episodes, rewards, rows
+            return unchanged
         if (enqueue := self.notes()) is not None:
             for note in replay.monitor_notes(plan, known, version, settings.training):
                 enqueue("rollouts", note)
@@ -254,7 +273,26 @@ class GroupFilter:
             [r.episode_id for r in plan.recorded],
             [r.age(version) for r in plan.recorded],
         )
-        return traj, episodes, rewards, rows
+        return traj, episodes, rewards, rows, plan
+
+    def _step_credit(self, traj, episodes, rewards, rows, plan: replay.Plan, stats: dict) -> None:
+        """Each step's advantage on its tokens (``step_advantages``): the fresh episodes' steps
+        from the ledger, the replayed successes' from themselves; the group's step statistics
+        into ``stats``, each fresh turn's credit to the monitor."""
+        cfg = self.settings.step_credit
+        recorded = {r.episode_id: r.steps for r in plan.recorded}
+        steps = [recorded[e] if e in recorded else self.ledger.take(e) for e in episodes]
+        result = credit.step_credit(steps, rewards, cfg)
+        shape = tuple(traj["loss_mask"].shape)
+        traj[credit.STEP_ADVANTAGES] = credit.token_advantages(
+            shape, rows, steps, result, cfg.weight
+        )
+        stats.update(result.stats)
+        if (enqueue := self.notes()) is not None:
+            # A replayed success is not a rollout of this step: its monitor record stays as is.
+            fresh = [None if e in recorded else s for e, s in zip(episodes, steps, strict=True)]
+            for note in credit.turn_notes(fresh, result, cfg.weight):
+                enqueue("turns", note)
 
 
 # The filter of the group whose episodes run in this context (set by ``enter``).

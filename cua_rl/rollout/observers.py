@@ -15,6 +15,8 @@ event reaches them:
   validation, turns, actions and screenshots, through a recorder it opens itself;
 - ``WarehouseObserver`` (``cua_rl.warehouse.store``): an accepted train episode stored for
   rebuilding (``monitor.store_episodes``);
+- ``CreditObserver`` (``cua_rl.credit.observer``, with ``step_credit.enabled``, train episodes):
+  each accepted episode's steps, for its group's step credit;
 - ``ReplayObserver`` (``cua_rl.warehouse.replay``): the replay pool learns each train episode's
   task and keeps successes for later all-fail groups.
 
@@ -32,6 +34,7 @@ from typing import Any
 
 from cua_rl.audit.live import FreeRewardObserver
 from cua_rl.core.reasons import HOOK_PREFIX
+from cua_rl.credit.observer import CreditObserver
 from cua_rl.logs import get_logger
 from cua_rl.monitor.worker.observer import MonitorObserver
 from cua_rl.rollout.episode import (
@@ -55,6 +58,14 @@ def observers_of(episode: EpisodeScope) -> list[EpisodeObserver]:
     """The observers of ``episode`` (its task, settings, runtime and event loop's clients), in the
     order each event reaches them. A new cross-cutting feature adds its observer here."""
     s, loop = episode.settings, episode.loop
+    ledger = episode.runtime.groups.ledger
+    # Step credit: the rows' steps (converted) go in the ledger before replay keeps a success
+    # (ended).
+    credit = (
+        [CreditObserver(ledger, s.group.step_credit, episode.task, episode.stat_scope)]
+        if s.group.step_credit.enabled and s.phase == "train"
+        else []
+    )
     monitor = MonitorObserver(episode.monitor, s, episode.task, episode.is_eval, loop.http())
     return [
         StatsObserver(episode.stat_scope, s.phase, episode.runtime.outcomes),
@@ -68,6 +79,7 @@ def observers_of(episode: EpisodeScope) -> list[EpisodeObserver]:
             phase=s.phase,
             training=s.training_ref,
         ),
+        *credit,
         ReplayObserver(
             episode.runtime.replay,
             s.group.replay,
@@ -75,6 +87,8 @@ def observers_of(episode: EpisodeScope) -> list[EpisodeObserver]:
             phase=s.phase,
             processor=episode.processor,
             monitor=loop.monitor_client,
+            ledger=ledger if s.group.step_credit.enabled else None,
+            step_credit=s.group.step_credit,
         ),
     ]
 

@@ -53,10 +53,11 @@ class Device(Protocol):
     def label(self) -> str:
         """A short state name for the action answer's ``screen`` field."""
 
-    async def state_key(self) -> object:
-        """What the device's state is, comparable with ``==``: the gym compares the keys taken
-        before and after each action and answers whether the action changed the state
-        (``changed``). A device without it answers no ``changed`` (unknown)."""
+    # Optional: ``async def state_key(self) -> str``, the device's state hashed (equal keys,
+    # equal states). A device that has it gets ``state_key_before`` / ``state_key_after`` in
+    # every action answer (docs/gym.md, *State keys*), and ``changed``, whether the two differ
+    # (docs/audit.md); without it the answer says nothing of the action's effect. Both backends
+    # have it.
 
     async def close(self) -> None:
         """Release everything the device holds; safe to call twice."""

@@ -92,6 +92,12 @@ def _parser() -> argparse.ArgumentParser:
         default="",
         help="where terminated executions' screenshots are kept on disk (default: the temp dir)",
     )
+    p.add_argument(
+        "--clock",
+        default="fixed",
+        choices=("fixed", "ticking"),
+        help="phone: the status bar's clock, fixed at 12:00 or a minute later per action",
+    )
     p.add_argument("--width", type=int, default=360)
     p.add_argument("--height", type=int, default=640)
     p.add_argument("--log-level", default="warning")
@@ -142,6 +148,7 @@ def config_of(args: argparse.Namespace) -> SimGymConfig:
         screenshot_spill_dir=args.screenshot_spill_dir,
         width=args.width,
         height=args.height,
+        clock=args.clock,
         faults=faults,
         backend=args.backend,
         task_files=args.task_file,

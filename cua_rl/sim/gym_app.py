@@ -305,13 +305,14 @@ def _device_routes(app: FastAPI, gym: SimGym) -> None:
         body = await _json_body(request)
         ex = gym.get(execution_id)
         name, args = body.get("name"), body.get("args", {})
-        # The state before and after the action: whether it changed anything (docs/audit.md).
-        state_key = getattr(ex.device, "state_key", None)
+        keyed = hasattr(ex.device, "state_key")
         async with ex.lock:
-            before = await _on_device(gym, ex, state_key()) if state_key else None
+            before = await _on_device(gym, ex, ex.device.state_key()) if keyed else None
             error = await _on_device(gym, ex, ex.device.act(name, {} if args is None else args))
-            after = await _on_device(gym, ex, state_key()) if state_key else None
+            after = await _on_device(gym, ex, ex.device.state_key()) if keyed else None
         answer = {"ok": error is None, "error": error, "screen": ex.device.label()}
-        if state_key is not None:
-            answer["changed"] = before != after
+        if keyed:
+            # The states the action was applied to and left (docs/gym.md, *State keys*), and
+            # whether it changed anything (docs/audit.md).
+            answer.update(state_key_before=before, state_key_after=after, changed=before != after)
         return answer

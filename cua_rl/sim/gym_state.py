@@ -23,6 +23,7 @@ from cua_rl.core.spill import Spill, Spilled
 from cua_rl.errors import ConfigError
 from cua_rl.sim.browser import BrowserConfig
 from cua_rl.sim.device import BACKENDS, Backend, Device, DeviceFailure
+from cua_rl.sim.phone import CLOCKS
 
 log = logging.getLogger(__name__)
 
@@ -69,6 +70,12 @@ class SimGymConfig:
         "directory of the files holding terminated executions' screenshots (unnamed temporary "
         "files, freed when the gym stops or dies); empty: the system's temporary directory",
     )
+    clock: str = doc(
+        "fixed",
+        "phone: the status bar's clock: fixed (12:00: screenshots of one state are "
+        "byte-identical) or ticking (a minute later after every action, as a real phone's "
+        "clock moves; a state's screenshots then differ in the status bar)",
+    )
     width: int = doc(360, "screenshot width in pixels")
     height: int = doc(640, "screenshot height in pixels")
     faults: dict[str, Fault] = doc(
@@ -109,6 +116,8 @@ class SimGymConfig:
             raise ConfigError(
                 f"faults for unknown operations {sorted(unknown)}; use {', '.join(OPS)}"
             )
+        if self.clock not in CLOCKS:
+            raise ConfigError(f"clock={self.clock!r}: use one of {', '.join(CLOCKS)}")
         if self.backend not in BACKENDS:
             raise ConfigError(f"backend={self.backend!r}: use one of {', '.join(BACKENDS)}")
         if self.task_files and self.backend != "phone":
@@ -146,7 +155,7 @@ def make_backend(config: SimGymConfig) -> Backend:
         return BrowserBackend(config.browser)
     from cua_rl.sim.phone_backend import PhoneBackend
 
-    return PhoneBackend(config.width, config.height, config.task_files)
+    return PhoneBackend(config.width, config.height, config.clock, config.task_files)
 
 
 class SimGym:

@@ -61,6 +61,12 @@ START_JS = """([seed, maxMs]) => {
   return core.getUtterance();
 }"""
 READY_JS = "() => typeof WOB_TASK_READY === 'undefined' || WOB_TASK_READY === true"
+STATE_JS = """() => {
+  const wrap = document.getElementById('wrap') || document.body;
+  const values = Array.from(wrap.querySelectorAll('input, textarea, select')).map(
+    e => (e.type === 'checkbox' || e.type === 'radio') ? String(e.checked) : e.value);
+  return wrap.innerHTML + '\u0000' + values.join('\u0001');
+}"""
 STATE_JS = """() => ({done: WOB_DONE_GLOBAL, raw: WOB_RAW_REWARD_GLOBAL,
   reward: WOB_REWARD_GLOBAL, reason: WOB_REWARD_REASON, utterance: core.getUtterance()})"""
 # The page's state as the task sees it, hashed: the task area's markup, what its form controls

@@ -11,7 +11,9 @@ render byte-identical screenshots, which is what a GRPO group of samples needs.
 
 from __future__ import annotations
 
-from dataclasses import dataclass, field
+import hashlib
+import json
+from dataclasses import asdict, dataclass, field
 
 from cua_rl.sim.device import ActionError, check_args, screen_point, text_arg, wait_seconds
 
@@ -38,6 +40,7 @@ NOTE_POOL = ("groceries", "call mom", "gym at 6", "pay rent", "book flights", "d
 MAX_NOTES_SHOWN = 8
 MAX_TEXT = 200
 KEYS = ("enter", "backspace", "back", "home", "tab", "escape", "space")
+CLOCKS = ("fixed", "ticking")
 
 
 @dataclass(frozen=True)
@@ -67,19 +70,47 @@ class PhoneState:
     calc_result: str | None = None
     # Flips of the Wi-Fi switch in this execution (the learn2 family's validators count them).
     wifi_toggles: int = 0
+    # The setup wizard (the learn-long family): pages 1..setup_pages, screens "setup<n>",
+    # "setup_done" and "setup_erased"; the page whose bottom band erases everything (0: none).
+    setup_pages: int = 4
+    setup_trap: int = 0
 
 
 class Phone:
     """One simulated device. ``act`` mutates it; ``render_png`` draws it."""
 
-    def __init__(self, state: PhoneState, width: int = DESIGN_W, height: int = DESIGN_H):
+    def __init__(
+        self,
+        state: PhoneState,
+        width: int = DESIGN_W,
+        height: int = DESIGN_H,
+        clock: str = "fixed",
+    ):
         if width < 120 or height < 200:
             raise ValueError(f"screen {width}x{height} is too small; use at least 120x200")
+        if clock not in CLOCKS:
+            raise ValueError(f"clock={clock!r}: use one of {', '.join(CLOCKS)}")
         self.state = state
         self.width = width
         self.height = height
         self._sx = width / DESIGN_W
         self._sy = height / DESIGN_H
+        # The status bar's clock is the device's, not the task's: "ticking" moves it a minute
+        # per action, as a real phone's would between screenshots; the state key ignores it.
+        self.clock = clock
+        self.minutes = 0
+
+    @property
+    def clock_text(self) -> str:
+        m = 12 * 60 + self.minutes
+        return f"{m // 60 % 24:02d}:{m % 60:02d}"
+
+    def state_key(self) -> str:
+        """The gym's name for the phone's state (docs/gym.md, *State keys*): every field of
+        ``PhoneState``, hidden counters included, hashed; equal keys, equal states. The clock is
+        not part of it."""
+        text = json.dumps(asdict(self.state), sort_keys=True)
+        return hashlib.sha256(text.encode()).hexdigest()[:16]
 
     # -- layout ---------------------------------------------------------------------------
     def rect(self, x0: int, y0: int, x1: int, y1: int) -> Rect:
@@ -112,6 +143,12 @@ class Phone:
             w["edit.field"] = self.rect(20, 90, 340, 300)
             w["edit.cancel"] = self.rect(20, 320, 140, 370)
             w["edit.save"] = self.rect(220, 320, 340, 370)
+        elif s.startswith("setup") and s[5:].isdigit():
+            # Three full-width bands: the lenient agent's 3x3 grid rows (top, middle, bottom).
+            w["setup.back"] = self.rect(0, 24, 360, 213)
+            w["setup.next"] = self.rect(0, 213, 360, 427)
+            if int(s[5:]) == self.state.setup_trap:
+                w["setup.erase"] = self.rect(0, 427, 360, 596)
         elif s == "calculator":
             for r, row in enumerate(CALC_KEYS):
                 for c, key in enumerate(row):
@@ -136,7 +173,10 @@ class Phone:
             raise ActionError(
                 f"unknown action {name!r}; use one of tap, swipe, type, key, back, home, wait"
             )
-        return handler(args)
+        result = handler(args)
+        if self.clock == "ticking":
+            self.minutes += 1
+        return result
 
     def _coord(self, args: dict, key: str) -> float:
         return screen_point(args, key, self.width, self.height)
@@ -251,6 +291,21 @@ class Phone:
             s.screen, s.draft = "notes", ""
         elif wid.startswith("calc."):
             self._calc_press(wid[5:])
+        elif wid.startswith("setup."):
+            return self._setup_press(wid[6:])
+        return None
+
+    def _setup_press(self, band: str) -> str | None:
+        s = self.state
+        page = int(s.screen[5:])
+        if band == "next":
+            s.screen = f"setup{page + 1}" if page < s.setup_pages else "setup_done"
+        elif band == "erase":
+            s.screen = "setup_erased"
+        elif page == 1:
+            return "already on the first page of the setup"
+        else:
+            s.screen = f"setup{page - 1}"
         return None
 
     def _calc_press(self, key: str) -> None:

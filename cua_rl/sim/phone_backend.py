@@ -7,7 +7,6 @@ event loop keeps serving other executions meanwhile.
 from __future__ import annotations
 
 import asyncio
-import dataclasses
 
 from cua_rl.agent.actions import format_action, parse_action
 from cua_rl.sim.phone import DESIGN_H, DESIGN_W, Phone
@@ -34,9 +33,8 @@ class PhoneDevice:
     def label(self) -> str:
         return self.phone.state.screen
 
-    async def state_key(self) -> tuple:
-        """Every field of the phone's state (a copy: lists become new lists)."""
-        return dataclasses.astuple(self.phone.state)
+    async def state_key(self) -> str:
+        return self.phone.state_key()
 
     async def close(self) -> None:
         """Nothing to release: the phone is a plain object."""
@@ -45,8 +43,14 @@ class PhoneDevice:
 class PhoneBackend:
     kind = "phone"
 
-    def __init__(self, width: int = 360, height: int = 640, task_files: list[str] | None = None):
-        self.width, self.height = width, height
+    def __init__(
+        self,
+        width: int = 360,
+        height: int = 640,
+        clock: str = "fixed",
+        task_files: list[str] | None = None,
+    ):
+        self.width, self.height, self.clock = width, height, clock
         # The built-in tasks, then those of the task files (cua_rl/sim/task_file.py).
         self.tasks = TASKS + load_task_files(list(task_files or ()), TASKS)
         self.by_id = {t.task_id: t for t in self.tasks}
@@ -107,7 +111,8 @@ class PhoneBackend:
 
     async def open(self, task_id: str, seed: int) -> PhoneDevice:
         task = self.by_id[task_id]
-        return PhoneDevice(task, Phone(initial_state(task, seed), self.width, self.height))
+        phone = Phone(initial_state(task, seed), self.width, self.height, self.clock)
+        return PhoneDevice(task, phone)
 
 
 def _entry(t: SimTask) -> dict:

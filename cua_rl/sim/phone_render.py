@@ -2,8 +2,9 @@
 
 Every function takes the ``Phone`` and draws from its ``widgets()``, the same rectangles the
 phone hit-tests taps against, so what a screenshot shows and where a tap lands cannot disagree.
-The fonts are Pillow's bundled one and the status-bar clock is fixed: two phones in one state
-render byte-identical PNGs.
+The fonts are Pillow's bundled one and the status-bar clock is the phone's (fixed at 12:00
+unless the gym ticks it, ``Phone.clock``): two phones in one state at one time render
+byte-identical PNGs.
 """
 
 from __future__ import annotations
@@ -29,7 +30,8 @@ GREY = (117, 117, 117)
 LIGHT = (189, 189, 189)
 GREEN = (76, 175, 80)
 BLUE = (33, 150, 243)
-TITLES = {"home": "", "note_edit": "New note"}
+RED = (211, 47, 47)
+TITLES = {"home": "", "note_edit": "New note", "setup_done": "Setup", "setup_erased": "Setup"}
 
 
 class _Canvas:
@@ -60,10 +62,13 @@ def render(phone: Phone) -> Image.Image:
     c = _Canvas(phone)
     _status_bar(c)
     screen = phone.state.screen
-    title = TITLES.get(screen, APP_LABELS.get(screen, screen))
+    title = TITLES.get(
+        screen, APP_LABELS.get(screen, "Setup" if screen.startswith("setup") else screen)
+    )
     if title:
         c.d.text(c.at(16, 36), title, fill=INK, font=c.big)
-    SCREENS.get(screen, _unavailable)(c)
+    page = screen.startswith("setup") and screen[5:].isdigit()
+    SCREENS.get(screen, _setup_page if page else _unavailable)(c)
     _nav_bar(c)
     return c.img
 
@@ -77,8 +82,8 @@ def render_png(phone: Phone) -> bytes:
 def _status_bar(c: _Canvas) -> None:
     s = c.phone.state
     c.d.rectangle(_box(c.phone.rect(0, 0, 360, 24)), fill=INK)
-    # The clock is fixed so screenshots stay deterministic.
-    c.d.text(c.at(8, 4), "12:00", fill="white", font=c.font)
+    # Fixed, or one minute per action ("ticking"): deterministic either way.
+    c.d.text(c.at(8, 4), c.phone.clock_text, fill="white", font=c.font)
     flags = ("WiFi " if s.wifi else "") + ("BT" if s.bluetooth else "")
     c.d.text(c.at(250, 4), flags, fill="white", font=c.font)
 
@@ -165,6 +170,24 @@ def _calculator(c: _Canvas) -> None:
             c.label(b, key, big=True)
 
 
+def _setup_page(c: _Canvas) -> None:
+    """A page of the setup wizard: Next, Back and (on the trap page) Erase, one band each."""
+    s = c.phone.state
+    page = f"Page {s.screen[5:]} of {s.setup_pages}:  Next  >"
+    bands = (("setup.back", "<  Back", LIGHT), ("setup.next", page, GREEN))
+    for wid, text, fill in (*bands, ("setup.erase", "Erase all data", RED)):
+        if wid in c.widgets:
+            r = c.widgets[wid]
+            inset = Rect(r.x0 + 12, r.y0 + 12, r.x1 - 12, r.y1 - 12)
+            c.button(inset, text, fill, radius=14)
+
+
+def _setup_end(c: _Canvas) -> None:
+    done = c.phone.state.screen == "setup_done"
+    text = "Setup complete." if done else "All data erased. Setup failed."
+    c.d.text(c.at(24, 140), text, fill=GREEN if done else RED, font=c.big)
+
+
 def _unavailable(c: _Canvas) -> None:
     c.d.text(c.at(24, 120), "This app is not available.", fill=GREY, font=c.font)
 
@@ -175,6 +198,8 @@ SCREENS = {
     "notes": _notes,
     "note_edit": _note_edit,
     "calculator": _calculator,
+    "setup_done": _setup_end,
+    "setup_erased": _setup_end,
 }
 
 

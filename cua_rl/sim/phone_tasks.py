@@ -338,7 +338,29 @@ LEARN_HARD_TASKS: tuple[SimTask, ...] = (
     _wifi_task(19, "learn_hard_wifi_on", "learn-hard", on=True),
     _wifi_task(20, "learn_hard_wifi_off", "learn-hard", on=False),
 )
-TASKS = TASKS + LEARN_TASKS + LEARN2_TASKS + LEARN_HARD_TASKS
+# The "learn-long" family (level "learn-long"): a setup wizard of 4 pages, 8 steps
+# (configs/learn-long.yaml), where step credit is measured (docs/learning.md). On each page the
+# middle band (the lenient 3x3 grid's middle row) is Next, the top band Back (a detour: the
+# previous page again; on page 1 nothing), the bottom band nothing, except on one page (the trap)
+# where it erases everything: a dead end, whatever comes after. Success: the wizard finished
+# within the episode. One wrong tap on the trap page decides the outcome; backward and wasted taps
+# elsewhere only cost steps, and screens are revisited. Next sits in the middle row because the
+# tiny model's first tokens favour it (about 0.52 of its taps, measured): chance then finishes
+# about 1 in 3 episodes, where a uniformly random row would 1 in 11 (docs/learning.md); a policy
+# naming the middle row on every step always finishes, without reading the screen.
+LEARN_LONG_TASKS: tuple[SimTask, ...] = tuple(
+    SimTask(
+        number,
+        f"learn_long_setup_trap{trap}",
+        "learn-long",
+        "setup",
+        "Finish the 4-page setup without erasing your data.",
+        _set(screen="setup1", setup_pages=4, setup_trap=trap),
+        (V("setup_done", 1, _is("screen", "setup_done")),),
+    )
+    for number, trap in ((21, 2), (22, 3))
+)
+TASKS = TASKS + LEARN_TASKS + LEARN2_TASKS + LEARN_HARD_TASKS + LEARN_LONG_TASKS
 
 # Each task's known solution on the 360x640 design grid (the backend scales it to its screen),
 # in the agent's action language: the oracle the audit replays (docs/audit.md). Points: the home
@@ -385,6 +407,9 @@ SOLUTIONS: dict[int, tuple[str, ...]] = {
     18: ("tap(300, 106)", "tap(300, 106)"),
     19: ("tap(270, 96)",),
     20: ("tap(306, 96)",),
+    # The setup wizard: Next, the middle band (y 213-427), on each of its 4 pages.
+    21: ("tap(180, 320)",) * 4,
+    22: ("tap(180, 320)",) * 4,
 }
 TASKS = tuple(replace(t, solution=SOLUTIONS[t.number]) for t in TASKS)
 TASKS_BY_ID = {t.task_id: t for t in TASKS}

@@ -69,6 +69,10 @@ class ConversionResult:
     row_images: list[tuple[str, ...]] = field(default_factory=list)
     row_turns: list[tuple[int, ...]] = field(default_factory=list)
     image_data: dict[str, bytes] = field(default_factory=dict, repr=False)
+    # Per row, each trained turn's sampled tokens: (start, end, turn index) in the row's
+    # positions. Two turns' tokens can touch (a re-ask's prompt is the call before it with its
+    # reply), so a row's runs of loss mask alone do not tell its turns apart (step credit).
+    row_spans: list[tuple[tuple[int, int, int], ...]] = field(default_factory=list)
     _batch: dict[str, Any] | None = field(default=None, repr=False)
 
     @property
@@ -283,6 +287,7 @@ def convert_turns(
         store["images"],
         store["turns"],
         store["data"],
+        store["spans"],
     )
 
 
@@ -354,6 +359,7 @@ def _convert(turns, processor, reward, version, config, fetched, stats, trained,
             tuple(cache.digest(u) for u in seg.turns[-1].image_urls)
         )
         store.setdefault("turns", []).append(tuple(t.index for t in seg.turns))
+        store.setdefault("spans", []).append(tuple((a, b, t.index) for a, b, t in seg.spans))
         trained.update(t.index for t in seg.turns)
         stats["images"] += len(seg.turns[-1].image_urls)
         stats["row_tokens"] += len(seg.ids)

@@ -56,6 +56,9 @@ class StoredRow:
     images: tuple[str, ...] = ()
     turns: tuple[int, ...] = ()
     messages: list[dict] | None = None
+    # Each trained turn's sampled tokens, (start, end, turn index); empty in records stored
+    # before they were kept (step credit then reads them from the loss mask's runs).
+    spans: tuple[tuple[int, int, int], ...] = ()
 
     def __len__(self) -> int:
         return len(self.input_ids)
@@ -169,6 +172,7 @@ def to_record(ep: StoredEpisode) -> dict[str, Any]:
                 "images": list(r.images),
                 "turns": list(r.turns),
                 "messages": r.messages,
+                "spans": [list(span) for span in r.spans],
             }
             for r in ep.rows
         ],
@@ -254,12 +258,25 @@ def from_parts(
                 tuple(meta.get("images") or ()),
                 tuple(meta.get("turns") or ()),
                 meta.get("messages"),
+                _spans(meta.get("spans")),
             )
             for (ids, mask, lps, vers), meta in zip(arrays, rows, strict=True)
         ],
         turns=list(turns),
         images=dict(images or {}),
     )
+
+
+def _spans(value: Any) -> tuple[tuple[int, int, int], ...]:
+    """A row's stored spans; anything but a list of three whole numbers each reads as none."""
+    if not isinstance(value, list):
+        return ()
+    out = []
+    for span in value:
+        if not (isinstance(span, list) and len(span) == 3 and all(type(v) is int for v in span)):
+            return ()
+        out.append((span[0], span[1], span[2]))
+    return tuple(out)
 
 
 def episode_from_json(record: Mapping[str, Any]) -> StoredEpisode:

@@ -37,6 +37,7 @@ def stored_from_rows(
     row_turns: Sequence[Sequence[int]] = (),
     row_messages: Sequence[list[dict] | None] = (),
     turns: Sequence[dict] = (),
+    row_spans: Sequence[Sequence[tuple[int, int, int]]] = (),
 ) -> StoredEpisode:
     """The stored form of an episode's rows (``ConversionResult.rows``) and their images."""
     if len(rows) != len(row_images):
@@ -52,6 +53,7 @@ def stored_from_rows(
                 images=tuple(row_images[i]),
                 turns=tuple(row_turns[i]) if row_turns else (),
                 messages=row_messages[i] if row_messages else None,
+                spans=tuple(tuple(span) for span in row_spans[i]) if row_spans else (),
             )
         )
     sampled = [v for r in stored_rows for v, m in zip(r.versions, r.loss_mask, strict=True) if m]
@@ -158,6 +160,7 @@ def stored_episode_of(
         images=result.image_data,
         row_turns=result.row_turns,
         row_messages=messages,
+        row_spans=result.row_spans,
         turns=[
             {
                 "index": i,

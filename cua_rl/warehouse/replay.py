@@ -31,6 +31,7 @@ from dataclasses import dataclass, field
 from typing import Any, NamedTuple
 
 from cua_rl.core.fields import doc
+from cua_rl.credit.observer import stored_steps
 from cua_rl.errors import ConfigError, MonitorError
 from cua_rl.logs import get_logger
 from cua_rl.rollout.episode import Ended, EpisodeObserver
@@ -103,14 +104,19 @@ class Recorded:
     version_max: int
     rows: tuple[dict[str, Any], ...] = field(repr=False, compare=False)
     rollout_uuid: str = ""  # its rollout in the monitor
+    # Its steps for step credit (cua_rl.credit.steps.EpisodeSteps), when step credit is on.
+    steps: Any = field(default=None, repr=False, compare=False)
 
     def age(self, version: int) -> int:
         """Policy versions between its oldest sampled token and ``version``."""
         return version - self.version_min
 
 
-def recorded_of(stored: StoredEpisode, rows: Sequence[dict[str, Any]]) -> Recorded:
-    """A stored success with the rows ``rebuild_rows`` made of it."""
+def recorded_of(
+    stored: StoredEpisode, rows: Sequence[dict[str, Any]], steps: Any = None
+) -> Recorded:
+    """A stored success with the rows ``rebuild_rows`` made of it (and, with step credit, its
+    steps)."""
     return Recorded(
         task_id=stored.task_id,
         episode_id=stored.episode_id,
@@ -120,6 +126,7 @@ def recorded_of(stored: StoredEpisode, rows: Sequence[dict[str, Any]]) -> Record
         version_max=stored.version_max,
         rows=tuple(rows),
         rollout_uuid=stored.rollout_uuid,
+        steps=steps,
     )
 
 
@@ -295,9 +302,15 @@ class ReplayObserver(EpisodeObserver):
         phase: str,
         processor: Callable[[], Any],
         monitor: Callable[[], Awaitable[Any]],
+        ledger: Any = None,
+        step_credit: Any = None,
     ):
         self.pool, self.config, self.training, self.phase = pool, config, training, phase
         self.processor, self.monitor = processor, monitor
+        # With step credit (a CreditLedger, its StepCreditConfig), a success keeps its steps
+        # (cua_rl.credit): its own episodes' from the worker's ledger, other trainings' read from
+        # the stored episode.
+        self.ledger, self.step_credit = ledger, step_credit
 
     async def ended(self, event: Ended) -> None:
         if not event.accepted or not self.config.enabled or self.phase != "train":
@@ -327,7 +340,8 @@ class ReplayObserver(EpisodeObserver):
             # The episode trains as it is; only its replay is lost, and counted.
             _replay_error("cua/replay/record_errors", task.task_id, exc)
             return
-        self.pool.add(recorded_of(stored, rebuilt))
+        steps = self.ledger.peek(task.episode_id) if self.ledger is not None else None
+        self.pool.add(recorded_of(stored, rebuilt, steps))
 
     async def fetch(self, task_id: str, version: int) -> None:
         """The recorded successes of ``task_id`` in the trainings ``replay.trainings`` names, from
@@ -349,7 +363,10 @@ class ReplayObserver(EpisodeObserver):
             )
             for stored in found:
                 rows = await asyncio.to_thread(rebuild_rows, stored, self.processor())
-                self.pool.add(recorded_of(stored, rows))
+                steps = None
+                if self.ledger is not None:
+                    steps = await asyncio.to_thread(stored_steps, stored, rows, self.step_credit)
+                self.pool.add(recorded_of(stored, rows, steps))
         except (MonitorError, RebuildError, StoredEpisodeError) as exc:
             _replay_error("cua/replay/fetch_errors", task_id, exc)
 

@@ -382,3 +382,24 @@ async def test_the_bottom_left_cell_solves_each_miniwob_learn_task(gym):
                     solved[task].add(cell)
                 await http.post(f"{gym.base_url}/executions/{eid}/terminate")
     assert solved == LEARN_CELLS
+
+
+async def test_each_action_answer_names_the_page_state_it_started_from_and_left(gym):
+    # enter-text: typing with nothing focused changes nothing; typing into the field changes the
+    # field's value (a property, not markup), which the page's state key includes. Two fresh
+    # pages of one task at one seed are one state.
+    async with httpx.AsyncClient(timeout=30) as http:
+        first, second = (
+            await new_execution(http, gym, "enter-text"),
+            await new_execution(http, gym, "enter-text"),
+        )
+        idle = await act(http, gym, first, "type", text="abc")
+        assert idle["state_key_before"] == idle["state_key_after"]
+        other = await act(http, gym, second, "wait", seconds=0)
+        assert other["state_key_before"] == idle["state_key_before"]
+        x, y = centre(in_page(gym, first, BOX_JS, "#tt"), 2.0)
+        await act(http, gym, first, "tap", x=x, y=y)
+        typed = await act(http, gym, first, "type", text="abc")
+        assert typed["state_key_before"] != typed["state_key_after"]
+        for eid in (first, second):
+            await http.post(f"{gym.base_url}/executions/{eid}/terminate", json={})

@@ -137,6 +137,20 @@ SCRIPTS = {
     # The learn-hard family: the Wi-Fi switch, at the centre of cell 17 of a 10x10 grid.
     "sim-019-learn-hard-wifi-on": ([tap(GRID10[17])], None, [tap(BLUETOOTH)], None),
     "sim-020-learn-hard-wifi-off": ([tap(GRID10[18])], None, [tap(BLUETOOTH)], None),
+    # The learn-long family: the middle band (Next) four times, detours (Back, the top band)
+    # allowed; the bottom band on the trap page erases everything.
+    "sim-021-learn-long-setup-trap2": (
+        [tap(GRID[4])] * 4,
+        None,
+        [tap(GRID[4]), tap(GRID[6])],
+        None,
+    ),
+    "sim-022-learn-long-setup-trap3": (
+        [tap(GRID[3]), tap(GRID[1]), tap(GRID[5]), tap(GRID[4]), tap(GRID[4]), tap(GRID[3])],
+        None,
+        [tap(GRID[4]), tap(GRID[4]), tap(GRID[8])],
+        None,
+    ),
 }
 LEARN = ("sim-014-learn-open-calculator", "sim-015-learn-wifi-on", "sim-016-learn-wifi-off")
 
@@ -156,7 +170,7 @@ async def run_script(genv, gym, http, task_id, script, answer):
 async def test_every_served_task_has_a_script_and_all_levels_exist(genv):
     tasks = await genv.list_tasks()
     assert {t["task_id"] for t in tasks} == set(SCRIPTS)
-    assert {"easy", "normal", "hard", "learn", "learn2", "learn-hard"} <= {
+    assert {"easy", "normal", "hard", "learn", "learn2", "learn-hard", "learn-long"} <= {
         tag for t in tasks for tag in t["tags"]
     }
 
@@ -279,3 +293,49 @@ async def test_two_cells_of_a_10x10_grid_solve_each_learn_hard_task(genv, gym, h
     # The family's scripted difficulty: one tap on a random cell of the finer grid solves it with
     # probability 2/100 (the two cells of row 1 whose centres, x 270 and 306, lie on the switch).
     assert await solving_cells(genv, gym, http, task_id, GRID10) == [17, 18]
+
+
+LEARN_LONG = {"sim-021-learn-long-setup-trap2": 2, "sim-022-learn-long-setup-trap3": 3}
+
+
+@pytest.mark.parametrize("task_id", sorted(LEARN_LONG))
+async def test_each_learn_long_page_moves_by_its_grid_row(genv, gym, http, task_id):
+    # From each page of the wizard, each cell of the 3x3 grid on a fresh execution: the middle
+    # row goes one page on (the last page: done), the top row one page back (page 1: nowhere),
+    # the bottom row nowhere, except on the trap page, where it erases everything. Pages reached
+    # by Next taps; the screen after each tap read from the action answer.
+    trap = LEARN_LONG[task_id]
+    for page in (1, 2, 3, 4):
+        for cell, (x, y) in enumerate(GRID):
+            async with genv.execution(task_id) as ex:
+                url = f"{gym.base_url}/executions/{ex.execution_id}/actions"
+                for _ in range(page - 1):
+                    r = await http.post(url, json={"name": "tap", "args": {"x": 180, "y": 320}})
+                    assert r.status_code == 200, r.text
+                r = await http.post(url, json={"name": "tap", "args": {"x": x, "y": y}})
+                answer = r.json()
+            if cell < 3:
+                want = f"setup{max(page - 1, 1)}"
+            elif cell < 6:
+                want = f"setup{page + 1}" if page < 4 else "setup_done"
+            else:
+                want = "setup_erased" if page == trap else f"setup{page}"
+            assert answer["screen"] == want, (page, cell, answer)
+            # The phone names the state an action started from and the one it left.
+            moved = want != f"setup{page}"
+            assert (answer["state_key_before"] != answer["state_key_after"]) is moved
+
+
+@pytest.mark.parametrize("task_id", sorted(LEARN_LONG))
+async def test_erasing_is_a_dead_end(genv, gym, http, task_id):
+    async with genv.execution(task_id) as ex:
+        url = f"{gym.base_url}/executions/{ex.execution_id}/actions"
+        for _ in range(LEARN_LONG[task_id] - 1):
+            await http.post(url, json={"name": "tap", "args": {"x": 180, "y": 320}})
+        erased = (await http.post(url, json={"name": "tap", "args": {"x": 60, "y": 533}})).json()
+        assert erased["screen"] == "setup_erased"
+        for x, y in GRID:
+            r = (await http.post(url, json={"name": "tap", "args": {"x": x, "y": y}})).json()
+            assert r["ok"] is False and r["screen"] == "setup_erased"
+            assert r["state_key_before"] == r["state_key_after"] == erased["state_key_after"]
+        assert (await ex.evaluate()).success is False

@@ -60,6 +60,27 @@ def conversion_view(extra: dict | None) -> dict:
     }
 
 
+def credit_view(extra: dict | None) -> dict | None:
+    """A turn's step credit (its ``step_credit`` extra field, written by the group filter when
+    ``step_credit`` is on: cua_rl/credit): the advantage its tokens got on top of the episode's,
+    its return, state key and step group; None when not recorded."""
+    found = (extra or {}).get("step_credit")
+    if isinstance(found, str):
+        found = parse_json(found)
+    if not isinstance(found, dict):
+        return None
+    key = found.get("state_key")
+    size = _count(found.get("step_group_size"))
+    return {
+        "advantage": finite_or_none(found.get("advantage")),
+        "ret": finite_or_none(found.get("return")),
+        "state_key": key if isinstance(key, str) and key else None,
+        "group_size": size,
+        "alone": size is not None and size < 2,
+        "false_merge": found.get("false_merge") is True,
+    }
+
+
 def trained_flag(metrics: Any) -> bool | None:
     """Whether a row trains the turn (its ``metrics_json.trained``); None when not recorded."""
     value = metrics.get("trained") if isinstance(metrics, dict) else None

@@ -23,6 +23,7 @@ from cua_rl.monitor.server.read import MonitorReader
 from cua_rl.monitor.server.rollout_view import (
     action_overlay,
     conversion_view,
+    credit_view,
     screenshot_view,
     token_view,
     trained_flag,
@@ -53,7 +54,20 @@ STEP_METRICS: dict[str, tuple[str, ...]] = {
     "row_images": ("cua_vision/row_images",),
     "distinct_images": ("cua_vision/distinct_images",),
     "encoded_images": ("cua_vision/encoded_images",),
+    # Step credit (cua_rl/credit), per group, the step's mean: the share of steps in a step
+    # group of 2 or more (below it a step has no step advantage), the step groups' mean and
+    # largest size, and false merges (a key that joined two states).
+    "credit_grouped": ("rollout/cua/credit/grouped_share",),
+    "credit_group_size": ("rollout/cua/credit/step_group_size",),
+    "credit_group_size_max": ("rollout/cua/credit/step_group_size_max",),
+    "credit_false_merges": ("rollout/cua/credit/false_merges",),
 }
+CREDIT_METRICS = (
+    "credit_grouped",
+    "credit_group_size",
+    "credit_group_size_max",
+    "credit_false_merges",
+)
 # Time per phase: AReaL's own timers (seconds) when the step logged them.
 PHASE_TIMERS = {
     "rollout_s": "timeperf/rollout",
@@ -177,7 +191,7 @@ def training_page(read: MonitorReader, training_id: int, *, now: datetime, stale
         s["staleness"] = _metric(metrics, "staleness")
         for key in ("rows", "sampled_tokens", "trained_tokens", "dropped_turns"):
             s[f"ep_{key}"] = _metric(metrics, key)
-        for key in ("row_images", "distinct_images", "encoded_images"):
+        for key in ("row_images", "distinct_images", "encoded_images", *CREDIT_METRICS):
             s[key] = _metric(metrics, key)
         # Its rollouts rewarded while no action changed the state (cua_rl/audit/live.py).
         s.update(free.get(s["id"], _NO_FREE_REWARD))
@@ -262,6 +276,16 @@ def training_charts(steps: list[dict], baseline_success: float | None) -> list[d
          "series": [["accepted", col("accepted")], ["rejected", col("rejected")],
                     ["stopped", col("stopped")]]},
     ]  # fmt: skip
+    if any(s.get("credit_grouped") is not None for s in steps):
+        # Only a training with step credit on has them (cua_rl/credit).
+        charts += [
+            {"id": "credit_grouped", "title": "Step credit: steps in step groups of 2+ (share)",
+             "x": x, "range": [0, 1], "series": [["grouped", col("credit_grouped")]]},
+            {"id": "credit_groups", "title": "Step group size; false merges per group", "x": x,
+             "series": [["mean size", col("credit_group_size")],
+                        ["largest", col("credit_group_size_max")],
+                        ["false merges", col("credit_false_merges")]]},
+        ]  # fmt: skip
     return charts
 
 
@@ -373,6 +397,7 @@ def rollout_page(read: MonitorReader, rollout_id: int) -> dict | None:
         t["actions"], t["observations"] = [], []
         t["metrics"] = _json(t.get("metrics_json"))
         t["trained"] = trained_flag(t["metrics"])
+        t["credit"] = credit_view(t["extra"])
     for key, table in (("actions", "action"), ("observations", "obs")):
         items = read.turn_items(table, rollout_id)
         extras = read.extras(table, [i["id"] for i in items])
