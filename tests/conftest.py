@@ -32,6 +32,25 @@ from cua_rl.testing.vllm_server import TrainingServer, VLLMServer
 ROOT = Path(__file__).resolve().parents[1]
 
 
+# torch.distributed's environment for a one-process group (cua_rl.testing.actor sets it).
+_PROCESS_GROUP_ENV = ("RANK", "WORLD_SIZE", "LOCAL_RANK", "MASTER_ADDR", "MASTER_PORT")
+
+
+@pytest.fixture(autouse=True, scope="module")
+def _process_group_env_stays_in_its_module():
+    """A module's in-process actors leave their group's environment set after they are
+    destroyed; a later module's library would read it as a group to join (accelerate, under TRL's
+    trainer, rendezvous on that port, where the destroyed group's store may still listen:
+    "Address already in use")."""
+    before = {key: os.environ.get(key) for key in _PROCESS_GROUP_ENV}
+    yield
+    for key, value in before.items():
+        if value is None:
+            os.environ.pop(key, None)
+        else:
+            os.environ[key] = value
+
+
 @pytest.fixture(scope="session")
 def tiny_vl_model_dir():
     """Tiny random Qwen2-VL with the byte-only tokenizer (prefix property holds on ASCII)."""
