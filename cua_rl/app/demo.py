@@ -354,18 +354,21 @@ def train(
     return rc
 
 
-def drain_lines(train_log: Path) -> list[str]:
-    """The rollout workers' drain reports in the trainer's log (cua_rl.rollout.drain)."""
+def trainer_reports(train_log: Path) -> list[str]:
+    """The rollout workers' drain reports in the trainer's log (cua_rl.rollout.drain), and
+    train.py's notes (``note: ...``, such as fewer steps than total_train_steps asked)."""
     if not train_log.exists():
         return []
     text = train_log.read_text(errors="replace")
     mark = "cua_rl.rollout.drain: "
-    return ["drain: " + line.split(mark, 1)[1] for line in text.splitlines() if mark in line]
+    lines = text.splitlines()
+    notes = [line for line in lines if line.startswith("note: ")]
+    return notes + ["drain: " + line.split(mark, 1)[1] for line in lines if mark in line]
 
 
 def print_end(rc: int, seconds: float, run_dir: Path, log_dir: Path, db_path: Path) -> None:
     # How the episodes in flight at the end were closed, and what was left open (by id).
-    for line in drain_lines(log_dir / "train.log"):
+    for line in trainer_reports(log_dir / "train.log"):
         print(f"[demo] {line}", flush=True)
     print(f"[demo] finished with exit code {rc} in {seconds:.0f}s", flush=True)
     print(f"[demo] monitor database: {_shown(db_path)}", flush=True)

@@ -93,6 +93,20 @@ def total_steps(config: CUAConfig, n_train: int) -> int:
     return steps
 
 
+def steps_capped(config: CUAConfig, n_train: int) -> str | None:
+    """The line saying that ``total_train_steps`` asked for more steps than the epochs hold (AReaL
+    trains the smaller count), or None: a run that stops early must say why."""
+    asked, steps = config.total_train_steps, total_steps(config, n_train)
+    if asked is None or asked <= steps:
+        return None
+    per_epoch = max(n_train // config.train_dataset.batch_size, 1)
+    return (
+        f"note: total_train_steps={asked}, but total_train_epochs={config.total_train_epochs} x "
+        f"{per_epoch} batches of {config.train_dataset.batch_size} tasks hold {steps}: training "
+        f"{steps} steps (raise total_train_epochs to train {asked})"
+    )
+
+
 def configure_platform(config: CUAConfig) -> None:
     """With ``cpu: true``, make the config and this process fit AReaL's CPU path
     (docs/areal-cpu.md); on GPUs with ``inference.environment: own``, make the rollout workers
@@ -201,6 +215,9 @@ def run_training(config: CUAConfig) -> int:
         print(left_out, flush=True)
     train_ds, eval_ds = to_dataset(split.train), to_dataset(split.eval)
     n_steps = total_steps(config, len(train_ds))
+    capped = steps_capped(config, len(train_ds))
+    if capped:
+        print(capped, flush=True)
     if config.total_train_steps == 0 and not len(eval_ds):
         raise ConfigError(
             "total_train_steps=0 evaluates the eval split, but gym.selection leaves it empty: "
