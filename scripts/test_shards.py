@@ -11,8 +11,11 @@ printed when all have ended. Two trainings at once on one machine are safe becau
 choice no longer follows the training seed (cua_rl/areal/ports.py).
 
 At the end it prints, from every process: the slowest tests, and every whole training and shared
-server with its wall time (``note_cost`` in tests/conftest.py; tests/README.md keeps the
-budget). The exit status is the first failing process's.
+server with its wall time and CPU seconds (``note_cost`` in tests/conftest.py; tests/README.md
+keeps the budget), and each process's wall time and CPU seconds (its whole tree, sampled:
+cua_rl/testing/cpu_meter.py). On two busy cores the CPU seconds are the cost that adds up; a
+training's wall time also says what ran beside it. The exit status is the first failing
+process's.
 
     python scripts/test_shards.py [--log-dir DIR] [-- extra pytest args for every process]
 """
@@ -28,6 +31,8 @@ import sys
 import time
 import xml.etree.ElementTree as ET
 from pathlib import Path
+
+from cua_rl.testing.cpu_meter import TreeCPU
 
 ROOT = Path(__file__).resolve().parents[1]
 # Test files (or node ids) by group: each group is one pytest process beside the main one, which
@@ -116,11 +121,14 @@ def main(argv: list[str] | None = None) -> int:
             beside[group] = (proc, log)
         main_proc = subprocess.Popen(command("main"), cwd=ROOT, env=env("main"))
         procs = {"main": main_proc, **{group: proc for group, (proc, _) in beside.items()}}
+        meters = {name: TreeCPU(proc.pid, every=2.0).start() for name, proc in procs.items()}
         ended: dict[str, float] = {}
+        cpu: dict[str, float] = {}
         while len(ended) < len(procs):
             for name, proc in procs.items():
                 if name not in ended and proc.poll() is not None:
                     ended[name] = time.monotonic() - start
+                    cpu[name] = meters[name].stop()
                     if name == "main" and len(ended) < len(procs):
                         print("[tests] waiting for the tests beside ...", flush=True)
             time.sleep(1)  # the wall times below are read to this second
@@ -141,10 +149,15 @@ def main(argv: list[str] | None = None) -> int:
     print_costs(costs)
     took = time.monotonic() - start
     failed = main_rc != 0 or any(codes.values())
-    exits = ", ".join(f"{group} exit {rc} ({ended[group]:.0f} s)" for group, rc in codes.items())
+
+    def spent(name: str) -> str:
+        return f"{ended[name]:.0f} s, {cpu[name]:.0f} CPU s"
+
+    exits = ", ".join(f"{group} exit {rc} ({spent(group)})" for group, rc in codes.items())
     print(
-        f"[tests] {'FAILED' if failed else 'passed'}: main exit {main_rc} ({ended['main']:.0f} s), "
-        f"{exits}, {took:.0f} s wall"
+        f"[tests] {'FAILED' if failed else 'passed'}: main exit {main_rc} ({spent('main')}), "
+        f"{exits}, {took:.0f} s wall, {sum(cpu.values()):.0f} CPU s "
+        f"({sum(cpu.values()) / took:.2f} cores busy on average)"
     )
     return main_rc or next((rc for rc in codes.values() if rc), 0)
 
@@ -199,14 +212,20 @@ def print_costs(costs: dict[str, Path]) -> None:
         return
     trainings = [(g, r) for g, r in rows if r["kind"] == "training"]
     servers = [(g, r) for g, r in rows if r["kind"] == "server"]
+
+    def total(rows: list, key: str) -> float:
+        return sum(r.get(key, 0.0) for _, r in rows)
+
     print(
-        f"\n[tests] whole trainings: {len(trainings)}, {sum(r['seconds'] for _, r in trainings):.0f}"
-        f" s in all; shared vLLM servers: {len(servers)}, started in "
-        f"{sum(r['seconds'] for _, r in servers):.0f} s (budget: tests/README.md)",
+        f"\n[tests] whole trainings: {len(trainings)}, {total(trainings, 'seconds'):.0f} s, "
+        f"{total(trainings, 'cpu_seconds'):.0f} CPU s in all; shared vLLM servers: {len(servers)}, "
+        f"started in {total(servers, 'seconds'):.0f} s, {total(servers, 'cpu_seconds'):.0f} CPU s "
+        "(budget: tests/README.md)",
         flush=True,
     )
-    for group, r in sorted(rows, key=lambda gr: -gr[1]["seconds"]):
-        print(f"[tests] {r['seconds']:7.1f} s  {r['kind']:8}  {r['name']}  ({group})", flush=True)
+    for group, r in sorted(rows, key=lambda gr: -gr[1].get("cpu_seconds", gr[1]["seconds"])):
+        line = f"{r['seconds']:7.1f} s {r.get('cpu_seconds', float('nan')):7.1f} CPU s"
+        print(f"[tests] {line}  {r['kind']:8}  {r['name']}  ({group})", flush=True)
 
 
 def _kill_group(proc: subprocess.Popen) -> None:

@@ -26,6 +26,7 @@ from pathlib import Path
 import pytest
 
 from cua_rl.testing.cache import ensure_model
+from cua_rl.testing.cpu_meter import TreeCPU
 from cua_rl.testing.sockets import Endpoint, tree_sockets
 from cua_rl.testing.vllm_server import TrainingServer, VLLMServer
 
@@ -127,14 +128,36 @@ def model_servers(tmp_path_factory):
     servers.stop()
 
 
+# This pytest process's tree (its tests, the servers and trainings they start), sampled while
+# ``make test``'s runner asks for costs: a training's CPU seconds are the tree's over its wall.
+_TREE_CPU: TreeCPU | None = None
+
+
+@pytest.fixture(autouse=True, scope="session")
+def _tree_cpu():
+    global _TREE_CPU
+    if not os.environ.get("CUA_TEST_COSTS"):
+        yield
+        return
+    _TREE_CPU = TreeCPU(os.getpid()).start()
+    yield
+    _TREE_CPU.stop()
+    _TREE_CPU = None
+
+
 def note_cost(name: str, seconds: float, kind: str = "training") -> None:
-    """Record a whole training's (or a shared server's) wall time where ``make test``'s runner
-    prints it (``$CUA_TEST_COSTS``, JSON lines): the suite's budget, visible in every run."""
+    """Record a whole training's (or a shared server's) wall time, and the CPU seconds this
+    process's tree spent in it (what ran beside it in this process included: one test at a time),
+    where ``make test``'s runner prints them (``$CUA_TEST_COSTS``, JSON lines): the suite's
+    budget, visible in every run."""
     path = os.environ.get("CUA_TEST_COSTS")
     if not path:
         return
+    record = {"name": name, "kind": kind, "seconds": round(seconds, 1)}
+    if _TREE_CPU is not None:
+        record["cpu_seconds"] = round(_TREE_CPU.since(seconds), 1)
     with open(path, "a") as out:
-        out.write(json.dumps({"name": name, "kind": kind, "seconds": round(seconds, 1)}) + "\n")
+        out.write(json.dumps(record) + "\n")
 
 
 # ---------------------------------------------------------------------------- trainings

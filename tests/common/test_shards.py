@@ -143,20 +143,30 @@ def test_the_runner_reports_the_slowest_tests_and_every_training(tmp_path, capsy
         "\n".join(
             json.dumps(r)
             for r in (
-                {"name": "shared demo", "kind": "training", "seconds": 200.0},
-                {"name": "shared vLLM server qwen2-vl-bpe", "kind": "server", "seconds": 50.0},
-                {"name": "model outage", "kind": "training", "seconds": 100.5},
+                {"name": "shared demo", "kind": "training", "seconds": 200.0, "cpu_seconds": 90},
+                {
+                    "name": "shared vLLM server qwen2-vl-bpe",
+                    "kind": "server",
+                    "seconds": 50.0,
+                    "cpu_seconds": 60.0,
+                },
+                {"name": "model outage", "kind": "training", "seconds": 100.5, "cpu_seconds": 40},
             )
         )
     )
     runner.print_costs({"shared": costs, "main": tmp_path / "absent.jsonl"})
     out = capsys.readouterr().out.splitlines()
-    assert out[1].startswith("[tests] whole trainings: 2, 300 s in all; shared vLLM servers: 1")
+    assert out[1] == (
+        "[tests] whole trainings: 2, 300 s, 130 CPU s in all; shared vLLM servers: 1, started in "
+        "50 s, 60 CPU s (budget: tests/README.md)"
+    )
+    # Most CPU first: on two busy cores it is the cost that adds up.
     assert [line.split("  ")[-2] for line in out[2:]] == [
         "shared demo",
-        "model outage",
         "shared vLLM server qwen2-vl-bpe",
+        "model outage",
     ]
+    assert "200.0 s    90.0 CPU s" in out[2], out[2]
 
 
 def test_a_test_named_in_one_group_runs_in_that_group_only():
