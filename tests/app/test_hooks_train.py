@@ -3,7 +3,9 @@ one: train.py on configs/local.yaml, AReaL's PPOTrainer, a vLLM CPU server, the 
 agent, the monitor on SQLite. A subclass that overrides only the reward trains on its reward; a
 hook that raises on every episode stops the training through failfast, its one line naming the
 hook and the exception (before, the exception escaped each episode into AReaL's executor, which
-drew another task forever). Minutes each: run them one at a time."""
+drew another task forever). Minutes each: run them one at a time, borrowing the process's shared
+server of the BPE tiny model (``model_servers``; scripts/test_shards.py runs them in the process
+that holds it)."""
 
 from __future__ import annotations
 
@@ -18,29 +20,40 @@ from cua_rl.sim.agent import AgentServer
 from cua_rl.sim.gym import GymServer
 from tests.app import workflows
 from tests.conftest import db_rows as _rows
-from tests.conftest import train_command
+from tests.conftest import note_cost, train_command
 
 ROOT = Path(__file__).resolve().parents[2]
 
 pytestmark = pytest.mark.slow
 
 
-def _train(tmp_path: Path, model_dir, gym, agent, *overrides: str, timeout: int = 800):
+MODEL = "qwen2-vl-bpe"
+
+
+def _train(name: str, tmp_path: Path, servers, gym, agent, *overrides: str, timeout: int = 800):
+    server = servers(MODEL)
     monitor = f"monitor.db_path={tmp_path / 'monitor.db'}"
-    argv = train_command(model_dir, gym.url, agent.url, monitor, tmp_path, *overrides)
-    return subprocess.run(argv, cwd=ROOT, capture_output=True, text=True, timeout=timeout)
+    argv = train_command(
+        server.model_dir, gym.url, agent.url, monitor, tmp_path, *overrides,
+        server.borrow_override(),
+    )  # fmt: skip
+    t0 = time.monotonic()
+    try:
+        return subprocess.run(argv, cwd=ROOT, capture_output=True, text=True, timeout=timeout)
+    finally:
+        note_cost(name, time.monotonic() - t0)
 
 
 @pytest.mark.timeout(900)
 def test_a_hook_that_always_raises_stops_the_training_through_failfast_naming_it(
-    tmp_path, tiny_vl_model_dir
+    tmp_path, model_servers
 ):
     window = 6
     where = "tests.app.workflows.BrokenReward.compute_reward"
     with GymServer() as gym, AgentServer() as agent:
         t0 = time.monotonic()
         proc = _train(
-            tmp_path, tiny_vl_model_dir, gym, agent,
+            "hooks: a raising hook", tmp_path, model_servers, gym, agent,
             f"workflow={workflows.BrokenReward.__module__}.BrokenReward",
             f"failfast.window={window}",
             # Above local.yaml's 4 episodes in flight: a count is allowed to trip at once.
@@ -69,11 +82,11 @@ def test_a_hook_that_always_raises_stops_the_training_through_failfast_naming_it
 
 
 @pytest.mark.timeout(900)
-def test_a_workflow_that_overrides_only_the_reward_trains(tmp_path, tiny_vl_model_dir):
+def test_a_workflow_that_overrides_only_the_reward_trains(tmp_path, model_servers):
     with GymServer() as gym, AgentServer() as agent:
         t0 = time.monotonic()
         proc = _train(
-            tmp_path, tiny_vl_model_dir, gym, agent,
+            "hooks: the reward overridden", tmp_path, model_servers, gym, agent,
             f"workflow={workflows.RewardPlusBonus.__module__}.RewardPlusBonus",
             "total_train_steps=1",
             # The step alone: no baseline or eval pass (their episodes take the hook too).
