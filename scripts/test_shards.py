@@ -74,6 +74,16 @@ BESIDE = {
         "tests/cpu/test_ppo_smoke.py",
         "tests/inference/test_environments.py",
     ),
+    # About half of what the main process ran alone once the trainings had ended, one core idle:
+    # the tests of the parts (the agent and its patch, the gateway, the gym, the model server,
+    # the actor). Its own vLLM server of the byte tiny model costs less than that idle core did.
+    "parts": (
+        "tests/agent",
+        "tests/gateway",
+        "tests/gym",
+        "tests/inference",
+        "tests/areal",
+    ),
 }
 SLOWEST = 20
 
@@ -165,14 +175,22 @@ def main(argv: list[str] | None = None) -> int:
 
 
 def selections(beside: dict[str, tuple[str, ...]]) -> dict[str, list[str]]:
-    """Each process's pytest arguments: a group's files and tests, less the tests another group
-    names inside them; the main process everything else."""
+    """Each process's pytest arguments: a group's folders, files and tests, less what another
+    group names inside them; the main process everything else."""
     every = [path for paths in beside.values() for path in paths]
-    nodes = [p for p in every if "::" in p]
-    out = {"main": [f"--deselect={p}" if "::" in p else f"--ignore={p}" for p in every]}
+
+    def left_out(path: str) -> str:
+        return f"--deselect={path}" if "::" in path else f"--ignore={path}"
+
+    def within(path: str, folder_or_file: str) -> bool:
+        file = path.split("::")[0]
+        return file == folder_or_file or file.startswith(folder_or_file.rstrip("/") + "/")
+
+    out = {"main": [left_out(p) for p in every]}
     for group, paths in beside.items():
-        inside = [n for n in nodes if n not in paths and n.split("::")[0] in paths]
-        out[group] = [*paths, *(f"--deselect={n}" for n in inside)]
+        # Another group's tests, files or folders inside this group's files and folders.
+        inside = [q for q in every if q not in paths and any(within(q, p) for p in paths)]
+        out[group] = [*paths, *(left_out(q) for q in inside)]
     return out
 
 

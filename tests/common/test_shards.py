@@ -185,3 +185,20 @@ def test_a_test_named_in_one_group_runs_in_that_group_only():
         "a": ["tests/x/test_f.py", "tests/y", "--deselect=tests/x/test_f.py::test_slow"],
         "b": ["tests/x/test_f.py::test_slow", "tests/z/test_g.py"],
     }
+
+
+def test_a_file_or_test_named_in_one_group_is_left_out_of_anothers_folder():
+    runner = _runner()
+    beside = {
+        "a": ("tests/x", "tests/xy/test_h.py"),
+        "b": ("tests/x/test_f.py", "tests/x/sub/test_g.py::test_one", "tests/xy"),
+    }
+    selected = runner.selections(beside)
+    # tests/xy is not inside tests/x: a name that only starts like the folder stays.
+    assert selected["a"] == [
+        "tests/x",
+        "tests/xy/test_h.py",
+        "--ignore=tests/x/test_f.py",
+        "--deselect=tests/x/sub/test_g.py::test_one",
+    ]
+    assert selected["b"] == [*beside["b"], "--ignore=tests/xy/test_h.py"]
