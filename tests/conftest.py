@@ -42,9 +42,13 @@ def _process_group_env_stays_in_its_module():
     """A module's in-process actors leave their group's environment set after they are
     destroyed; a later module's library would read it as a group to join (accelerate, under TRL's
     trainer, rendezvous on that port, where the destroyed group's store may still listen:
-    "Address already in use")."""
+    "Address already in use"). A group still alive keeps its environment: the next module's
+    actors join it (``init_single_process_group``) and AReaL reads ``LOCAL_RANK`` from it."""
     before = {key: os.environ.get(key) for key in _PROCESS_GROUP_ENV}
     yield
+    dist = sys.modules.get("torch.distributed")
+    if dist is not None and dist.is_available() and dist.is_initialized():
+        return
     for key, value in before.items():
         if value is None:
             os.environ.pop(key, None)

@@ -129,7 +129,8 @@ async def test_the_infeasible_claim_runs_only_where_the_task_reads_an_answer(gym
 async def test_the_shipped_phone_tasks_are_clean(gym, genv):
     """Every built-in phone task, every agent: nothing flagged (docs/gym.md reports it)."""
     tasks = [t["task_id"] for t in await genv.list_tasks() if t["task_id"].startswith("sim-")]
-    assert len(tasks) == 20
+    # sim-001 to sim-022: the learn-long wizard (step credit's family) made 21 and 22.
+    assert len(tasks) == 22, tasks
     audit, results = await run_audit(genv, tasks)
     flagged = {t: r.verdict.flags[0].message for t, r in results.items() if r.verdict.flags}
     assert flagged == {}
