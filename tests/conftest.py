@@ -26,7 +26,7 @@ from pathlib import Path
 import pytest
 
 from cua_rl.testing.cache import ensure_model
-from cua_rl.testing.cpu_meter import TreeCPU
+from cua_rl.testing.cpu_meter import process_meter, start_process_meter, stop_process_meter
 from cua_rl.testing.sockets import Endpoint, tree_sockets
 from cua_rl.testing.vllm_server import TrainingServer, VLLMServer
 
@@ -132,21 +132,16 @@ def model_servers(tmp_path_factory):
     servers.stop()
 
 
-# This pytest process's tree (its tests, the servers and trainings they start), sampled while
-# ``make test``'s runner asks for costs: a training's CPU seconds are the tree's over its wall.
-_TREE_CPU: TreeCPU | None = None
-
-
 @pytest.fixture(autouse=True, scope="session")
 def _tree_cpu():
-    global _TREE_CPU
+    """This pytest process's tree (its tests, the servers and trainings they start), sampled while
+    ``make test``'s runner asks for costs: a training's CPU seconds are the tree's over its wall."""
     if not os.environ.get("CUA_TEST_COSTS"):
         yield
         return
-    _TREE_CPU = TreeCPU(os.getpid()).start()
+    start_process_meter()
     yield
-    _TREE_CPU.stop()
-    _TREE_CPU = None
+    stop_process_meter()
 
 
 def note_cost(name: str, seconds: float, kind: str = "training") -> None:
@@ -158,8 +153,9 @@ def note_cost(name: str, seconds: float, kind: str = "training") -> None:
     if not path:
         return
     record = {"name": name, "kind": kind, "seconds": round(seconds, 1)}
-    if _TREE_CPU is not None:
-        record["cpu_seconds"] = round(_TREE_CPU.since(seconds), 1)
+    meter = process_meter()
+    if meter is not None:
+        record["cpu_seconds"] = round(meter.since(seconds), 1)
     with open(path, "a") as out:
         out.write(json.dumps(record) + "\n")
 

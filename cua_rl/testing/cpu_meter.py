@@ -12,6 +12,7 @@ double-forks) are not followed.
 from __future__ import annotations
 
 import bisect
+import os
 import threading
 import time
 
@@ -91,3 +92,25 @@ class TreeCPU:
         if self._thread is not None:
             self._thread.join()
         return self.sample()
+
+
+# The meter of this process's tree for a test session, where every copy of a conftest module
+# sees it (pytest may import one conftest under two names: its own and ``tests.conftest``).
+_process_meter: TreeCPU | None = None
+
+
+def start_process_meter(every: float = 1.0) -> TreeCPU:
+    global _process_meter
+    _process_meter = TreeCPU(os.getpid(), every).start()
+    return _process_meter
+
+
+def process_meter() -> TreeCPU | None:
+    return _process_meter
+
+
+def stop_process_meter() -> None:
+    global _process_meter
+    if _process_meter is not None:
+        _process_meter.stop()
+    _process_meter = None
