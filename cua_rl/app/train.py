@@ -85,9 +85,12 @@ def config_errors(exc: ConfigError) -> int:
 # ---------------------------------------------------------------------------- training
 
 
+def batches_per_epoch(config: CUAConfig, n_train: int) -> int:
+    return max(n_train // config.train_dataset.batch_size, 1)
+
+
 def total_steps(config: CUAConfig, n_train: int) -> int:
-    per_epoch = max(n_train // config.train_dataset.batch_size, 1)
-    steps = config.total_train_epochs * per_epoch
+    steps = config.total_train_epochs * batches_per_epoch(config, n_train)
     if config.total_train_steps is not None:
         steps = min(steps, config.total_train_steps)
     return steps
@@ -99,10 +102,9 @@ def steps_capped(config: CUAConfig, n_train: int) -> str | None:
     asked, steps = config.total_train_steps, total_steps(config, n_train)
     if asked is None or asked <= steps:
         return None
-    per_epoch = max(n_train // config.train_dataset.batch_size, 1)
     return (
         f"note: total_train_steps={asked}, but total_train_epochs={config.total_train_epochs} x "
-        f"{per_epoch} batches of {config.train_dataset.batch_size} tasks hold {steps}: training "
+        f"{batches_per_epoch(config, n_train)} batches of {config.train_dataset.batch_size} tasks hold {steps}: training "
         f"{steps} steps (raise total_train_epochs to train {asked})"
     )
 
