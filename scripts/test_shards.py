@@ -84,6 +84,11 @@ BESIDE = {
     ),
 }
 SLOWEST = 20
+# The processes side by side keep both cores busy, and torch's OpenMP threads spin while they
+# wait: the actor's tests spent 1.8x the CPU seconds beside two busy processes with the policy
+# unset than with PASSIVE (bench/openmp_wait.py). Every process of the run inherits it (the
+# CPU harness gives AReaL's workers the same default: cua_rl/cpu/training.py).
+QUIET_OPENMP = {"OMP_WAIT_POLICY": os.environ.get("OMP_WAIT_POLICY", "PASSIVE")}
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -110,7 +115,7 @@ def main(argv: list[str] | None = None) -> int:
         return [*py, f"--junitxml={reports[group]}", *groups[group], *args.pytest_args]
 
     def env(group: str) -> dict[str, str]:
-        return {**os.environ, "CUA_TEST_COSTS": str(costs[group])}
+        return {**os.environ, "CUA_TEST_COSTS": str(costs[group]), **QUIET_OPENMP}
 
     start = time.monotonic()
     beside: dict[str, tuple[subprocess.Popen, Path]] = {}

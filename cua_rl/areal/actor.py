@@ -135,6 +135,15 @@ class ActorMixin:
             scheduler.startup_timeout = startup_s
         return scheduler
 
+    def _init_rollout(self, rollout_config, is_eval=False, lora_path=None):
+        # AReaL starts an eval rollout worker whether or not there is anything to evaluate;
+        # train.py passes no valid dataset when the gym gives no eval task, and AReaL's
+        # evaluation, baseline and shutdown all skip an absent eval rollout. Not starting it
+        # saves a worker process (torch, AReaL and a rollout engine: ~7 CPU s to start, ~0.5 GiB).
+        if is_eval and self.valid_dataloader is None:
+            return None
+        return super()._init_rollout(rollout_config, is_eval=is_eval, lora_path=lora_path)
+
 
 class CuaTrainer(ActorMixin, PPOTrainer):
     """``PPOTrainer`` whose fsdp train engines are ``CuaPPOActor``."""

@@ -203,6 +203,17 @@ RELIANCES: tuple[Reliance, ...] = (
     ),
     Reliance("areal", "PPOTrainer._create_train_engine", "cua_rl/areal/actor.py overrides"),
     Reliance("areal", "PPOTrainer._init_scheduler", "cua_rl/areal/actor.py overrides"),
+    # No eval rollout worker without eval tasks: the override reads the valid loader, which
+    # AReaL's constructor sets before it creates the rollouts.
+    Reliance(
+        "areal",
+        "PPOTrainer._init_rollout",
+        "cua_rl/areal/actor.py overrides",
+        params=("rollout_config", "is_eval", "lora_path"),
+    ),
+    Reliance(
+        "areal", "PPOTrainer.valid_dataloader", "cua_rl/areal/actor.py reads", set_by="__init__"
+    ),
     *(
         Reliance(
             f"areal.infra.scheduler.{module}",

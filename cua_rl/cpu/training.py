@@ -18,6 +18,7 @@ stands between it and a CPU run is the inference server and a few config default
 from __future__ import annotations
 
 import functools
+import os
 import shlex
 import sys
 from pathlib import Path
@@ -112,9 +113,15 @@ def _cpu_worker_spec(
     env.setdefault("VLLM_CPU_KVCACHE_SPACE", "1")
     # vLLM CPU pins its engine to cores by default; on a shared small box let the OS place it.
     env.setdefault("VLLM_CPU_OMP_THREADS_BIND", "nobind")
+    # OpenMP threads that wait by sleeping, not spinning: on a box that the trainer, the server
+    # and the agent share, a spinning waiter burns a core another process needs (the server's
+    # start cost 10% less CPU with it; bench/openmp_wait.py measures it on the actor's work).
+    env.setdefault("OMP_WAIT_POLICY", os.environ.get("OMP_WAIT_POLICY", "PASSIVE"))
     if env != spec.env_vars:
         spec.env_vars = env
-        changes.append(f"{where}.env_vars: VLLM_CPU_KVCACHE_SPACE, VLLM_CPU_OMP_THREADS_BIND")
+        changes.append(
+            f"{where}.env_vars: VLLM_CPU_KVCACHE_SPACE, VLLM_CPU_OMP_THREADS_BIND, OMP_WAIT_POLICY"
+        )
     if scheduler == "slurm":
         # AReaL's Slurm scheduler passes env_vars only into an Apptainer container; a
         # native task (native_slurm) gets them as exports before its command.

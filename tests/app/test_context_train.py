@@ -20,6 +20,7 @@ tower once, an episode's rows packed together.
 from __future__ import annotations
 
 import json
+import re
 
 import pytest
 
@@ -144,3 +145,18 @@ def test_the_monitor_marks_every_turn_trained_in_an_asynchronous_run(trained):
             assert c["rows"] == 1, c
         else:
             assert steps <= c["rows"] <= c["turns"], (steps, c)
+
+
+def test_an_eval_rollout_worker_runs_only_where_there_is_something_to_evaluate(trained):
+    # AReaL starts one whether or not the gym gives eval tasks; the trainer (cua_rl/areal/actor.py)
+    # does not where it gives none: the demo's run evaluates, the other two have no eval task.
+    _, regime, run = trained
+    assert run.returncode == 0, run.output[-6000:]
+    (main_log,) = (run.run_dir / "areal" / "logs").rglob("main.log")
+    roles = re.findall(
+        r"Creating \d+ workers for role '([\w-]+)'", main_log.read_text(errors="replace")
+    )
+    evaluates = regime is DEMO
+    assert roles == ["actor", "rollout", *(["eval-rollout"] if evaluates else [])], roles
+    evals = db_rows(run.db, "SELECT COUNT(*) FROM eval")[0][0]
+    assert (evals > 0) == evaluates, evals

@@ -1,9 +1,13 @@
 """Each production family trained for real on the local stack: ``make demo``'s launcher with the
 family's tiny model (its own template and processor), vLLM CPU serving it through the gateway
 (the session's shared server for that model, borrowed; Qwen3-VL-MoE's own), AReaL's FSDP actor with selective
-logits, one asynchronous PPO step (every task trains, none evaluates, no settle time). Qwen2.5-VL
-trains a second time with ``logits.selective=false`` (AReaL's own actor, ``CuaPPOActor``): its
-image-position fix must not depend on the selective-logits switch.
+logits, one asynchronous PPO step (every task trains, none evaluates, no settle time).
+
+AReaL's own logits path (``logits.selective=false``) has no training here: that the Qwen2.5-VL
+image-position fix reaches its worker is tests/areal/test_actor_positions.py's check (the worker's
+engine class imported in a fresh interpreter, the switch on and off), and that it gives the
+selective path's log-probabilities, gradients and statistics is tests/areal/test_selective_logits.py's;
+the selective path is checked against vLLM here.
 
 One training per family serves every check, and what they check is step 1's, so the run stops
 there (``total_train_steps=1``): it completes with no episode rejected, no turn breaks the
@@ -30,14 +34,6 @@ TOL = 1e-3
 pytestmark = pytest.mark.slow
 
 
-# (kind, extra overrides): each family on the default actor, and Qwen2.5-VL (the family whose
-# positions the trainer fixes) on AReaL's unpatched-logits actor too, right after its first run
-# (they borrow one server).
-CASES = [
-    (kind, extra)
-    for kind in FAMILY_KINDS
-    for extra in [(), *([("logits.selective=false",)] if kind == "qwen2.5-vl" else [])]
-]
 ONE_STEP = ("total_train_steps=1", "total_train_epochs=1")
 # Qwen3-VL-MoE starts a server of its own: vLLM CPU's in-place reload of its fused experts, which
 # a borrowed server does to load the training's initial weights, does not give back the weights
@@ -46,30 +42,24 @@ ONE_STEP = ("total_train_steps=1", "total_train_epochs=1")
 OWN_SERVER = {"qwen3-vl-moe"}
 
 
-def _train(run_dir: Path, kind: str, overrides: tuple[str, ...], server) -> tuple[int, str, float]:
+def _train(run_dir: Path, kind: str, server) -> tuple[int, str, float]:
     t0 = time.monotonic()
     run = run_demo(
-        run_dir, "--model", kind, *NO_LATENCY, *NO_EVAL, *ONE_STEP, *overrides,
-        server=server, timeout=1200, name=f"family {kind}{' '.join(overrides)}",
+        run_dir, "--model", kind, *NO_LATENCY, *NO_EVAL, *ONE_STEP,
+        server=server, timeout=1200, name=f"family {kind}",
     )  # fmt: skip
     rc, out = run.returncode, run.output
     return rc, out, time.monotonic() - t0
 
 
-def _case_id(case: tuple[str, tuple[str, ...]]) -> str:
-    kind, overrides = case
-    return kind + ("-full-logits" if "logits.selective=false" in overrides else "")
-
-
-@pytest.fixture(scope="module", params=CASES, ids=_case_id)
+@pytest.fixture(scope="module", params=FAMILY_KINDS)
 def trained(request, tmp_path_factory, model_servers):
-    kind, overrides = request.param
-    name = _case_id(request.param)
-    run_dir = tmp_path_factory.mktemp(name) / "run"
+    kind = request.param
+    run_dir = tmp_path_factory.mktemp(kind) / "run"
     server = None if kind in OWN_SERVER else model_servers(kind)
-    rc, out, seconds = _train(run_dir, kind, overrides, server)
-    print(f"{name}: trained in {seconds:.0f}s")  # pytest -s shows each family's cost
-    return name, run_dir / "monitor.db", rc, out
+    rc, out, seconds = _train(run_dir, kind, server)
+    print(f"{kind}: trained in {seconds:.0f}s")  # pytest -s shows each family's cost
+    return kind, run_dir / "monitor.db", rc, out
 
 
 def _steps(db: Path) -> list[tuple[int, str, dict]]:

@@ -242,6 +242,7 @@ def _recorded_config_is_the_config_that_ran(db: Path) -> None:
             f"{spec}.env_vars.CUA_VLLM_PYTHON": vllm_python,
             f"{spec}.env_vars.VLLM_CPU_KVCACHE_SPACE": "1",
             f"{spec}.env_vars.VLLM_CPU_OMP_THREADS_BIND": "nobind",
+            f"{spec}.env_vars.OMP_WAIT_POLICY": "PASSIVE",
         }
     # The record's name, claimed before the record (run_record.py): a new database, the default.
     cpu["monitor.run_name"] = f"{loaded['experiment_name']}-{loaded['trial_name']}"

@@ -90,6 +90,7 @@ def test_defaults_are_rewritten_for_cpu(config, fake_vllm_python):
         assert spec.cmd == "python -m cua_rl.cpu.rpc_worker"
         assert spec.cpu == 1
         assert spec.env_vars["CUA_VLLM_PYTHON"] == fake_vllm_python
+        assert spec.env_vars["OMP_WAIT_POLICY"] == "PASSIVE"
         # AReaL joins env_vars as "K=V,K=V" and splits on "=" (launcher.get_env_vars).
         assert all("," not in v and "=" not in v for v in spec.env_vars.values())
     assert any(line.startswith("actor.weight_update_mode") for line in changes)
