@@ -30,7 +30,9 @@ import asyncio
 import json
 import os
 import re
+import shutil
 import sys
+import tempfile
 import time
 from http import HTTPStatus
 
@@ -44,6 +46,8 @@ from cua_rl.logs import get_logger
 log = get_logger("cua_rl.inference.vllm_server")
 
 AREAL_EXTENSION = "areal.engine.vllm_ext.vllm_worker_extension.VLLMWorkerExtension"
+# The folder of each server's ZeroMQ sockets, under the temp folder (main).
+RPC_FOLDER_PREFIX = "cua-vllm-rpc-"
 OUR_EXTENSION = "cua_rl.inference.vllm_worker.DiskWeightReloadExtension"
 _VERSIONED_PATH = re.compile(r"weight_update_v(\d+)$")
 
@@ -257,6 +261,22 @@ def _rewrite_argv(argv: list[str]) -> list[str]:
 
 
 def main(argv: list[str] | None = None) -> None:
+    # vLLM's processes talk over ZeroMQ sockets at ipc://<VLLM_RPC_BASE_PATH>/<uuid> (default:
+    # the temp folder) and leave the socket files there when they stop: thousands gathered in
+    # /tmp over a test suite. A folder of this server's own, removed when it exits (a SIGTERM
+    # included; a SIGKILL leaves it), keeps them together. A base path the user set is kept.
+    own = None
+    if not os.environ.get("VLLM_RPC_BASE_PATH"):
+        own = tempfile.mkdtemp(prefix=RPC_FOLDER_PREFIX)
+        os.environ["VLLM_RPC_BASE_PATH"] = own
+    try:
+        _serve(argv)
+    finally:
+        if own is not None:
+            shutil.rmtree(own, ignore_errors=True)
+
+
+def _serve(argv: list[str] | None) -> None:
     import uvloop
     from vllm.entrypoints.launchers.api_server import entry
     from vllm.entrypoints.launchers.cli_args import make_arg_parser, validate_parsed_serve_args

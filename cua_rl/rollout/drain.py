@@ -61,6 +61,10 @@ class LiveEpisode(EpisodeObserver):
 Flush = Callable[[float], Awaitable[bool]]
 
 
+# The drain's line at a run's end with no episode to close.
+NOTHING_IN_FLIGHT = "no episode in flight at the run's end"
+
+
 class Drain:
     """A runtime's episodes in flight, and the drain that closes them when the run ends.
 
@@ -126,6 +130,10 @@ class Drain:
                 new = [t for t in self._tasks if t.get_loop() is loop and t not in cancelled]
             new = [t for t in new if not t.done()]
             if not new:
+                if not cancelled:
+                    # Said too: a run's end shows the drain ran, whatever it found.
+                    self.reports.append(NOTHING_IN_FLIGHT)
+                    log.info(NOTHING_IN_FLIGHT)
                 return
             for task in new:
                 task.cancel()

@@ -256,6 +256,21 @@ def test_a_runtime_drains_only_its_own_runner():
     assert not hasattr(AsyncTaskRunner.destroy, "_cua_drain")
 
 
+def test_a_run_that_ends_with_nothing_in_flight_says_so():
+    # The drain runs at every end; with no episode to close, its one line says that it did.
+    from areal.infra.async_task_runner import AsyncTaskRunner
+
+    from cua_rl.rollout.drain import NOTHING_IN_FLIGHT
+    from cua_rl.rollout.runtime import RolloutRuntime
+
+    runner = AsyncTaskRunner(max_queue_size=1)
+    runner.initialize()
+    runtime = RolloutRuntime(bare_settings())
+    runtime.bind(_Engine(runner))
+    runner.destroy()
+    assert runtime.drain.reports == [NOTHING_IN_FLIGHT]
+
+
 @pytest.mark.slow
 def test_a_group_is_drained_whole_before_the_runner_stops(stack, monkeypatch):
     # AReaL runs a task's episodes as a group, a gather without return_exceptions: cancelled, it

@@ -19,8 +19,8 @@ import pytest
 from cua_rl.sim.agent import AgentServer
 from cua_rl.sim.gym import GymServer
 from tests.app import workflows
+from tests.conftest import NO_EVAL, note_cost, train_command
 from tests.conftest import db_rows as _rows
-from tests.conftest import note_cost, train_command
 
 ROOT = Path(__file__).resolve().parents[2]
 
@@ -89,9 +89,9 @@ def test_a_workflow_that_overrides_only_the_reward_trains(tmp_path, model_server
             "hooks: the reward overridden", tmp_path, model_servers, gym, agent,
             f"workflow={workflows.RewardPlusBonus.__module__}.RewardPlusBonus",
             "total_train_steps=1",
-            # The step alone: no baseline or eval pass (their episodes take the hook too).
-            "evaluator.eval_before_train=false",
-            "evaluator.freq_steps=null",
+            # The step alone: no eval task, so no baseline or eval pass (their episodes take the
+            # hook too) and no eval rollout worker.
+            *NO_EVAL,
         )  # fmt: skip
         took = time.monotonic() - t0
     assert proc.returncode == 0, proc.stderr[-3000:]

@@ -2,6 +2,10 @@
 
 from __future__ import annotations
 
+import getpass
+import os
+import tempfile
+
 import pytest
 
 from cua_rl.inference.launch import server_command
@@ -29,12 +33,22 @@ class AReaLVLLMServer(VLLMServer):
 
 
 @pytest.fixture(scope="module")
-def areal_vllm_server(tiny_text_model_dir):
+def areal_vllm_server(tiny_text_model_dir, tmp_path_factory):
     # The tokens-in route too (--enable-scale-out): it labels each token with its weights' version.
+    # A temp folder of its own, whose leftovers a test reads (test_vllm_server.py); Inductor's
+    # cache stays where every other server finds it (its default is under the temp folder).
+    env = {
+        "TMPDIR": str(tmp_path_factory.mktemp("server-tmp")),
+        "TORCHINDUCTOR_CACHE_DIR": os.environ.get(
+            "TORCHINDUCTOR_CACHE_DIR",
+            os.path.join(tempfile.gettempdir(), f"torchinductor_{getpass.getuser()}"),
+        ),
+    }
     with AReaLVLLMServer(
         tiny_text_model_dir,
         model="areal-text",
         max_model_len=1024,
         extra_args=["--enable-scale-out"],
+        env=env,
     ) as server:
         yield server

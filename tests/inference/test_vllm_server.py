@@ -7,6 +7,7 @@ import io
 import os
 import shutil
 import signal
+from pathlib import Path
 
 import httpx
 import pytest
@@ -18,6 +19,7 @@ from safetensors.torch import load_file, save_file
 
 from cua_rl.gateway.backends import VLLMTokens
 from cua_rl.inference import attach
+from cua_rl.inference.vllm_server import RPC_FOLDER_PREFIX
 from cua_rl.testing.vllm_server import free_port
 
 pytestmark = pytest.mark.slow
@@ -216,3 +218,15 @@ def test_an_unreachable_server_is_named(tmp_path):
     port = free_port()
     with pytest.raises(attach.AttachError, match=f"127.0.0.1:{port} cannot be reached"):
         attach.attach_process(f"127.0.0.1:{port}", str(tmp_path))
+
+
+def test_the_servers_sockets_live_in_its_own_folder_and_leave_with_it(areal_vllm_server):
+    # Last in this module: it stops the module's server. vLLM's ZeroMQ socket files went
+    # straight into the temp folder and stayed there after the server stopped.
+    tmp = Path(areal_vllm_server.env["TMPDIR"])
+    (own,) = tmp.glob(f"{RPC_FOLDER_PREFIX}*")
+    assert any(p.is_socket() for p in own.iterdir()), list(own.iterdir())
+    assert not [p for p in tmp.iterdir() if p.is_socket()]
+    areal_vllm_server.stop()
+    assert not own.exists()
+    assert not [p for p in tmp.rglob("*") if p.is_socket()]
