@@ -75,12 +75,21 @@ BESIDE = {
         "tests/inference/test_environments.py",
     ),
     # Part of what the main process ran alone once the trainings had ended, one core idle: the
-    # actor's tests and the gym's, which start no vLLM server. With the agent's, the gateway's and
-    # the model server's tests too (about half of main), this process held three vLLM servers
-    # beside main's and the trainings' and the machine's available memory fell to 0.3 GiB of 24.
+    # folders whose tests start no vLLM server (the actor's, the gym's, the audit's, the
+    # monitor's, the credit's, the CPU harness's, the curriculum's, the benches'). With the
+    # agent's, the gateway's and the model server's tests too, this process held three vLLM
+    # servers beside main's and the trainings' and the machine's available memory fell to 0.3
+    # GiB of 24. With the first two folders only, it ended at 715 s of 2,044 and main ran alone
+    # for its last 230 s (a fresh clone, 2026-11-28).
     "parts": (
         "tests/areal",
         "tests/gym",
+        "tests/audit",
+        "tests/monitor",
+        "tests/credit",
+        "tests/cpu",
+        "tests/curriculum",
+        "tests/bench",
     ),
 }
 SLOWEST = 20
