@@ -61,8 +61,9 @@ class LiveEpisode(EpisodeObserver):
 Flush = Callable[[float], Awaitable[bool]]
 
 
-# The drain's line at a run's end with no episode to close.
-NOTHING_IN_FLIGHT = "no episode in flight at the run's end"
+# The drain's line at a run's end with no episode to close. Each rollout worker (the eval one
+# too) drains its own episodes and says what it closed: the demo shows the lines together.
+NOTHING_IN_FLIGHT = "this rollout worker had no episode in flight at the run's end"
 
 
 class Drain:
