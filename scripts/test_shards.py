@@ -94,7 +94,7 @@ BESIDE = {
 }
 SLOWEST = 20
 # The processes side by side keep both cores busy, and torch's OpenMP threads spin while they
-# wait: the actor's tests spent 1.8x the CPU seconds beside two busy processes with the policy
+# wait: the actor's tests spent 1.9x the CPU seconds beside two busy processes with the policy
 # unset than with PASSIVE (bench/openmp_wait.py). Every process of the run inherits it (the
 # CPU harness gives AReaL's workers the same default: cua_rl/cpu/training.py).
 QUIET_OPENMP = {"OMP_WAIT_POLICY": os.environ.get("OMP_WAIT_POLICY", "PASSIVE")}

@@ -114,8 +114,8 @@ def _cpu_worker_spec(
     # vLLM CPU pins its engine to cores by default; on a shared small box let the OS place it.
     env.setdefault("VLLM_CPU_OMP_THREADS_BIND", "nobind")
     # OpenMP threads that wait by sleeping, not spinning: on a box that the trainer, the server
-    # and the agent share, a spinning waiter burns a core another process needs (the server's
-    # start cost 10% less CPU with it; bench/openmp_wait.py measures it on the actor's work).
+    # and the agent share, a spinning waiter burns a core another process needs (the actor's
+    # work beside two busy processes: 0.52x the CPU seconds with it, bench/openmp_wait.py).
     env.setdefault("OMP_WAIT_POLICY", os.environ.get("OMP_WAIT_POLICY", "PASSIVE"))
     if env != spec.env_vars:
         spec.env_vars = env
