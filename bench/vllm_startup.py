@@ -1,14 +1,15 @@
-"""What a vLLM CPU server of a tiny model costs to start and to serve, per compilation setting.
+"""What a vLLM CPU server of a tiny model costs to start and to serve, per setting.
 
-vLLM's CPU platform compiles the model with TorchDynamo and Inductor even under
-``--enforce-eager`` (it only drops CUDA graphs): Inductor writes C++ and runs g++ in the server's
-worker, once per new cache. The suite starts a server per shared tiny model and per training that
-does not borrow one, on fresh caches in CI. This bench starts the tests' server
+The suite starts a server per shared tiny model and per training that does not borrow one, on
+fresh caches in CI. This bench starts the tests' server
 (``cua_rl.testing.vllm_server.VLLMServer``) once per arm, with a fresh Inductor and vLLM cache
 (``TORCHINDUCTOR_CACHE_DIR``, ``VLLM_CACHE_ROOT`` in a temp dir, as on a fresh CI machine) unless
 ``--warm``, and prints per arm: the seconds to ready, the CPU seconds of the server's process tree
 until ready, and then the CPU and wall seconds of ``--requests`` chat completions of
-``--tokens`` tokens each (the serving cost that a setting without compilation may raise).
+``--tokens`` tokens each. Arms: ``default`` (the tests' server as it is), ``O0`` (vLLM's
+optimization level 0), ``mp`` (the model in a worker process of its own, vLLM's default
+executor: three processes) and ``uni`` (the model in the engine core's process, as the CPU
+harness runs it: two).
 
     python bench/vllm_startup.py [--model qwen2-vl-bpe] [--arms default O0] [--requests 8]
 """
@@ -33,6 +34,14 @@ from cua_rl.testing.vllm_server import VLLMServer  # noqa: E402
 ARMS = {
     "default": [],
     "O0": ["--optimization-level", "0"],
+    "mp": ["--distributed-executor-backend", "mp"],
+    "uni": ["--distributed-executor-backend", "uni"],
+}
+# vLLM's CPU platform turns "uni" back into "mp" unless V1 multiprocessing is off; off, the API
+# server still runs its engine core in a process of its own (AsyncLLM always does).
+ARM_ENV = {
+    "mp": {"VLLM_ENABLE_V1_MULTIPROCESSING": "1"},
+    "uni": {"VLLM_ENABLE_V1_MULTIPROCESSING": "0"},
 }
 
 
@@ -57,6 +66,7 @@ def run_arm(name: str, model_dir: Path, args: argparse.Namespace) -> dict:
     if not args.warm:
         cache = Path(tempfile.mkdtemp(prefix=f"vllm-startup-{name}-"))
         env = {"TORCHINDUCTOR_CACHE_DIR": str(cache / "inductor"), "VLLM_CACHE_ROOT": str(cache)}
+    env.update(ARM_ENV.get(name, {}))
     server = VLLMServer(model_dir, extra_args=ARMS[name], env=env)
     t0 = time.monotonic()
     server.start()

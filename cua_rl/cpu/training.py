@@ -32,6 +32,7 @@ WORKER_CMD = "python -m cua_rl.cpu.rpc_worker"
 # Ray ignores SchedulingSpec.cmd: its workers get the patches from this hook (cua_rl.areal.ray_job).
 RAY_SETUP_HOOK = "cua_rl.cpu.training.patch_ray_worker"
 WORKER_MEM_GIB = 1
+ENV_INPROC_WORKER = "VLLM_ENABLE_V1_MULTIPROCESSING"
 
 
 def enable_cpu_training(
@@ -68,6 +69,14 @@ def enable_cpu_training(
         # AReaL's default 16 kills vLLM CPU's engine core: "No common block size for 16
         # (CPU_ATTN: [MultipleOf(32)])".
         setattr_logged(config.vllm, "block_size", 32, "vllm")
+    if _one_worker_per_server(config) and config.vllm.distributed_executor_backend == "mp":
+        # The model in vLLM's engine-core process instead of a worker process of its own: a
+        # server of two processes, not three, that does not spin on a shared message queue
+        # (a tiny model's server: start 0.63x the CPU seconds, serving 0.56x, bench/
+        # vllm_startup.py --arms mp uni). vLLM's CPU platform keeps "uni" only with
+        # VLLM_ENABLE_V1_MULTIPROCESSING=0 (_cpu_worker_spec), which leaves the API server's
+        # engine core in a process of its own (AsyncLLM always does).
+        setattr_logged(config.vllm, "distributed_executor_backend", "uni", "vllm")
     # The server from .venv-vllm, started by our worker entry point (it applies the CPU patches).
     changes += use_own_environment(
         config, vllm_python, worker_cmd=WORKER_CMD, allowed=("cua_rl.cpu.rpc_worker",)
@@ -84,6 +93,13 @@ def enable_cpu_training(
         # torch_memory_saver offload is CUDA-only.
         setattr_logged(config, "enable_offload", False, "config")
     return changes
+
+
+def _one_worker_per_server(config: Any) -> bool:
+    from areal.api.alloc_mode import ModelAllocation
+
+    parallel = ModelAllocation.from_str(config.rollout.backend, name="rollout").parallel
+    return parallel.tp_size * parallel.pp_size == 1
 
 
 def _setattr_logged(changes: list[str], obj: Any, name: str, value: Any, where: str) -> None:
@@ -117,10 +133,14 @@ def _cpu_worker_spec(
     # and the agent share, a spinning waiter burns a core another process needs (the actor's
     # work beside two busy processes: 0.52x the CPU seconds with it, bench/openmp_wait.py).
     env.setdefault("OMP_WAIT_POLICY", os.environ.get("OMP_WAIT_POLICY", "PASSIVE"))
+    # Lets vLLM's CPU platform keep vllm.distributed_executor_backend=uni (above); with "mp"
+    # it changes nothing (the server's engine core runs apart either way).
+    env.setdefault(ENV_INPROC_WORKER, "0")
     if env != spec.env_vars:
         spec.env_vars = env
         changes.append(
-            f"{where}.env_vars: VLLM_CPU_KVCACHE_SPACE, VLLM_CPU_OMP_THREADS_BIND, OMP_WAIT_POLICY"
+            f"{where}.env_vars: VLLM_CPU_KVCACHE_SPACE, VLLM_CPU_OMP_THREADS_BIND, "
+            f"OMP_WAIT_POLICY, {ENV_INPROC_WORKER}"
         )
     if scheduler == "slurm":
         # AReaL's Slurm scheduler passes env_vars only into an Apptainer container; a

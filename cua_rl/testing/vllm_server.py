@@ -85,6 +85,9 @@ class VLLMServer:
             "--enforce-eager",
             "--dtype", "float32",
             "--max-num-seqs", "16",
+            # The model in the engine core's process, as the CPU harness runs it
+            # (cua_rl.cpu.training): two processes, not three.
+            "--distributed-executor-backend", "uni",
             *([] if self.log_stats else ["--disable-log-stats"]),
             *self.extra_args,
         ]  # fmt: skip
@@ -103,6 +106,7 @@ class VLLMServer:
         # Two cores: leave one for the caller so tests, gym and agent keep running.
         env.setdefault("VLLM_CPU_OMP_THREADS_BIND", "nobind")
         env.setdefault("OMP_NUM_THREADS", "1")
+        env.setdefault("VLLM_ENABLE_V1_MULTIPROCESSING", "0")
         env["PYTHONUNBUFFERED"] = "1"
         env.update(self.env)
         with open(self.log_path, "wb") as log:

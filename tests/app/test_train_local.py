@@ -232,6 +232,7 @@ def _recorded_config_is_the_config_that_ran(db: Path) -> None:
     vllm_python = os.environ.get("CUA_VLLM_PYTHON") or str(ROOT / ".venv-vllm" / "bin" / "python")
     cpu = {
         "vllm.block_size": 32,
+        "vllm.distributed_executor_backend": "uni",
         "vllm.worker_extension_cls": "cua_rl.inference.vllm_worker.DiskWeightReloadExtension",
     }
     for role in ("actor", "rollout"):
@@ -243,6 +244,7 @@ def _recorded_config_is_the_config_that_ran(db: Path) -> None:
             f"{spec}.env_vars.VLLM_CPU_KVCACHE_SPACE": "1",
             f"{spec}.env_vars.VLLM_CPU_OMP_THREADS_BIND": "nobind",
             f"{spec}.env_vars.OMP_WAIT_POLICY": "PASSIVE",
+            f"{spec}.env_vars.VLLM_ENABLE_V1_MULTIPROCESSING": "0",
         }
     # The record's name, claimed before the record (run_record.py): a new database, the default.
     cpu["monitor.run_name"] = f"{loaded['experiment_name']}-{loaded['trial_name']}"

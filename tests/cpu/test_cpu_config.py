@@ -85,12 +85,16 @@ def test_defaults_are_rewritten_for_cpu(config, fake_vllm_python):
         config.vllm.worker_extension_cls == "cua_rl.inference.vllm_worker.DiskWeightReloadExtension"
     )
     assert config.vllm.block_size == 32
+    # One tensor/pipeline rank: the model in the engine core's process (two processes, not
+    # three), which vLLM's CPU platform allows only with V1 multiprocessing off.
+    assert config.vllm.distributed_executor_backend == "uni"
     for section in (config.actor, config.rollout):
         spec = section.scheduling_spec[0]
         assert spec.cmd == "python -m cua_rl.cpu.rpc_worker"
         assert spec.cpu == 1
         assert spec.env_vars["CUA_VLLM_PYTHON"] == fake_vllm_python
         assert spec.env_vars["OMP_WAIT_POLICY"] == "PASSIVE"
+        assert spec.env_vars["VLLM_ENABLE_V1_MULTIPROCESSING"] == "0"
         # AReaL joins env_vars as "K=V,K=V" and splits on "=" (launcher.get_env_vars).
         assert all("," not in v and "=" not in v for v in spec.env_vars.values())
     assert any(line.startswith("actor.weight_update_mode") for line in changes)
@@ -106,6 +110,13 @@ def test_user_values_that_work_on_cpu_are_kept(tmp_path, fake_vllm_python):
     cpu.enable_cpu_training(config, vllm_python=fake_vllm_python)
     assert config.actor.attn_impl == "eager"
     assert config.vllm.block_size == 64
+
+
+def test_a_server_of_several_ranks_keeps_its_worker_processes(tmp_path, fake_vllm_python):
+    # Tensor parallelism needs one worker process per rank: "uni" would be refused by vLLM.
+    config = _load(tmp_path, "rollout.backend=vllm:d1t2")
+    cpu.enable_cpu_training(config, vllm_python=fake_vllm_python)
+    assert config.vllm.distributed_executor_backend == "mp"
 
 
 def _set(config, dotted: str, value) -> None:
