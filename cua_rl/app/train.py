@@ -147,6 +147,16 @@ def connect_cluster(config: CUAConfig) -> None:
         connect()
 
 
+def evaluates(config: CUAConfig) -> bool:
+    """Whether the run evaluates at all: the eval-only pass, a baseline before training, or
+    AReaL's evaluator at some frequency (with none, its check never fires)."""
+    ev = config.evaluator
+    every = (ev.freq_epochs, ev.freq_steps, ev.freq_secs)
+    return (
+        config.total_train_steps == 0 or ev.eval_before_train or any(f is not None for f in every)
+    )
+
+
 def run_baseline(trainer: Any, config: CUAConfig, monitor: TrainingMonitor, settings, n_eval: int):
     """Evaluate the initial policy on the eval split before any update (the baseline record)."""
     if trainer.eval_rollout is None or trainer.valid_dataloader is None or not n_eval:
@@ -304,7 +314,9 @@ class _Run:
                 self.hooks.step_stats = sampler.pop_step_stats
             connect_cluster(config)
             settings = self.settings()
-            valid = eval_ds if len(eval_ds) else None
+            # No valid dataset, so no eval rollout worker (cua_rl/areal/actor.py), where the gym
+            # gives no eval task or nothing in the run would evaluate them.
+            valid = eval_ds if len(eval_ds) and evaluates(config) else None
             with make_trainer(config, self.train_ds, valid, sampler) as trainer:
                 self.monitor.config_ran(trainer.config)
                 # total_train_steps=0: the baseline pass alone evaluates actor.path. The hooks

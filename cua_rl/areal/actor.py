@@ -137,7 +137,8 @@ class ActorMixin:
 
     def _init_rollout(self, rollout_config, is_eval=False, lora_path=None):
         # AReaL starts an eval rollout worker whether or not there is anything to evaluate;
-        # train.py passes no valid dataset when the gym gives no eval task, and AReaL's
+        # train.py passes no valid dataset when the gym gives no eval task or the run never
+        # evaluates (cua_rl.app.train.evaluates), and AReaL's
         # evaluation, baseline and shutdown all skip an absent eval rollout. Not starting it
         # saves a worker process (torch, AReaL and a rollout engine: ~7 CPU s to start, ~0.5 GiB).
         if is_eval and self.valid_dataloader is None:

@@ -279,3 +279,17 @@ def test_check_imports_the_workflow_by_its_dotted_path(tmp_path):
     no_class = load_config(_argv(tmp_path, LOCAL, "workflow=examples.cua_agent.workflow.Nope"))
     result = workflow_check(no_class)
     assert not result.ok and "has no class 'Nope'" in result.detail
+
+
+def test_a_run_evaluates_only_where_a_pass_or_a_frequency_says_so(tmp_path):
+    # train.py starts no eval rollout worker for a run that never evaluates (train.evaluates).
+    def evaluates(*overrides: str) -> bool:
+        return train.evaluates(load_config(_argv(tmp_path, LOCAL, *overrides), write=False))
+
+    never = ("evaluator.eval_before_train=false", "evaluator.freq_steps=null")
+    assert evaluates()  # configs/local.yaml: a baseline and an eval after each step
+    assert not evaluates(*never)
+    assert evaluates(*never, "evaluator.freq_epochs=1")
+    assert evaluates(*never, "evaluator.freq_secs=600")
+    assert evaluates("evaluator.freq_steps=null")  # the baseline alone
+    assert evaluates(*never, "total_train_steps=0")  # the eval-only pass

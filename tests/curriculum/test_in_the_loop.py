@@ -16,6 +16,7 @@ checks read the curriculum's decision log and the monitor's database:
 from __future__ import annotations
 
 import json
+import re
 import sqlite3
 import subprocess
 import sys
@@ -116,6 +117,13 @@ def test_ucb_batches_follow_the_outcomes_and_survive_a_restart(
         )
         assert second.returncode == 0, (second.stdout[-3000:], second.stderr[-6000:])
     print(first.stdout[-2000:], second.stdout[-2000:], sep="\n")
+
+    # The gym gives eval tasks, but neither run evaluates: no eval rollout worker in either.
+    roles = [
+        re.findall(r"Creating \d+ workers for role '([\w-]+)'", log.read_text(errors="replace"))
+        for log in sorted((tmp_path / "areal" / "logs").rglob("main.log"))
+    ]
+    assert roles and all(r and set(r) == {"actor", "rollout"} for r in roles), roles
 
     # The monitor: one training, three completed steps (the third by the resumed run).
     ((status, training_id),) = _rows(db, "SELECT status, id FROM training")
