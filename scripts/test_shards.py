@@ -80,7 +80,9 @@ BESIDE = {
     # agent's, the gateway's and the model server's tests too, this process held three vLLM
     # servers beside main's and the trainings' and the machine's available memory fell to 0.3
     # GiB of 24. With the first two folders only, it ended at 715 s of 2,044 and main ran alone
-    # for its last 230 s (a fresh clone, 2026-11-28).
+    # for its last 230 s (a fresh clone, 2026-11-28). With all of these folders it ended at 878 s
+    # of 1,555, main last, so the launcher's config, check and harness tests (no vLLM server
+    # either: each starts the launcher as a user runs it) run here too.
     "parts": (
         "tests/areal",
         "tests/gym",
@@ -90,6 +92,10 @@ BESIDE = {
         "tests/cpu",
         "tests/curriculum",
         "tests/bench",
+        "tests/app/test_config_load.py",
+        "tests/app/test_harness.py",
+        "tests/app/test_check_gpu.py",
+        "tests/app/test_check_cluster.py",
     ),
 }
 SLOWEST = 20

@@ -37,6 +37,10 @@ ROOT = Path(__file__).resolve().parents[2]
 EXAMPLE_AGENT = "examples.cua_agent.openai_agent:run"
 
 
+class Stopped(Exception):
+    """The caller asked the run to end (``main(stop=...)``): train.py is stopped as on Ctrl-C."""
+
+
 class Child:
     """A service process whose output goes to a log file; stopped by process group."""
 
@@ -254,9 +258,15 @@ def copy_plain(source, log_file) -> None:
         log_file.flush()
 
 
-def run_trainer(cmd: list[str], train_log: Path, progress: DemoProgress, env: dict) -> int:
+def run_trainer(
+    cmd: list[str],
+    train_log: Path,
+    progress: DemoProgress,
+    env: dict,
+    stop: threading.Event | None = None,
+) -> int:
     """train.py in its own session, its output in ``train_log`` (colour codes left out),
-    progress ticking meanwhile."""
+    progress ticking meanwhile; stopped as on Ctrl-C once ``stop`` is set."""
     with open(train_log, "wb") as log_file:
         proc = subprocess.Popen(
             cmd,
@@ -272,13 +282,15 @@ def run_trainer(cmd: list[str], train_log: Path, progress: DemoProgress, env: di
         copier.start()
         try:
             while proc.poll() is None:
+                if stop is not None and stop.is_set():
+                    raise Stopped()
                 progress.tick()
                 time.sleep(1.0)
             rc = proc.wait()
             time.sleep(0.5)  # the monitor commits the last records just before the exit
             progress.tick()
             return rc
-        except KeyboardInterrupt:
+        except (KeyboardInterrupt, Stopped):
             # train.py stops on SIGTERM as on Ctrl-C (AReaL stops its workers and vLLM, the
             # training is recorded cancelled); SIGINT could be ignored by inheritance.
             proc.send_signal(signal.SIGTERM)
@@ -300,7 +312,13 @@ def run_trainer(cmd: list[str], train_log: Path, progress: DemoProgress, env: di
 
 
 def train(
-    args, run_dir: Path, log_dir: Path, db_path: Path, children: list[Child], clusters: list
+    args,
+    run_dir: Path,
+    log_dir: Path,
+    db_path: Path,
+    children: list[Child],
+    clusters: list,
+    stop: threading.Event | None = None,
 ) -> int:
     from cua_rl.testing.cache import ensure_model
 
@@ -346,7 +364,7 @@ def train(
         prefix="[demo] ",
         log_path=log_dir / "progress.log",
     )
-    rc = run_trainer(cmd, train_log, progress, train_env)
+    rc = run_trainer(cmd, train_log, progress, train_env, stop)
     if rc != 0:
         tail = train_log.read_text(errors="replace").splitlines()[-40:]
         print(f"[demo] the trainer exited {rc}; the end of {_shown(train_log)}:", flush=True)
@@ -392,7 +410,9 @@ def print_end(rc: int, seconds: float, run_dir: Path, log_dir: Path, db_path: Pa
         print(f"[demo]   {shown_command([*serve, '--port', '8765'])}", flush=True)
 
 
-def main(argv: list[str] | None = None) -> int:
+def main(argv: list[str] | None = None, stop: threading.Event | None = None) -> int:
+    """The launcher; a caller that sets ``stop`` (``make learn --stop-at-target``) ends the
+    run as Ctrl-C would, and gets exit code 0."""
     args = parse_args(argv)
 
     def interrupt(signum, frame):
@@ -412,7 +432,10 @@ def main(argv: list[str] | None = None) -> int:
     rc = 1
     t0 = time.monotonic()
     try:
-        rc = train(args, run_dir, log_dir, db_path, children, clusters)
+        rc = train(args, run_dir, log_dir, db_path, children, clusters, stop)
+    except Stopped:
+        print("[demo] stopped as asked: the training is recorded cancelled", flush=True)
+        rc = 0
     except KeyboardInterrupt:
         print("\n[demo] interrupted", flush=True)
         rc = 130

@@ -17,7 +17,7 @@ credit from screen states (cua_rl/credit), ``--credit episode`` states the defau
     python -m cua_rl.app.learn [--family learn|learn2|learn-hard|learn-long] [--context POLICY]
         [--history-n N] [--offpolicyness 0 1 2] [--seeds 1 2 3] [--steps N]
         [--control [shifted-credit|shifted-mask]] [--replay on|shuffled] [--credit episode|step]
-        [--run-dir DIR] [key=value overrides for train.py]
+        [--stop-at-target] [--run-dir DIR] [key=value overrides for train.py]
 """
 
 from __future__ import annotations
@@ -79,17 +79,39 @@ class RunResult:
     rc: int
     wall_s: float
     points: list[StepPoint]
+    # The step at which --stop-at-target ended the run (None: it ran its steps).
+    stopped_at: int | None = None
+
+
+@dataclass(frozen=True)
+class StopAt:
+    """``--stop-at-target``: end the run once ``window`` committed steps average ``target``."""
+
+    target: float
+    window: int
 
 
 class Progress(threading.Thread):
-    """Prints each newly committed step of the run whose monitor database is ``db_path``."""
+    """Prints each newly committed step of the run whose monitor database is ``db_path``; with
+    ``stop_at``, sets ``stop`` (the launcher then ends the run) once the target is reached."""
 
-    def __init__(self, db_path: Path, label: str, total: int | None, interval_s: float = 2.0):
+    def __init__(
+        self,
+        db_path: Path,
+        label: str,
+        total: int | None,
+        interval_s: float = 2.0,
+        stop_at: StopAt | None = None,
+    ):
         super().__init__(name="learn-progress", daemon=True)
         self.db_path, self.label, self.total = db_path, label, total
         self.interval_s = interval_s
         self.shown = 0
         self._halt = threading.Event()
+        self.stop_at = stop_at
+        self.stop = threading.Event()
+        # The step at which the target was reached, when that ended the run.
+        self.stopped_at: int | None = None
 
     def run(self) -> None:
         while not self._halt.wait(self.interval_s):
@@ -111,29 +133,46 @@ class Progress(threading.Thread):
                 flush=True,
             )
         self.shown = max(self.shown, len(points))
+        if self.stop_at is None or self.stop.is_set():
+            return
+        reached = steps_to_reach(points, self.stop_at.target, self.stop_at.window)
+        if reached is not None:
+            self.stopped_at = reached
+            print(
+                f"[learn] {self.label}: target {self.stop_at.target} reached at step {reached}: "
+                "stopping the run (--stop-at-target)",
+                flush=True,
+            )
+            self.stop.set()
 
-    def stop(self) -> None:
+    def halt(self) -> None:
         self._halt.set()
         self.join(timeout=10)
         self.poll()
 
 
-def run_one(label: str, run_dir: Path, demo_args: list[str], total: int | None) -> RunResult:
+def run_one(
+    label: str,
+    run_dir: Path,
+    demo_args: list[str],
+    total: int | None,
+    stop_at: StopAt | None = None,
+) -> RunResult:
     print(f"[learn] {label}: {run_dir}", flush=True)
-    progress = Progress(run_dir / "monitor.db", label, total)
+    progress = Progress(run_dir / "monitor.db", label, total, stop_at=stop_at)
     progress.start()
     t0 = time.monotonic()
     try:
-        rc = demo.main(["--quiet", "--run-dir", str(run_dir), *demo_args])
+        rc = demo.main(["--quiet", "--run-dir", str(run_dir), *demo_args], stop=progress.stop)
     finally:
-        progress.stop()
+        progress.halt()
     wall = time.monotonic() - t0
     try:
         points = read_curve(run_dir / "monitor.db")
     except CurveError as exc:
         print(f"[learn] {label}: no curve ({exc})", flush=True)
         points = []
-    return RunResult(label, run_dir, rc, wall, points)
+    return RunResult(label, run_dir, rc, wall, points, progress.stopped_at)
 
 
 def report(result: RunResult, target: float, window: int) -> dict:
@@ -148,6 +187,7 @@ def report(result: RunResult, target: float, window: int) -> dict:
         "target": target,
         "window": window,
         "reached_at_step": steps_to_reach(points, target, window),
+        "stopped_at_target": result.stopped_at,
     }
     for line in format_curve(points):
         print(f"[learn]   {line}", flush=True)
@@ -205,6 +245,7 @@ def report(result: RunResult, target: float, window: int) -> dict:
             if "rescued_share" in summary
             else ""
         )
+        + ("; stopped there (--stop-at-target)" if result.stopped_at is not None else "")
         + (f"; plot {summary['plot']}" if "plot" in summary else ""),
         flush=True,
     )
@@ -273,6 +314,12 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     parser.add_argument("--target", type=float, default=0.8, help="success rate a run should reach")
     parser.add_argument(
         "--window", type=int, default=3, help="steps averaged for the target and the summaries"
+    )
+    parser.add_argument(
+        "--stop-at-target",
+        action="store_true",
+        help="end each run once it reaches --target (the mean of --window steps; the training "
+        "is then recorded cancelled); a run that does not reach it trains all its steps",
     )
     parser.add_argument(
         "--step-latency",
@@ -386,7 +433,8 @@ def main(argv: list[str] | None = None) -> int:
             overrides.append(f"rollout.max_head_offpolicyness={off}")
         if seed is not None:
             overrides.append(f"seed={seed}")
-        result = run_one(label, run_dir, [*common, *overrides], args.steps)
+        stop_at = StopAt(args.target, args.window) if args.stop_at_target else None
+        result = run_one(label, run_dir, [*common, *overrides], args.steps, stop_at)
         results.append(result)
         if result.rc == 130:  # interrupted: do not start the next run
             break

@@ -22,7 +22,7 @@ import torch
 from PIL import Image
 
 from cua_rl.app.controls import shift_mask_right
-from cua_rl.app.learn import Progress, format_arm
+from cua_rl.app.learn import Progress, StopAt, format_arm
 from cua_rl.app.learning_curves import (
     CurveError,
     GroupShares,
@@ -232,10 +232,33 @@ def test_progress_prints_each_committed_step_once(tmp_path, capsys):
     _write_run(db, "r", [(1, "completed", 0.125)], "2026-01-01 00:00:00")
     progress.poll()
     progress.start()  # the thread's own polls and the final one print nothing new
-    progress.stop()
+    progress.halt()
     assert not progress.is_alive()
     out = capsys.readouterr().out.splitlines()
     assert out == ["[learn] run step 1/5: success 0.125 (3/24) at 90s"]
+
+
+def test_progress_asks_the_run_to_stop_once_the_target_is_reached(tmp_path, capsys):
+    db = tmp_path / "monitor.db"
+    progress = Progress(db, "run", total=20, stop_at=StopAt(target=0.8, window=3))
+    _write_run(db, "r", [(1, "completed", 0.1), (2, "completed", 0.9)], "2026-01-01 00:00:00")
+    progress.poll()
+    assert not progress.stop.is_set()  # 2 steps: no window of 3 yet
+    # Steps 2-4 average 0.9: reached at step 4 (a step 5 committed meanwhile changes nothing).
+    _write_run(db, "r", [(3, "completed", 0.8), (4, "completed", 1.0)], "2026-01-01 00:00:00")
+    progress.poll()
+    assert progress.stop.is_set() and progress.stopped_at == 4
+    _write_run(db, "r", [(5, "completed", 1.0)], "2026-01-01 00:00:00")
+    progress.poll()
+    assert progress.stopped_at == 4
+    out = capsys.readouterr().out.splitlines()
+    assert (
+        out[-2] == "[learn] run: target 0.8 reached at step 4: stopping the run (--stop-at-target)"
+    )
+    # Without the option the run goes on whatever it reaches.
+    plain = Progress(db, "run", total=20)
+    plain.poll()
+    assert not plain.stop.is_set() and plain.stopped_at is None
 
 
 def test_the_control_mask_skips_the_first_generated_token():
@@ -256,6 +279,8 @@ WINDOW = 3
 # last 3 steps of 20; the shifted-credit controls gained <= 0. 0.4 sits between, with room on
 # both sides. (The shifted-mask control is not required flat: it gained up to 0.97 in some runs.)
 MARGIN = 0.4
+# `make learn`'s target: where the learning run may stop early.
+TARGET = 0.8
 
 
 def _learn(tmp_path: Path, name: str, *extra: str) -> dict:
@@ -283,7 +308,10 @@ def _learn(tmp_path: Path, name: str, *extra: str) -> dict:
     note_cost(f"learning proof {name}", time.monotonic() - t0)
     assert proc.returncode == 0, proc.stdout[-4000:] + proc.stderr[-4000:]
     curve = json.loads((run_dir / "curve.json").read_text())
-    assert curve["steps"] == STEPS, curve
+    stopped = curve["stopped_at_target"]
+    # All its steps, or (--stop-at-target) up to the step that reached the target, or the one
+    # committed while the run stopped.
+    assert curve["steps"] == STEPS if stopped is None else stopped <= curve["steps"] <= STEPS, curve
     assert (run_dir / "success.png").is_file()
     return curve
 
@@ -295,7 +323,9 @@ def test_the_policy_learns_and_the_shifted_credit_control_does_not(
 ):
     # Both runs borrow the session's server; each loads the tiny model's initial weights into it.
     borrow = model_servers("qwen2-vl-bpe").borrow_override()
-    learned = _learn(tmp_path, "learn", borrow)
+    # The learning run ends once 3 steps average 0.8 success (at steps 10-12 in the measured
+    # runs at this staleness): its last 3 steps are then that window, a gain of 0.7 or more.
+    learned = _learn(tmp_path, "learn", "--stop-at-target", "--target", str(TARGET), borrow)
     gain = learned["last_mean"] - learned["first_mean"]
     assert gain >= MARGIN, learned["success"]
 
