@@ -72,7 +72,7 @@ def enable_cpu_training(
     if _one_worker_per_server(config) and config.vllm.distributed_executor_backend == "mp":
         # The model in vLLM's engine-core process instead of a worker process of its own: a
         # server of two processes, not three, that does not spin on a shared message queue
-        # (a tiny model's server: start 0.63x the CPU seconds, serving 0.56x, bench/
+        # (a tiny model's server: start 0.65x the CPU seconds, serving 0.50x, bench/
         # vllm_startup.py --arms mp uni). vLLM's CPU platform keeps "uni" only with
         # VLLM_ENABLE_V1_MULTIPROCESSING=0 (_cpu_worker_spec), which leaves the API server's
         # engine core in a process of its own (AsyncLLM always does).
