@@ -254,12 +254,20 @@ BUILTIN_MAI_UI = Regime(
     args=("--agent-mode=builtin", *NO_LATENCY, "agent.context=mai-ui", *_CONTEXT),
     steps=CONTEXT_STEPS,
 )
-# The agent service sending the current screenshot only.
+# The agent service sending the current screenshot only, under a user's workflow subclass that
+# overrides the reward alone (tests/app/workflows.py ``RewardPlusBonus``: the library's reward
+# plus a constant, which the group normalisation takes out again): the conversion and the
+# training path are the library's, and every recorded reward shows the hook credited it.
 SERVICE_CURRENT = Regime(
     name="service-current",
     what="service agent, current screenshot only, asynchronous (staleness 1), 3 steps, "
-    "borrowed server, no settle time",
-    args=(*NO_LATENCY, "agent.context=current", *_CONTEXT),
+    "a workflow subclass overriding the reward, borrowed server, no settle time",
+    args=(
+        *NO_LATENCY,
+        "agent.context=current",
+        "workflow=tests.app.workflows.RewardPlusBonus",
+        *_CONTEXT,
+    ),
     steps=CONTEXT_STEPS,
 )
 # Bring your own agent: ``--agent-mode function`` with an agent function that hands each task to

@@ -251,6 +251,13 @@ class CUAConfig(GRPOConfig):
         "checked against the scheduler at load (cua_rl/app/placement.py).",
     )
 
+    warm_start_workers: bool = doc(
+        True,
+        "With cpu: true and scheduler.type: local, start AReaL's workers as forks of one process "
+        "per run that has imported what they import (cua_rl/cpu/warm_start.py): about 12 CPU s "
+        "less per worker. False: each worker imports them itself. GPU, Ray and Slurm runs start "
+        "their workers cold either way.",
+    )
     worker_startup_s: float = doc(
         300.0,
         "How long AReaL's scheduler waits for each worker it starts (actor, rollout, "

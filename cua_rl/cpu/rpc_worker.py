@@ -4,13 +4,16 @@ AReaL's ``LocalScheduler`` starts each worker as ``SchedulingSpec.cmd`` plus its
 arguments (``areal/infra/scheduler/local.py`` ``create_workers``), replacing a leading
 ``python`` with its own interpreter. This module applies ``cpu.patch_worker()`` (loopback, the
 port choice, and the production worker's patches) and then runs AReaL's RPC server unchanged,
-as ``cua_rl.areal.worker`` does on a GPU node.
+as ``cua_rl.areal.worker`` does on a GPU node. Where the trainer started a warm-start zygote
+(``CUA_RL_ZYGOTE``: ``cua_rl.cpu.warm_start``), this process hands the worker's start to it and
+stands in for the forked worker until it ends.
 """
 
 from __future__ import annotations
 
 
-def main() -> None:
+def run_worker() -> None:
+    """The worker itself: in this process (a cold start) or in a fork of the run's zygote."""
     import sys
 
     from cua_rl.areal.worker import run_areal_worker
@@ -21,6 +24,20 @@ def main() -> None:
     sys.argv = loopback_argv(sys.argv)
     patch_worker()
     run_areal_worker()
+
+
+def main() -> None:
+    import os
+    import sys
+
+    from cua_rl.cpu.warm_start import ENV_ZYGOTE, exit_like, run_forked
+
+    address = os.environ.get(ENV_ZYGOTE)
+    if address:
+        code = run_forked(sys.argv, address)
+        if code is not None:
+            exit_like(code)
+    run_worker()
 
 
 if __name__ == "__main__":

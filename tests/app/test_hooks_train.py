@@ -1,14 +1,16 @@
 """Whole trainings with a user's workflow subclass (``workflow=`` in the config), as a project runs
 one: train.py on configs/local.yaml, AReaL's PPOTrainer, a vLLM CPU server, the local gym and
-agent, the monitor on SQLite. A subclass that overrides only the reward trains on its reward; a
-hook that raises on every episode stops the training through failfast, its one line naming the
+agent, the monitor on SQLite. A subclass that overrides only the reward trains on its reward (the
+session's shared service-current training runs under one: tests/conftest.py ``SERVICE_CURRENT``);
+a hook that raises on every episode stops the training through failfast, its one line naming the
 hook and the exception (before, the exception escaped each episode into AReaL's executor, which
-drew another task forever). Minutes each: run them one at a time, borrowing the process's shared
-server of the BPE tiny model (``model_servers``; scripts/test_shards.py runs them in the process
-that holds it)."""
+drew another task forever): a training of its own, borrowing the process's shared server of the
+BPE tiny model (``model_servers``; scripts/test_shards.py runs these tests in the process that
+holds it and trains the shared ones)."""
 
 from __future__ import annotations
 
+import json
 import subprocess
 import time
 from pathlib import Path
@@ -19,7 +21,7 @@ import pytest
 from cua_rl.sim.agent import AgentServer
 from cua_rl.sim.gym import GymServer
 from tests.app import workflows
-from tests.conftest import NO_EVAL, note_cost, train_command
+from tests.conftest import SERVICE_CURRENT, note_cost, train_command
 from tests.conftest import db_rows as _rows
 
 ROOT = Path(__file__).resolve().parents[2]
@@ -81,24 +83,21 @@ def test_a_hook_that_always_raises_stops_the_training_through_failfast_naming_it
     print(f"stopped after {took:.0f}s and {rejected[0][1]} rejected episodes: {line}")
 
 
-@pytest.mark.timeout(900)
-def test_a_workflow_that_overrides_only_the_reward_trains(tmp_path, model_servers):
-    with GymServer() as gym, AgentServer() as agent:
-        t0 = time.monotonic()
-        proc = _train(
-            "hooks: the reward overridden", tmp_path, model_servers, gym, agent,
-            f"workflow={workflows.RewardPlusBonus.__module__}.RewardPlusBonus",
-            "total_train_steps=1",
-            # The step alone: no eval task, so no baseline or eval pass (their episodes take the
-            # hook too) and no eval rollout worker.
-            *NO_EVAL,
-        )  # fmt: skip
-        took = time.monotonic() - t0
-    assert proc.returncode == 0, proc.stderr[-3000:]
-    db = tmp_path / "monitor.db"
-    assert _rows(db, "SELECT status FROM training") == [("completed",)]
-    assert _rows(db, "SELECT step, status FROM step WHERE step = 1") == [(1, "completed")]
-    rewards = [r for (r,) in _rows(db, "SELECT reward FROM rollout WHERE status = 'completed'")]
+@pytest.mark.timeout(1600)
+def test_a_workflow_that_overrides_only_the_reward_trains(shared_training):
+    # The session's service-current training runs under the subclass (tests/conftest.py
+    # SERVICE_CURRENT); its conversion and training are checked by app/test_context_train.py.
+    run = shared_training(SERVICE_CURRENT.name)
+    assert (
+        f"workflow={workflows.RewardPlusBonus.__module__}.RewardPlusBonus" in SERVICE_CURRENT.args
+    )
+    assert run.returncode == 0, run.output[-3000:]
+    ((status, config),) = _rows(run.db, "SELECT status, config_json FROM training")
+    assert status == "completed"
+    assert json.loads(config)["workflow"] == "tests.app.workflows.RewardPlusBonus", config[:2000]
+    steps = _rows(run.db, "SELECT step, status FROM step ORDER BY step")
+    assert steps == [(n, "completed") for n in range(1, SERVICE_CURRENT.steps + 1)], steps
+    rewards = [r for (r,) in _rows(run.db, "SELECT reward FROM rollout WHERE status = 'completed'")]
     # Every episode credited by the subclass's hook (the gym and the shaping give at most 1).
     assert rewards and all(r >= workflows.BONUS - 1.0 for r in rewards), rewards
-    print(f"trained 1 step in {took:.0f}s; {len(rewards)} episodes, rewards {sorted(rewards)}")
+    print(f"{len(rewards)} episodes, rewards {sorted(rewards)}")

@@ -86,6 +86,36 @@ def test_a_running_demo_listens_on_loopback_only_and_talks_to_nothing_else(demo_
 
 
 @pytest.mark.timeout(1800)
+def test_the_demos_workers_start_forked_from_its_zygote(demo_run):
+    """``cpu: true`` under the local scheduler: the actor and rollout workers are forks of the
+    run's zygote (cua_rl/cpu/warm_start.py), which imported their modules once, and they are the
+    processes that served (listening under their own command lines). The eval rollout worker,
+    which AReaL's rollout worker forks with the environment it changed meanwhile, starts cold
+    and its log says why."""
+    assert demo_run.returncode == 0, demo_run.output[-3000:]
+    logs = demo_run.run_dir / "areal" / "logs"
+    said = {}
+    for role in ("actor", "rollout", "eval-rollout"):
+        (log,) = logs.rglob(f"{role}.log")
+        said[role] = [x for x in log.read_text().splitlines() if x.startswith("[warm-start]")]
+    forked = {}
+    for role in ("actor", "rollout"):
+        (line,) = [x for x in said[role] if "forked" in x]
+        assert line.startswith("[warm-start] worker forked from the zygote: pid "), line
+        forked[role] = int(line.rsplit(" ", 1)[1])
+    (cold,) = said["eval-rollout"]
+    assert cold.startswith(
+        "[warm-start] cold start: its environment differs from the first worker's in "
+    )
+    train_log = (demo_run.run_dir / "logs" / "train.log").read_text(errors="replace")
+    assert len(re.findall(r"^\[warm-start\] zygote imported \d+ modules", train_log, re.M)) == 1
+    listeners = listening(list(demo_run.sockets))
+    for role, pid in forked.items():
+        mine = [e for e in listeners if e.pid == pid]
+        assert mine and all(f"--role {role} " in e.cmd for e in mine), (role, pid, listeners)
+
+
+@pytest.mark.timeout(1800)
 def test_demo_trains_and_records_everything(demo_run):
     run_dir, text = demo_run.run_dir, demo_run.output
     assert demo_run.returncode == 0, text[-6000:]

@@ -1,0 +1,446 @@
+"""Warm worker starts for CPU runs: AReaL's workers as forks of one process that has imported
+what they import.
+
+Every AReaL worker of a CPU run spends its first ~12 CPU seconds importing the same modules
+(AReaL, torch, transformers, the model's classes) before it does anything, and a training starts
+two or three of them; on a 2-core machine that is most of a short training's cost. Under the
+local scheduler the trainer starts one *zygote* per run (``Zygote``: ``python -m
+cua_rl.cpu.warm_start``). The scheduler still starts each worker as ``python -m
+cua_rl.cpu.rpc_worker ARGS``; that process, the *stand-in*, connects to the zygote (the Unix
+socket named by ``CUA_RL_ZYGOTE``) and hands it its argv, environment, working directory and
+standard streams. The zygote imports the worker modules once, in the environment of the first
+worker that asks (so whatever those modules read from the environment while they load is what a
+worker started cold would read), then forks a worker per request. The fork applies the request's
+environment, directory, arguments and streams, resets the signal handlers, reseeds NumPy's
+global generator (Python's reseeds itself at a fork) and runs the worker's entry point as the
+cold process would. The stand-in stays for the worker's life: it forwards SIGTERM, SIGINT and
+SIGHUP to it, and exits with its status (by the same signal where the worker died of one); if
+the stand-in is killed the worker kills itself (it watches the connection), so stopping the
+stand-in, as AReaL's scheduler does, stops the worker.
+
+A request whose environment differs from the first one's in a variable other than the shell's
+own (``SHELL_VARS``) is answered "cold": the stand-in runs the worker itself and its log says
+why. A zygote that fails or ends fails the stand-ins waiting on it with its reason; nothing
+falls back silently. Ray and Slurm runs do not use it (their workers are not started by the
+local scheduler's command).
+"""
+
+from __future__ import annotations
+
+import argparse
+import atexit
+import ctypes
+import importlib
+import json
+import os
+import selectors
+import signal
+import socket
+import subprocess
+import sys
+import tempfile
+import threading
+import time
+import traceback
+from collections.abc import Callable
+from pathlib import Path
+
+from cua_rl.errors import CuaRlError
+
+ENV_ZYGOTE = "CUA_RL_ZYGOTE"
+# The worker's entry point in a fork (what ``python -m cua_rl.cpu.rpc_worker`` runs cold).
+ENTRY = "cua_rl.cpu.rpc_worker:run_worker"
+# What every worker imports before it serves (the actor's engine and the rollout's workflow
+# included): about 12 CPU seconds on this project's machine kind.
+PRELOAD = (
+    "areal",
+    "areal.infra.rpc.rpc_server",
+    "areal.engine.fsdp_engine",
+    "cua_rl.areal.worker",
+    "cua_rl.areal.actor",
+    "cua_rl.areal.logits_engine",
+    "cua_rl.cpu.training",
+    "cua_rl.rollout.workflow",
+)
+# The model family's modules a worker loads (transformers.models.<type>.<kind>_<type>).
+MODEL_MODULES = ("modeling", "processing", "image_processing", "video_processing")
+# Set by the shell that AReaL's scheduler starts each worker through, different per process.
+SHELL_VARS = frozenset({"_", "SHLVL", "PWD", "OLDPWD"})
+# The signals a stand-in passes on to its worker.
+FORWARDED = (signal.SIGTERM, signal.SIGINT, signal.SIGHUP)
+MAX_MESSAGE = 1 << 20
+STOP_GRACE_S = 10.0
+READY = "warm-start zygote listening"
+
+
+class WarmStartError(CuaRlError, RuntimeError):
+    """The zygote could not start a worker (it failed, ended, or answered out of protocol)."""
+
+
+def _send(sock: socket.socket, message: dict, fds: list[int] = ()) -> None:
+    data = json.dumps(message).encode()
+    if fds:
+        socket.send_fds(sock, [data], list(fds))
+    else:
+        sock.sendall(data)
+
+
+def _receive(sock: socket.socket) -> dict | None:
+    data = sock.recv(MAX_MESSAGE)
+    return json.loads(data) if data else None
+
+
+# -- the stand-in (the process the scheduler started) ---------------------------------------------
+
+
+def run_forked(argv: list[str], address: str) -> int | None:
+    """Have the zygote at ``address`` run this worker; the worker's exit code (negative: the
+    signal that ended it), or None when the zygote says to start cold (its reason printed)."""
+    sock = socket.socket(socket.AF_UNIX, socket.SOCK_SEQPACKET)
+    try:
+        sock.connect(address)
+    except OSError as exc:
+        raise WarmStartError(f"cannot reach the warm-start zygote at {address}: {exc}") from exc
+    cmdline = Path("/proc/self/cmdline").read_bytes().decode(errors="replace").rstrip("\0")
+    request = {
+        "argv": argv, "env": dict(os.environ), "cwd": os.getcwd(), "cmdline": cmdline.split("\0"),
+    }  # fmt: skip
+    _send(sock, request, [0, 1, 2])
+    answer = _receive(sock)
+    if answer is None:
+        raise WarmStartError(
+            "the warm-start zygote ended before starting this worker (see the trainer's log)"
+        )
+    if "cold" in answer:
+        print(f"[warm-start] cold start: {answer['cold']}", flush=True)
+        return None
+    if "error" in answer:
+        raise WarmStartError(
+            f"the warm-start zygote could not start this worker: {answer['error']}"
+        )
+    pid = int(answer["pid"])
+    print(f"[warm-start] worker forked from the zygote: pid {pid}", flush=True)
+
+    def forward(signum, _frame):
+        try:
+            os.kill(pid, signum)
+        except ProcessLookupError:
+            pass
+
+    for signum in FORWARDED:
+        signal.signal(signum, forward)
+    done = _receive(sock)
+    if done is None:
+        # The zygote ended with the worker still running: stop it rather than leave it behind.
+        forward(signal.SIGKILL, None)
+        raise WarmStartError(f"the warm-start zygote ended while worker {pid} ran; it was killed")
+    return int(done["exit"])
+
+
+def exit_like(code: int) -> None:
+    """End this process as the worker ended: its exit code, or killed by its signal."""
+    sys.stdout.flush()
+    sys.stderr.flush()
+    if code < 0:
+        if -code not in (signal.SIGKILL, signal.SIGSTOP):  # these have no handler to reset
+            signal.signal(-code, signal.SIG_DFL)
+        os.kill(os.getpid(), -code)
+    os._exit(code if code >= 0 else 128 - code)
+
+
+# -- the zygote -----------------------------------------------------------------------------------
+
+
+def _env_difference(first: dict[str, str], env: dict[str, str]) -> list[str]:
+    keys = (set(first) | set(env)) - SHELL_VARS
+    return sorted(k for k in keys if first.get(k) != env.get(k))
+
+
+def model_modules(model_dir: str) -> list[str]:
+    """transformers' modules of the model family in ``model_dir`` (its config.json's
+    ``model_type``) that exist: the model classes and the processors a worker loads."""
+    import importlib.util
+
+    try:
+        model_type = json.loads((Path(model_dir) / "config.json").read_text())["model_type"]
+    except (OSError, ValueError, KeyError):
+        return []
+    package = f"transformers.models.{model_type}"
+    names = [f"{package}.{kind}_{model_type}" for kind in MODEL_MODULES]
+    return [n for n in names if importlib.util.find_spec(n) is not None]
+
+
+class _Server:
+    def __init__(self, address: str, preload: tuple[str, ...], entry: str, model: str = ""):
+        self.address, self.preload, self.entry, self.model = address, preload, entry, model
+        self.listener = socket.socket(socket.AF_UNIX, socket.SOCK_SEQPACKET)
+        self.listener.bind(address)
+        self.listener.listen(64)
+        self.selector = selectors.DefaultSelector()
+        self.selector.register(self.listener, selectors.EVENT_READ, "accept")
+        self.first_env: dict[str, str] | None = None
+        self.children: dict[int, tuple[int, socket.socket]] = {}  # pidfd -> (pid, connection)
+        self.stopping = False
+        self.kill_at = float("inf")
+
+    def load(self, request: dict) -> None:
+        """Become a fresh worker's interpreter up to its imports: the first request's
+        environment and module search path, then the modules."""
+        env = request["env"]
+        os.environ.clear()
+        os.environ.update(env)
+        os.chdir(request["cwd"])
+        # As ``python -m`` in that directory with that PYTHONPATH would have started.
+        extra = [p for p in env.get("PYTHONPATH", "").split(os.pathsep) if p]
+        rest = [p for p in sys.path[1:] if p not in extra]
+        sys.path[:] = [request["cwd"], *extra, *rest]
+        t0, c0 = time.monotonic(), time.process_time()
+        for name in self.preload:
+            importlib.import_module(name)
+        # Only where the family's package is there (transformers imported above).
+        names = [*self.preload, *(model_modules(self.model) if self.model else [])]
+        for name in names[len(self.preload) :]:
+            importlib.import_module(name)
+        print(
+            f"[warm-start] zygote imported {len(names)} modules ({len(sys.modules)} in all) "
+            f"in {time.monotonic() - t0:.1f} s, {time.process_time() - c0:.1f} CPU s",
+            flush=True,
+        )
+        self.first_env = env
+
+    def serve(self) -> None:
+        while not (self.stopping and not self.children):
+            if self.stopping and time.monotonic() > self.kill_at:
+                self.signal_children(signal.SIGKILL)
+            for key, _ in self.selector.select(timeout=1.0):
+                if key.data == "accept":
+                    conn, _ = self.listener.accept()
+                    self.selector.register(conn, selectors.EVENT_READ, "request")
+                elif key.data == "request":
+                    self.selector.unregister(key.fileobj)
+                    self.request(key.fileobj)
+                else:
+                    self.reap(key.fd)
+
+    def request(self, conn: socket.socket) -> None:
+        try:
+            data, fds, _, _ = socket.recv_fds(conn, MAX_MESSAGE, 3)
+        except OSError:
+            conn.close()
+            return
+        if not data or len(fds) != 3:
+            for fd in fds:
+                os.close(fd)
+            conn.close()
+            return
+        request = json.loads(data)
+        try:
+            if self.stopping:
+                _send(conn, {"error": "the zygote is stopping: its training is ending"})
+                conn.close()
+                return
+            if self.first_env is None:
+                try:
+                    self.load(request)
+                except BaseException as exc:
+                    _send(conn, {"error": f"importing the worker modules failed: {exc!r}"})
+                    raise
+            differs = _env_difference(self.first_env, request["env"])
+            if differs:
+                _send(conn, {"cold": "its environment differs from the first worker's in "
+                             + ", ".join(differs)})  # fmt: skip
+                conn.close()
+                return
+            self.fork(conn, request, fds)
+        finally:
+            for fd in fds:
+                os.close(fd)
+
+    def fork(self, conn: socket.socket, request: dict, fds: list[int]) -> None:
+        sys.stdout.flush()
+        sys.stderr.flush()
+        pid = os.fork()
+        if pid == 0:
+            try:
+                code = self.become_worker(conn, request, fds)
+            except BaseException:
+                traceback.print_exc()
+                code = 1
+            exit_like(code)
+        pidfd = os.pidfd_open(pid)
+        self.children[pidfd] = (pid, conn)
+        self.selector.register(pidfd, selectors.EVENT_READ, "child")
+        _send(conn, {"pid": pid})
+
+    def become_worker(self, conn: socket.socket, request: dict, fds: list[int]) -> int:
+        for signum in (signal.SIGTERM, signal.SIGCHLD, signal.SIGINT, signal.SIGHUP):
+            signal.signal(signum, signal.SIG_DFL)
+        self.selector.close()
+        self.listener.close()
+        for pidfd, (_, other) in self.children.items():
+            os.close(pidfd)
+            other.close()
+        for target, fd in enumerate(fds):
+            os.dup2(fd, target)
+        for fd in fds:
+            if fd > 2:
+                os.close(fd)
+        os.environ.clear()
+        os.environ.update(request["env"])
+        os.chdir(request["cwd"])
+        sys.argv = list(request["argv"])
+        # ps, psutil and the run's process checks see the worker under the stand-in's command
+        # line (its role and port), not the zygote's.
+        show_as(request["cmdline"])
+        if "numpy" in sys.modules:
+            sys.modules["numpy"].random.seed()
+        # A stand-in that is killed takes its worker with it.
+        threading.Thread(
+            target=_die_with, args=(conn,), name="warm-start-watch", daemon=True
+        ).start()
+        module, _, function = self.entry.partition(":")
+        run: Callable[[], object] = getattr(importlib.import_module(module), function)
+        try:
+            run()
+            code = 0
+        except SystemExit as exc:
+            code = exc.code if isinstance(exc.code, int) else (0 if exc.code is None else 1)
+            if not isinstance(exc.code, (int, type(None))):
+                print(exc.code, file=sys.stderr)
+        except BaseException:
+            traceback.print_exc()
+            code = 1
+        atexit._run_exitfuncs()
+        return code
+
+    def reap(self, pidfd: int) -> None:
+        pid, conn = self.children.pop(pidfd)
+        self.selector.unregister(pidfd)
+        os.close(pidfd)
+        _, status = os.waitpid(pid, 0)
+        try:
+            _send(conn, {"exit": os.waitstatus_to_exitcode(status)})
+        except OSError:
+            pass  # its stand-in is gone (it was killed, and the worker with it)
+        conn.close()
+
+    def stop(self, *_args) -> None:
+        """Stop taking requests; end the workers still running (their trainer has gone):
+        SIGTERM, then SIGKILL after ``STOP_GRACE_S``."""
+        if not self.stopping:
+            self.stopping = True
+            self.kill_at = time.monotonic() + STOP_GRACE_S
+            self.signal_children(signal.SIGTERM)
+
+    def signal_children(self, signum: int) -> None:
+        for pid, _ in self.children.values():
+            try:
+                os.kill(pid, signum)
+            except ProcessLookupError:
+                pass
+
+
+def show_as(args: list[str]) -> None:
+    """Make this process's command line (/proc/self/cmdline: what ps and psutil read) ``args``.
+
+    Written over the process's original argument and environment strings (their addresses are
+    in /proc/self/stat), which nothing reads once ``os.environ`` has been replaced (Python copies
+    what it sets). Space-separated and NUL-terminated, with the last byte of the original
+    arguments not NUL: the kernel then reads the line up to its NUL, as for setproctitle(3), and
+    psutil splits it at the spaces (arguments with spaces in them come back split)."""
+    fields = Path("/proc/self/stat").read_text().rsplit(")", 1)[1].split()
+    # Fields 48-51 of proc(5): arg_start, arg_end, env_start, env_end (this list starts at 3).
+    arg_start, arg_end, env_start, env_end = (int(f) for f in fields[45:49])
+    end = env_end if env_start == arg_end else arg_end
+    title = " ".join(args).encode()[: end - arg_start - 1] + b"\0"
+    ctypes.memmove(arg_start, title, len(title))
+    if arg_start + len(title) < arg_end:
+        ctypes.memset(arg_end - 1, ord("."), 1)
+
+
+def _die_with(conn: socket.socket) -> None:
+    try:
+        while conn.recv(1):
+            pass
+    except OSError:
+        pass
+    os.kill(os.getpid(), signal.SIGKILL)
+
+
+def _die_with_parent() -> None:
+    """SIGTERM when the trainer that started the zygote dies, however it dies."""
+    pr_set_pdeathsig = 1
+    ctypes.CDLL(None, use_errno=True).prctl(pr_set_pdeathsig, signal.SIGTERM)
+
+
+def main(argv: list[str] | None = None) -> int:
+    ap = argparse.ArgumentParser(description="The warm-start zygote of a CPU run's AReaL workers.")
+    ap.add_argument("address", help="the Unix socket to listen on")
+    ap.add_argument("--parent", type=int, required=True, help="the trainer's pid")
+    ap.add_argument("--preload", default=",".join(PRELOAD), help="modules to import once")
+    ap.add_argument("--entry", default=ENTRY, help="module:function a forked worker runs")
+    ap.add_argument("--model", default="", help="the model folder whose classes to import too")
+    args = ap.parse_args(argv)
+    _die_with_parent()
+    if os.getppid() != args.parent:
+        return 1  # the trainer died before the line above
+    preload = tuple(filter(None, args.preload.split(",")))
+    server = _Server(args.address, preload, args.entry, args.model)
+    signal.signal(signal.SIGTERM, server.stop)
+    print(f"{READY} at {args.address}", flush=True)
+    server.serve()
+    return 0
+
+
+# -- the trainer's side ---------------------------------------------------------------------------
+
+
+class Zygote:
+    """The zygote of one run, started by its trainer: ``start()`` sets ``CUA_RL_ZYGOTE`` in this
+    process's environment, which the scheduler's workers inherit; it stops at exit."""
+
+    def __init__(self, *, model: str = "", preload: tuple[str, ...] = PRELOAD, entry: str = ENTRY):
+        self.model, self.preload, self.entry = model, preload, entry
+        self.proc: subprocess.Popen | None = None
+        self.address = ""
+        self._dir: tempfile.TemporaryDirectory | None = None
+
+    def start(self, timeout: float = 60.0) -> Zygote:
+        self._dir = tempfile.TemporaryDirectory(prefix="cua-zygote-")
+        self.address = str(Path(self._dir.name) / "zygote.sock")
+        argv = [sys.executable, "-m", "cua_rl.cpu.warm_start", self.address,
+                "--parent", str(os.getpid()), "--preload", ",".join(self.preload),
+                "--entry", self.entry, "--model", self.model]  # fmt: skip
+        self.proc = subprocess.Popen(argv, stdout=subprocess.PIPE, text=True)
+        line = self.proc.stdout.readline()
+        if not line.startswith(READY):
+            code = self.proc.wait(timeout=timeout)
+            raise WarmStartError(f"the warm-start zygote did not start (exit {code}): {line!r}")
+        # Its later lines (what it imported) go where the trainer's own output goes.
+        threading.Thread(target=self._relay, name="warm-start-zygote", daemon=True).start()
+        os.environ[ENV_ZYGOTE] = self.address
+        atexit.register(self.stop)
+        return self
+
+    def _relay(self) -> None:
+        for line in self.proc.stdout:
+            sys.stdout.write(line)
+            sys.stdout.flush()
+
+    def stop(self, timeout: float = 30.0) -> None:
+        if os.environ.get(ENV_ZYGOTE) == self.address:
+            del os.environ[ENV_ZYGOTE]
+        if self.proc is not None and self.proc.poll() is None:
+            self.proc.terminate()
+            try:
+                self.proc.wait(timeout=timeout)
+            except subprocess.TimeoutExpired:
+                self.proc.kill()
+                self.proc.wait()
+        if self._dir is not None:
+            self._dir.cleanup()
+            self._dir = None
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,189 @@
+"""Warm worker starts (cua_rl/cpu/warm_start.py): the stand-in ``python -m cua_rl.cpu.rpc_worker``
+as AReaL's scheduler starts it, a real zygote, and a worker entry of this folder
+(``warm_entry.py``) in place of AReaL's RPC server. The trainings of the suite run the real
+entry (app/test_train_local.py checks that their workers were forked)."""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import subprocess
+import sys
+import textwrap
+from pathlib import Path
+
+import psutil
+import pytest
+
+from cua_rl.cpu.warm_start import ENV_ZYGOTE, WarmStartError, Zygote
+
+ROOT = Path(__file__).resolve().parents[2]
+ENTRY = "tests.cpu.warm_entry:run"
+STAND_IN = [sys.executable, "-m", "cua_rl.cpu.rpc_worker", "--role", "actor", "--port", "1"]
+
+
+@pytest.fixture
+def zygote():
+    z = Zygote(preload=("json", "numpy"), entry=ENTRY).start()
+    yield z
+    z.stop()
+    assert z.proc.returncode == 0
+
+
+def _env(zygote: Zygote, **extra: str) -> dict[str, str]:
+    return {**os.environ, ENV_ZYGOTE: zygote.address, **extra}
+
+
+def _start(zygote: Zygote, **extra: str) -> subprocess.Popen:
+    return subprocess.Popen(
+        STAND_IN, cwd=ROOT, env=_env(zygote, **extra), stdin=subprocess.PIPE,
+        stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
+    )  # fmt: skip
+
+
+def _line_starting(proc: subprocess.Popen, prefix: str) -> str:
+    for line in proc.stdout:
+        if line.startswith(prefix):
+            return line.strip()
+    raise AssertionError(f"no line starting {prefix!r}: exit {proc.wait()}, {proc.stderr.read()}")
+
+
+def test_a_forked_worker_gets_the_stand_ins_arguments_environment_and_streams(zygote):
+    first = _start(zygote, WARM_TEST="report", WARM_VALUE="a")
+    out, err = first.communicate("from stdin\n", timeout=120)
+    assert first.returncode == 0, err
+    forked = next(
+        line for line in out.splitlines() if line.startswith("[warm-start] worker forked")
+    )
+    seen = json.loads(out.splitlines()[-1])
+    assert forked.endswith(f"pid {seen['pid']}")
+    # The zygote's child, not the stand-in's, with everything of the stand-in's.
+    assert seen["ppid"] == zygote.proc.pid != first.pid
+    assert seen["argv"] == [str(ROOT / "cua_rl" / "cpu" / "rpc_worker.py"), *STAND_IN[3:]]
+    assert (seen["cwd"], seen["env"], seen["stdin"]) == (str(ROOT), "a", "from stdin")
+    assert seen["sigterm"] == str(signal.SIG_DFL)
+    # Its command line is the stand-in's (what ps, psutil and the run's checks read).
+    assert seen["cmdline"] == [sys.executable, *STAND_IN[1:]]
+    assert err.strip().endswith("to stderr")
+    # A second worker: another fork, other random draws (both generators reseeded).
+    second = _start(zygote, WARM_TEST="report", WARM_VALUE="a")
+    out2, _ = second.communicate("\n", timeout=120)
+    again = json.loads(out2.splitlines()[-1])
+    assert again["pid"] != seen["pid"]
+    assert again["random"] != seen["random"] and again["np"] != seen["np"]
+
+
+@pytest.mark.parametrize(
+    ("what", "code"), [({"WARM_CODE": "3"}, 3), ({"WARM_CODE": "0"}, 0)], ids=["3", "0"]
+)
+def test_the_stand_in_exits_with_the_workers_code(zygote, what, code):
+    proc = _start(zygote, WARM_TEST="exit", **what)
+    proc.communicate(timeout=120)
+    assert proc.returncode == code
+
+
+def test_a_worker_that_raises_prints_its_traceback_and_exits_1(zygote):
+    proc = _start(zygote, WARM_TEST="raise")
+    _, err = proc.communicate(timeout=120)
+    assert proc.returncode == 1
+    assert "RuntimeError: the worker's bug" in err
+
+
+def test_sigterm_to_the_stand_in_reaches_the_worker(zygote):
+    proc = _start(zygote, WARM_TEST="wait-for-sigterm")
+    _line_starting(proc, "ready ")  # its handler is installed
+    proc.send_signal(signal.SIGTERM)
+    assert _line_starting(proc, "got signal") == f"got signal {int(signal.SIGTERM)}"
+    assert proc.wait(timeout=60) == 7
+
+
+def test_a_worker_killed_by_a_signal_ends_its_stand_in_by_that_signal(zygote):
+    proc = _start(zygote, WARM_TEST="wait")
+    pid = int(_line_starting(proc, "ready ").split()[1])
+    os.kill(pid, signal.SIGKILL)
+    assert proc.wait(timeout=60) == -signal.SIGKILL
+
+
+def test_a_killed_stand_in_takes_its_worker_with_it(zygote):
+    proc = _start(zygote, WARM_TEST="wait")
+    worker = psutil.Process(int(_line_starting(proc, "ready ").split()[1]))
+    proc.kill()
+    proc.wait()
+    # The worker sees its connection close and kills itself (the bound is for failure only).
+    worker.wait(timeout=60)
+
+
+def test_a_worker_whose_environment_differs_starts_cold_naming_the_variables(zygote):
+    first = _start(zygote, WARM_TEST="exit", WARM_CODE="0")
+    first.communicate(timeout=120)
+    # ``run_forked`` answers None (the stand-in then runs the worker itself) and says why.
+    probe = textwrap.dedent("""
+        import os, sys
+        from cua_rl.cpu.warm_start import ENV_ZYGOTE, run_forked
+        print("returned", run_forked(sys.argv, os.environ[ENV_ZYGOTE]))
+    """)
+    out = subprocess.run(
+        [sys.executable, "-c", probe], cwd=ROOT, capture_output=True, text=True, timeout=120,
+        env=_env(zygote, WARM_TEST="exit", WARM_CODE="0", OTHER="1"),
+    ).stdout  # fmt: skip
+    assert out.splitlines() == [
+        "[warm-start] cold start: its environment differs from the first worker's in OTHER",
+        "returned None",
+    ]
+
+
+def test_a_zygote_that_cannot_import_fails_the_stand_in_with_the_reason(tmp_path):
+    z = Zygote(preload=("json", "no_such_module_here"), entry=ENTRY).start()
+    try:
+        proc = subprocess.run(
+            STAND_IN, cwd=ROOT, env=_env(z, WARM_TEST="exit", WARM_CODE="0"),
+            capture_output=True, text=True, timeout=120,
+        )  # fmt: skip
+    finally:
+        z.stop()
+    assert proc.returncode == 1
+    assert "WarmStartError: the warm-start zygote could not start this worker" in proc.stderr
+    assert "No module named 'no_such_module_here'" in proc.stderr
+
+
+def test_a_stand_in_without_its_zygote_fails_naming_the_socket(tmp_path):
+    missing = tmp_path / "gone.sock"
+    proc = subprocess.run(
+        STAND_IN, cwd=ROOT, env={**os.environ, ENV_ZYGOTE: str(missing)},
+        capture_output=True, text=True, timeout=120,
+    )  # fmt: skip
+    assert proc.returncode == 1
+    assert f"cannot reach the warm-start zygote at {missing}" in proc.stderr
+    with pytest.raises(WarmStartError):
+        from cua_rl.cpu.warm_start import run_forked
+
+        run_forked(["x"], str(missing))
+
+
+def test_the_zygote_and_its_workers_end_with_the_trainer_that_started_it(tmp_path):
+    # A trainer stand-in: starts a zygote, a worker through it, then is killed outright.
+    trainer = textwrap.dedent(f"""
+        import os, subprocess, sys
+        from cua_rl.cpu.warm_start import Zygote
+        z = Zygote(preload=("json",), entry={ENTRY!r}).start()
+        print("zygote", z.proc.pid, flush=True)
+        env = {{**os.environ, "WARM_TEST": "wait"}}
+        proc = subprocess.Popen({STAND_IN!r}, env=env, stdout=subprocess.PIPE, text=True)
+        for line in proc.stdout:
+            if line.startswith("ready "):
+                print(line.strip(), flush=True)
+                break
+        sys.stdin.read()
+    """)
+    proc = subprocess.Popen(
+        [sys.executable, "-c", trainer], cwd=ROOT, stdin=subprocess.PIPE,
+        stdout=subprocess.PIPE, text=True,
+    )  # fmt: skip
+    zygote = psutil.Process(int(_line_starting(proc, "zygote ").split()[1]))
+    worker = psutil.Process(int(_line_starting(proc, "ready ").split()[1]))
+    proc.kill()
+    proc.wait()
+    # The zygote is told (SIGTERM at its parent's death), ends its worker, then itself.
+    worker.wait(timeout=60)
+    zygote.wait(timeout=60)
