@@ -388,7 +388,15 @@ def main(argv: list[str] | None = None) -> int:
     server = _Server(args.address, preload, args.entry, args.model)
     signal.signal(signal.SIGTERM, server.stop)
     print(f"{READY} at {args.address}", flush=True)
-    server.serve()
+    try:
+        server.serve()
+    finally:
+        # Its socket and folder go with it, whether or not its trainer lived to remove them.
+        Path(args.address).unlink(missing_ok=True)
+        try:
+            Path(args.address).parent.rmdir()
+        except OSError:
+            pass  # not empty, or removed by the trainer already
     return 0
 
 
@@ -406,7 +414,8 @@ class Zygote:
         self._dir: tempfile.TemporaryDirectory | None = None
 
     def start(self, timeout: float = 60.0) -> Zygote:
-        self._dir = tempfile.TemporaryDirectory(prefix="cua-zygote-")
+        # The zygote removes it when it ends; the trainer, when it stops the zygote.
+        self._dir = tempfile.TemporaryDirectory(prefix="cua-zygote-", ignore_cleanup_errors=True)
         self.address = str(Path(self._dir.name) / "zygote.sock")
         argv = [sys.executable, "-m", "cua_rl.cpu.warm_start", self.address,
                 "--parent", str(os.getpid()), "--preload", ",".join(self.preload),

@@ -29,6 +29,7 @@ def zygote():
     yield z
     z.stop()
     assert z.proc.returncode == 0
+    assert not Path(z.address).parent.exists()
 
 
 def _env(zygote: Zygote, **extra: str) -> dict[str, str]:
@@ -167,7 +168,7 @@ def test_the_zygote_and_its_workers_end_with_the_trainer_that_started_it(tmp_pat
         import os, subprocess, sys
         from cua_rl.cpu.warm_start import Zygote
         z = Zygote(preload=("json",), entry={ENTRY!r}).start()
-        print("zygote", z.proc.pid, flush=True)
+        print("zygote", z.proc.pid, z.address, flush=True)
         env = {{**os.environ, "WARM_TEST": "wait"}}
         proc = subprocess.Popen({STAND_IN!r}, env=env, stdout=subprocess.PIPE, text=True)
         for line in proc.stdout:
@@ -180,10 +181,13 @@ def test_the_zygote_and_its_workers_end_with_the_trainer_that_started_it(tmp_pat
         [sys.executable, "-c", trainer], cwd=ROOT, stdin=subprocess.PIPE,
         stdout=subprocess.PIPE, text=True,
     )  # fmt: skip
-    zygote = psutil.Process(int(_line_starting(proc, "zygote ").split()[1]))
+    _, pid, address = _line_starting(proc, "zygote ").split()
+    zygote = psutil.Process(int(pid))
     worker = psutil.Process(int(_line_starting(proc, "ready ").split()[1]))
     proc.kill()
     proc.wait()
-    # The zygote is told (SIGTERM at its parent's death), ends its worker, then itself.
+    # The zygote is told (SIGTERM at its parent's death), ends its worker, then itself, and
+    # removes its socket's folder, which the dead trainer could not.
     worker.wait(timeout=60)
     zygote.wait(timeout=60)
+    assert not Path(address).parent.exists(), address
