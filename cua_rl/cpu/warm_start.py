@@ -18,9 +18,12 @@ SIGHUP to it, and exits with its status (by the same signal where the worker die
 the stand-in is killed the worker kills itself (it watches the connection), so stopping the
 stand-in, as AReaL's scheduler does, stops the worker.
 
-A request whose environment differs from the first one's in a variable other than the shell's
-own (``SHELL_VARS``) is answered "cold": the stand-in runs the worker itself and its log says
-why. A zygote that fails or ends fails the stand-ins waiting on it with its reason; nothing
+A request whose environment differs from the first one's is answered "cold" (the stand-in runs
+the worker itself and its log says why) unless every differing variable is the shell's own
+(``SHELL_VARS``) or one the workers read when they use it (``LATE_VARS``: the rollout worker's
+server and interpreter), and the zygote saw no import read it: it records every variable read
+through ``os.environ`` while it imports, so a late variable an import starts reading makes its
+workers start cold, named, instead of forking with the first worker's value baked in. A zygote that fails or ends fails the stand-ins waiting on it with its reason; nothing
 falls back silently. Ray and Slurm runs do not use it (their workers are not started by the
 local scheduler's command).
 """
@@ -46,6 +49,7 @@ from collections.abc import Callable
 from pathlib import Path
 
 from cua_rl.errors import CuaRlError
+from cua_rl.inference.launch import ENV_SERVER, ENV_VLLM_PYTHON
 
 ENV_ZYGOTE = "CUA_RL_ZYGOTE"
 # The worker's entry point in a fork (what ``python -m cua_rl.cpu.rpc_worker`` runs cold).
@@ -66,6 +70,9 @@ PRELOAD = (
 MODEL_MODULES = ("modeling", "processing", "image_processing", "video_processing")
 # Set by the shell that AReaL's scheduler starts each worker through, different per process.
 SHELL_VARS = frozenset({"_", "SHLVL", "PWD", "OLDPWD"})
+# Read by a worker when it uses them, not at start: the trainer gives the rollout workers the
+# server to borrow and the server's interpreter (cua_rl/inference/launch.py), not the actor.
+LATE_VARS = frozenset({ENV_SERVER, ENV_VLLM_PYTHON})
 # The signals a stand-in passes on to its worker.
 FORWARDED = (signal.SIGTERM, signal.SIGINT, signal.SIGHUP)
 MAX_MESSAGE = 1 << 20
@@ -151,9 +158,27 @@ def exit_like(code: int) -> None:
 # -- the zygote -----------------------------------------------------------------------------------
 
 
-def _env_difference(first: dict[str, str], env: dict[str, str]) -> list[str]:
-    keys = (set(first) | set(env)) - SHELL_VARS
+def _env_difference(first: dict[str, str], env: dict[str, str], late: frozenset[str]) -> list[str]:
+    keys = (set(first) | set(env)) - SHELL_VARS - late
     return sorted(k for k in keys if first.get(k) != env.get(k))
+
+
+class _ReadRecorder(type(os.environ)):
+    """``os.environ`` over the same variables, noting the name of every one read (``[]``,
+    ``get``, ``in``, ``os.getenv``)."""
+
+    def __init__(self, real: os._Environ):
+        super().__init__(real._data, real.encodekey, real.decodekey, real.encodevalue,
+                         real.decodevalue)  # fmt: skip
+        self.read: set[str] = set()
+
+    def __getitem__(self, key):
+        self.read.add(key)
+        return super().__getitem__(key)
+
+    def __contains__(self, key):
+        self.read.add(key)
+        return super().__contains__(key)
 
 
 def model_modules(model_dir: str) -> list[str]:
@@ -171,8 +196,12 @@ def model_modules(model_dir: str) -> list[str]:
 
 
 class _Server:
-    def __init__(self, address: str, preload: tuple[str, ...], entry: str, model: str = ""):
+    def __init__(
+        self, address: str, preload: tuple[str, ...], entry: str, model: str = "",
+        late: frozenset[str] = LATE_VARS,
+    ):  # fmt: skip
         self.address, self.preload, self.entry, self.model = address, preload, entry, model
+        self.late = late
         self.listener = socket.socket(socket.AF_UNIX, socket.SOCK_SEQPACKET)
         self.listener.bind(address)
         self.listener.listen(64)
@@ -195,17 +224,24 @@ class _Server:
         rest = [p for p in sys.path[1:] if p not in extra]
         sys.path[:] = [request["cwd"], *extra, *rest]
         t0, c0 = time.monotonic(), time.process_time()
-        for name in self.preload:
-            importlib.import_module(name)
-        # Only where the family's package is there (transformers imported above).
-        names = [*self.preload, *(model_modules(self.model) if self.model else [])]
-        for name in names[len(self.preload) :]:
-            importlib.import_module(name)
+        # The recorder shares the real mapping's variables: swapping it in changes nothing else.
+        real = os.environ
+        os.environ = recorder = _ReadRecorder(real)  # noqa: B003
+        try:
+            for name in self.preload:
+                importlib.import_module(name)
+            # Only where the family's package is there (transformers imported above).
+            names = [*self.preload, *(model_modules(self.model) if self.model else [])]
+            for name in names[len(self.preload) :]:
+                importlib.import_module(name)
+        finally:
+            os.environ = real  # noqa: B003
         print(
             f"[warm-start] zygote imported {len(names)} modules ({len(sys.modules)} in all) "
             f"in {time.monotonic() - t0:.1f} s, {time.process_time() - c0:.1f} CPU s",
             flush=True,
         )
+        self.late = self.late - recorder.read
         self.first_env = env
 
     def serve(self) -> None:
@@ -245,7 +281,7 @@ class _Server:
                 except BaseException as exc:
                     _send(conn, {"error": f"importing the worker modules failed: {exc!r}"})
                     raise
-            differs = _env_difference(self.first_env, request["env"])
+            differs = _env_difference(self.first_env, request["env"], self.late)
             if differs:
                 _send(conn, {"cold": "its environment differs from the first worker's in "
                              + ", ".join(differs)})  # fmt: skip
@@ -380,12 +416,17 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--preload", default=",".join(PRELOAD), help="modules to import once")
     ap.add_argument("--entry", default=ENTRY, help="module:function a forked worker runs")
     ap.add_argument("--model", default="", help="the model folder whose classes to import too")
+    ap.add_argument(
+        "--late", default=",".join(sorted(LATE_VARS)),
+        help="variables workers may differ in, unless an import read them",
+    )  # fmt: skip
     args = ap.parse_args(argv)
     _die_with_parent()
     if os.getppid() != args.parent:
         return 1  # the trainer died before the line above
     preload = tuple(filter(None, args.preload.split(",")))
-    server = _Server(args.address, preload, args.entry, args.model)
+    late = frozenset(filter(None, args.late.split(",")))
+    server = _Server(args.address, preload, args.entry, args.model, late)
     signal.signal(signal.SIGTERM, server.stop)
     print(f"{READY} at {args.address}", flush=True)
     try:
@@ -407,8 +448,11 @@ class Zygote:
     """The zygote of one run, started by its trainer: ``start()`` sets ``CUA_RL_ZYGOTE`` in this
     process's environment, which the scheduler's workers inherit; it stops at exit."""
 
-    def __init__(self, *, model: str = "", preload: tuple[str, ...] = PRELOAD, entry: str = ENTRY):
-        self.model, self.preload, self.entry = model, preload, entry
+    def __init__(
+        self, *, model: str = "", preload: tuple[str, ...] = PRELOAD, entry: str = ENTRY,
+        late: frozenset[str] = LATE_VARS,
+    ):  # fmt: skip
+        self.model, self.preload, self.entry, self.late = model, preload, entry, late
         self.proc: subprocess.Popen | None = None
         self.address = ""
         self._dir: tempfile.TemporaryDirectory | None = None
@@ -419,7 +463,8 @@ class Zygote:
         self.address = str(Path(self._dir.name) / "zygote.sock")
         argv = [sys.executable, "-m", "cua_rl.cpu.warm_start", self.address,
                 "--parent", str(os.getpid()), "--preload", ",".join(self.preload),
-                "--entry", self.entry, "--model", self.model]  # fmt: skip
+                "--entry", self.entry, "--model", self.model,
+                "--late", ",".join(sorted(self.late))]  # fmt: skip
         self.proc = subprocess.Popen(argv, stdout=subprocess.PIPE, text=True)
         line = self.proc.stdout.readline()
         if not line.startswith(READY):

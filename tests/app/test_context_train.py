@@ -160,3 +160,18 @@ def test_an_eval_rollout_worker_runs_only_where_there_is_something_to_evaluate(t
     assert roles == ["actor", "rollout", *(["eval-rollout"] if evaluates else [])], roles
     evals = db_rows(run.db, "SELECT COUNT(*) FROM eval")[0][0]
     assert (evals > 0) == evaluates, evals
+
+
+@pytest.mark.timeout(1600)
+def test_the_rollout_worker_forks_from_the_zygote_also_where_it_borrows_a_server(trained):
+    # The trainer gives the rollout workers the server to borrow (CUA_INFERENCE_SERVER), not
+    # the actor: a variable read when the worker launches, so the fork takes it.
+    _, regime, run = trained
+    assert run.returncode == 0, run.output[-6000:]
+    for role in ("actor", "rollout"):
+        (log,) = (run.run_dir / "areal" / "logs").rglob(f"{role}.log")
+        text = log.read_text(errors="replace")
+        said = [x for x in text.splitlines() if x.startswith("[warm-start]")]
+        assert len(said) == 1 and said[0].startswith("[warm-start] worker forked"), (role, said)
+        if role == "rollout":
+            assert bool(regime.borrows) == ("Borrowed the inference server at" in text), regime

@@ -118,20 +118,49 @@ def test_a_killed_stand_in_takes_its_worker_with_it(zygote):
 def test_a_worker_whose_environment_differs_starts_cold_naming_the_variables(zygote):
     first = _start(zygote, WARM_TEST="exit", WARM_CODE="0")
     first.communicate(timeout=120)
-    # ``run_forked`` answers None (the stand-in then runs the worker itself) and says why.
+    assert _ask(zygote, WARM_TEST="exit", WARM_CODE="0", OTHER="1") == [
+        "[warm-start] cold start: its environment differs from the first worker's in OTHER",
+        "returned None",
+    ]
+
+
+def _ask(zygote: Zygote, **extra: str) -> list[str]:
+    """What ``run_forked`` prints and answers for a worker with this environment (None: the
+    stand-in would run the worker itself)."""
     probe = textwrap.dedent("""
         import os, sys
         from cua_rl.cpu.warm_start import ENV_ZYGOTE, run_forked
         print("returned", run_forked(sys.argv, os.environ[ENV_ZYGOTE]))
     """)
-    out = subprocess.run(
+    return subprocess.run(
         [sys.executable, "-c", probe], cwd=ROOT, capture_output=True, text=True, timeout=120,
-        env=_env(zygote, WARM_TEST="exit", WARM_CODE="0", OTHER="1"),
-    ).stdout  # fmt: skip
-    assert out.splitlines() == [
-        "[warm-start] cold start: its environment differs from the first worker's in OTHER",
-        "returned None",
-    ]
+        env=_env(zygote, **extra),
+    ).stdout.splitlines()  # fmt: skip
+
+
+def test_a_late_variable_may_differ_unless_an_import_read_it():
+    # The rollout worker's CUA_INFERENCE_SERVER is one such: the actor has none.
+    z = Zygote(
+        preload=("json", "numpy", "tests.cpu.warm_entry"), entry=ENTRY,
+        late=frozenset({"WARM_LATE", "WARM_AT_IMPORT"}),
+    ).start()  # fmt: skip
+    try:
+        outs = []
+        for extra in ({"WARM_AT_IMPORT": "first"}, {"WARM_AT_IMPORT": "first", "WARM_LATE": "b"}):
+            proc = _start(z, WARM_TEST="report", **extra)
+            out, err = proc.communicate("\n", timeout=120)
+            assert proc.returncode == 0, err
+            outs.append(out.splitlines())
+        assert outs[1][0].startswith("[warm-start] worker forked from the zygote")
+        assert json.loads(outs[1][-1])["late"] == "b"
+        # Read while the zygote imported: its value is the first worker's in every fork.
+        assert _ask(z, WARM_TEST="report", WARM_AT_IMPORT="second") == [
+            "[warm-start] cold start: its environment differs from the first worker's in "
+            "WARM_AT_IMPORT",
+            "returned None",
+        ]
+    finally:
+        z.stop()
 
 
 def test_a_zygote_that_cannot_import_fails_the_stand_in_with_the_reason(tmp_path):

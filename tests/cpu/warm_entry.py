@@ -10,6 +10,9 @@ import signal
 import sys
 import time
 
+# Read while the module is imported: a zygote that preloads this module saw it read.
+AT_IMPORT = os.environ.get("WARM_AT_IMPORT")
+
 
 def run() -> None:
     what = os.environ.get("WARM_TEST", "report")
@@ -17,6 +20,7 @@ def run() -> None:
         line = sys.stdin.readline().strip()
         print(json.dumps({
             "argv": sys.argv, "cwd": os.getcwd(), "env": os.environ.get("WARM_VALUE"),
+            "late": os.environ.get("WARM_LATE"), "at_import": AT_IMPORT,
             "stdin": line, "pid": os.getpid(), "ppid": os.getppid(),
             "sigterm": str(signal.getsignal(signal.SIGTERM)),
             "random": __import__("random").random(), "np": __import__("numpy").random.random(),
