@@ -8,9 +8,11 @@ local scheduler the trainer starts one *zygote* per run (``Zygote``: ``python -m
 cua_rl.cpu.warm_start``). The scheduler still starts each worker as ``python -m
 cua_rl.cpu.rpc_worker ARGS``; that process, the *stand-in*, connects to the zygote (the Unix
 socket named by ``CUA_RL_ZYGOTE``) and hands it its argv, environment, working directory and
-standard streams. The zygote imports the worker modules once, in the environment of the first
-worker that asks (so whatever those modules read from the environment while they load is what a
-worker started cold would read), then forks a worker per request. The fork applies the request's
+standard streams. At the first request the zygote becomes that worker's interpreter: it execs
+itself in the worker's environment and directory (so what acts when a process starts, such as
+``PYTHONHASHSEED`` and the ``LD_PRELOAD`` of AReaL's ``stdbuf``, and whatever the modules read
+while they load, is what a worker started cold gets), imports the worker modules once, then forks
+a worker per request. The fork applies the request's
 environment, directory, arguments and streams, resets the signal handlers, reseeds NumPy's
 global generator (Python's reseeds itself at a fork) and runs the worker's entry point as the
 cold process would. The stand-in stays for the worker's life: it forwards SIGTERM, SIGINT and
@@ -198,31 +200,56 @@ def model_modules(model_dir: str) -> list[str]:
 class _Server:
     def __init__(
         self, address: str, preload: tuple[str, ...], entry: str, model: str = "",
-        late: frozenset[str] = LATE_VARS,
+        late: frozenset[str] = LATE_VARS, argv: list[str] = (), listen_fd: int | None = None,
     ):  # fmt: skip
         self.address, self.preload, self.entry, self.model = address, preload, entry, model
-        self.late = late
-        self.listener = socket.socket(socket.AF_UNIX, socket.SOCK_SEQPACKET)
-        self.listener.bind(address)
-        self.listener.listen(64)
+        self.late, self.argv = late, list(argv)
+        if listen_fd is None:
+            self.listener = socket.socket(socket.AF_UNIX, socket.SOCK_SEQPACKET)
+            self.listener.bind(address)
+            self.listener.listen(64)
+        else:  # the image before the exec bound it
+            os.set_inheritable(listen_fd, False)
+            self.listener = socket.socket(fileno=listen_fd)
         self.selector = selectors.DefaultSelector()
         self.selector.register(self.listener, selectors.EVENT_READ, "accept")
         self.first_env: dict[str, str] | None = None
+        self.first_cwd = ""
         self.children: dict[int, tuple[int, socket.socket]] = {}  # pidfd -> (pid, connection)
         self.stopping = False
         self.kill_at = float("inf")
 
-    def load(self, request: dict) -> None:
-        """Become a fresh worker's interpreter up to its imports: the first request's
-        environment and module search path, then the modules."""
-        env = request["env"]
-        os.environ.clear()
-        os.environ.update(env)
+    def become_first(self, conn: socket.socket, request: dict, fds: list[int]) -> None:
+        """Exec this zygote in the first request's environment and directory, the request
+        (its connection and streams included) handed over to the new image, which answers it."""
+        pending = Path(self.address).parent / "pending.json"
+        keep = [self.listener.fileno(), conn.fileno(), *fds]
+        for fd in keep:
+            os.set_inheritable(fd, True)
+        pending.write_text(json.dumps({"request": request, "fds": keep[1:]}))
         os.chdir(request["cwd"])
-        # As ``python -m`` in that directory with that PYTHONPATH would have started.
-        extra = [p for p in env.get("PYTHONPATH", "").split(os.pathsep) if p]
-        rest = [p for p in sys.path[1:] if p not in extra]
-        sys.path[:] = [request["cwd"], *extra, *rest]
+        sys.stdout.flush()
+        sys.stderr.flush()
+        argv = [sys.executable, "-m", "cua_rl.cpu.warm_start", *self.argv,
+                "--listen-fd", str(self.listener.fileno()), "--pending", str(pending)]  # fmt: skip
+        try:
+            os.execve(sys.executable, argv, request["env"])
+        except OSError as exc:
+            _send(conn, {"error": f"the zygote could not exec in the worker's environment: {exc}"})
+            raise
+
+    def answer_pending(self, path: str) -> None:
+        """The first request, handed over by the image before the exec."""
+        pending = json.loads(Path(path).read_text())
+        Path(path).unlink()
+        fd, *fds = pending["fds"]
+        for each in (fd, *fds):
+            os.set_inheritable(each, False)
+        self.answer(socket.socket(fileno=fd), pending["request"], fds)
+
+    def load(self, request: dict) -> None:
+        """Import the worker modules (this process started as the first worker would)."""
+        env = request["env"]
         t0, c0 = time.monotonic(), time.process_time()
         # The recorder shares the real mapping's variables: swapping it in changes nothing else.
         real = os.environ
@@ -242,7 +269,7 @@ class _Server:
             flush=True,
         )
         self.late = self.late - recorder.read
-        self.first_env = env
+        self.first_env, self.first_cwd = env, request["cwd"]
 
     def serve(self) -> None:
         while not (self.stopping and not self.children):
@@ -270,6 +297,11 @@ class _Server:
             conn.close()
             return
         request = json.loads(data)
+        if self.first_env is None and not self.stopping:
+            self.become_first(conn, request, fds)  # does not return
+        self.answer(conn, request, fds)
+
+    def answer(self, conn: socket.socket, request: dict, fds: list[int]) -> None:
         try:
             if self.stopping:
                 _send(conn, {"error": "the zygote is stopping: its training is ending"})
@@ -281,6 +313,10 @@ class _Server:
                 except BaseException as exc:
                     _send(conn, {"error": f"importing the worker modules failed: {exc!r}"})
                     raise
+            if request["cwd"] != self.first_cwd:
+                _send(conn, {"cold": "its working directory differs from the first worker's"})
+                conn.close()
+                return
             differs = _env_difference(self.first_env, request["env"], self.late)
             if differs:
                 _send(conn, {"cold": "its environment differs from the first worker's in "
@@ -420,16 +456,22 @@ def main(argv: list[str] | None = None) -> int:
         "--late", default=",".join(sorted(LATE_VARS)),
         help="variables workers may differ in, unless an import read them",
     )  # fmt: skip
-    args = ap.parse_args(argv)
+    ap.add_argument("--listen-fd", type=int, help=argparse.SUPPRESS)
+    ap.add_argument("--pending", help=argparse.SUPPRESS)
+    raw = sys.argv[1:] if argv is None else argv
+    args = ap.parse_args(raw)
     _die_with_parent()
     if os.getppid() != args.parent:
         return 1  # the trainer died before the line above
     preload = tuple(filter(None, args.preload.split(",")))
     late = frozenset(filter(None, args.late.split(",")))
-    server = _Server(args.address, preload, args.entry, args.model, late)
+    server = _Server(args.address, preload, args.entry, args.model, late, raw, args.listen_fd)
     signal.signal(signal.SIGTERM, server.stop)
-    print(f"{READY} at {args.address}", flush=True)
+    if args.pending is None:
+        print(f"{READY} at {args.address}", flush=True)
     try:
+        if args.pending is not None:
+            server.answer_pending(args.pending)
         server.serve()
     finally:
         # Its socket and folder go with it, whether or not its trainer lived to remove them.

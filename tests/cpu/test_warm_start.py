@@ -75,6 +75,28 @@ def test_a_forked_worker_gets_the_stand_ins_arguments_environment_and_streams(zy
     assert again["random"] != seen["random"] and again["np"] != seen["np"]
 
 
+def test_workers_start_as_the_first_worker_would_have_started_cold(zygote, tmp_path):
+    # The zygote execs itself in the first worker's environment before it imports: what acts
+    # when a process starts (here the hash seed AReaL's seeding sets) is the worker's.
+    first = _start(zygote, WARM_TEST="report", PYTHONHASHSEED="123")
+    out, err = first.communicate("\n", timeout=120)
+    assert first.returncode == 0, err
+    cold = subprocess.run(
+        [sys.executable, "-c", "print(hash('warm'))"], env={**os.environ, "PYTHONHASHSEED": "123"},
+        capture_output=True, text=True, check=True,
+    ).stdout  # fmt: skip
+    assert json.loads(out.splitlines()[-1])["hash"] == int(cold)
+    assert zygote.proc.poll() is None and not list(Path(zygote.address).parent.glob("*.json"))
+    # Another seed, another directory: a fork could honour neither.
+    assert _ask(zygote, WARM_TEST="report", PYTHONHASHSEED="124")[0].endswith(
+        "differs from the first worker's in PYTHONHASHSEED"
+    )
+    assert _ask(zygote, cwd=tmp_path, WARM_TEST="report", PYTHONHASHSEED="123") == [
+        "[warm-start] cold start: its working directory differs from the first worker's",
+        "returned None",
+    ]
+
+
 @pytest.mark.parametrize(
     ("what", "code"), [({"WARM_CODE": "3"}, 3), ({"WARM_CODE": "0"}, 0)], ids=["3", "0"]
 )
@@ -124,7 +146,7 @@ def test_a_worker_whose_environment_differs_starts_cold_naming_the_variables(zyg
     ]
 
 
-def _ask(zygote: Zygote, **extra: str) -> list[str]:
+def _ask(zygote: Zygote, cwd: Path = ROOT, **extra: str) -> list[str]:
     """What ``run_forked`` prints and answers for a worker with this environment (None: the
     stand-in would run the worker itself)."""
     probe = textwrap.dedent("""
@@ -133,8 +155,8 @@ def _ask(zygote: Zygote, **extra: str) -> list[str]:
         print("returned", run_forked(sys.argv, os.environ[ENV_ZYGOTE]))
     """)
     return subprocess.run(
-        [sys.executable, "-c", probe], cwd=ROOT, capture_output=True, text=True, timeout=120,
-        env=_env(zygote, **extra),
+        [sys.executable, "-c", probe], cwd=cwd, capture_output=True, text=True, timeout=120,
+        env={**_env(zygote, **extra), **({} if cwd == ROOT else {"PYTHONPATH": str(ROOT)})},
     ).stdout.splitlines()  # fmt: skip
 
 

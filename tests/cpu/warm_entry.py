@@ -20,7 +20,7 @@ def run() -> None:
         line = sys.stdin.readline().strip()
         print(json.dumps({
             "argv": sys.argv, "cwd": os.getcwd(), "env": os.environ.get("WARM_VALUE"),
-            "late": os.environ.get("WARM_LATE"), "at_import": AT_IMPORT,
+            "late": os.environ.get("WARM_LATE"), "at_import": AT_IMPORT, "hash": hash("warm"),
             "stdin": line, "pid": os.getpid(), "ppid": os.getppid(),
             "sigterm": str(signal.getsignal(signal.SIGTERM)),
             "random": __import__("random").random(), "np": __import__("numpy").random.random(),
