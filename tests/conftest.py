@@ -124,6 +124,21 @@ class ModelServers:
 
 
 @pytest.fixture(scope="session")
+def warm_env():
+    """The environment that has a training's workers fork from this pytest process's one
+    warm-start zygote (cua_rl/cpu/warm_start.py, ``CUA_RL_ZYGOTE``) instead of the run's own:
+    the trainings of one process import the workers' modules once, not once each. For trainings
+    that end normally; those that check how a run's processes end (SIGTERM, a killed trainer, a
+    crash) and the demo's own keep a zygote of their own. It execs into its first worker's
+    environment, so only that pytest leaves per test may differ besides the late variables."""
+    from cua_rl.cpu.warm_start import ENV_ZYGOTE, LATE_VARS, Zygote
+
+    zygote = Zygote(late=LATE_VARS | {"PYTEST_CURRENT_TEST"}).start(export=False)
+    yield {ENV_ZYGOTE: zygote.address}
+    zygote.stop()
+
+
+@pytest.fixture(scope="session")
 def model_servers(tmp_path_factory):
     """``model_servers(kind)``: the session's shared server for that tiny model (a kind of
     ``cua_rl.testing.cache``), for trainings to borrow: ``server.borrow_override()``."""
@@ -292,7 +307,7 @@ REGIMES = {r.name: r for r in (DEMO, BUILTIN_MAI_UI, SERVICE_CURRENT, FUNCTION_A
 
 
 @pytest.fixture(scope="session")
-def shared_training(tmp_path_factory, model_servers):
+def shared_training(tmp_path_factory, model_servers, warm_env):
     """``shared_training(name)``: the session's training of that regime (``REGIMES``), run by
     the first test that asks and read by every other. Tests that share one must run in one
     pytest process (scripts/test_shards.py keeps them together)."""
@@ -312,9 +327,12 @@ def shared_training(tmp_path_factory, model_servers):
             gym = Child("gym", gym_cmd, run_dir.parent)
             try:
                 gym_url = gym.wait_for_line("ready ", 60).split("/api/v1/")[0]
+                # The demo's own run keeps its zygote: it is production's regime, and its
+                # process tree is where the sockets are read.
                 run = run_demo(
                     run_dir, "--gym-url", gym_url, *regime.args, server=server, during=busy,
                     watch=(gym.proc.pid,), timeout=1700, name=f"shared {name}",
+                    env=None if regime is DEMO else warm_env,
                 )  # fmt: skip
                 run.gym_left = gym_executions(f"{gym_url}/api/v1/sim")
             finally:
@@ -429,13 +447,15 @@ def run_demo(
     during: Callable[[Path], None] | None = None,
     watch: tuple[int, ...] = (),
     name: str = "",
+    env: dict[str, str] | None = None,
 ) -> DemoRun:
     """``python -m cua_rl.app.demo --run-dir RUN_DIR ARGS`` in its own process group, killed
     whole if it outlives ``timeout``. With ``server`` the training borrows that shared server
     instead of starting one. While a training episode runs (the monitor's database says so), the
     sockets of every process of the run, and of ``watch``'s process trees, are read
     (``DemoRun.sockets``); ``during`` is called
-    with the database's path on every poll (and ``during.stop()``, if it has one, at the end)."""
+    with the database's path on every poll (and ``during.stop()``, if it has one, at the end).
+    ``env`` adds to the launcher's environment (``warm_env``)."""
     if server is not None:
         args = (*args, server.borrow_override())
     log = run_dir.parent / f"{run_dir.name}.out"
@@ -448,7 +468,7 @@ def run_demo(
             stdout=out,
             stderr=subprocess.STDOUT,
             start_new_session=True,
-            env={**os.environ, "PYTHONUNBUFFERED": "1"},
+            env={**os.environ, "PYTHONUNBUFFERED": "1", **(env or {})},
         )
     sockets: set[Endpoint] = set()
     mid_step = 0

@@ -255,8 +255,9 @@ class CUAConfig(GRPOConfig):
         True,
         "With cpu: true and scheduler.type: local, start AReaL's workers as forks of one process "
         "per run that has imported what they import (cua_rl/cpu/warm_start.py): about 12 CPU s "
-        "less per worker. False: each worker imports them itself. GPU, Ray and Slurm runs start "
-        "their workers cold either way.",
+        "less per worker; the one $CUA_RL_ZYGOTE names, if set (several trainings sharing one). "
+        "False: each worker imports them itself. GPU, Ray and Slurm runs start their workers "
+        "cold either way.",
     )
     worker_startup_s: float = doc(
         300.0,

@@ -48,10 +48,10 @@ def start_cpu_harness(config: Any) -> None:
     enable_cpu_training(config)
     if config.scheduler.type == "slurm":
         native_slurm()
-    if config.scheduler.type == "local" and config.warm_start_workers:
-        from cua_rl.cpu.warm_start import Zygote
+    if config.scheduler.type == "local":
+        from cua_rl.cpu.warm_start import start_workers_warm
 
-        Zygote(model=config.model_path()).start()
+        start_workers_warm(config.warm_start_workers, model=config.model_path())
 
 
 def connect_cpu_harness_to_ray(connect: Callable[..., str]) -> None:

@@ -166,7 +166,7 @@ def main(argv: list[str] | None = None) -> int:
 
     from cua_rl.areal.logits import LogitsConfig, trainer_class
     from cua_rl.cpu.training import enable_cpu_training
-    from cua_rl.cpu.warm_start import Zygote
+    from cua_rl.cpu.warm_start import start_workers_warm
     from cua_rl.testing.cache import ensure_model
 
     run_dir = Path(args.run_dir).resolve()
@@ -182,7 +182,7 @@ def main(argv: list[str] | None = None) -> int:
     for line in enable_cpu_training(config):
         print(f"[smoke] cpu: {line}", flush=True)
     # The workers forked from a zygote, as train.py starts a CPU run's (cua_rl/cpu/warm_start.py).
-    Zygote(model=str(model)).start()
+    start_workers_warm(True, model=str(model))
 
     steps_file = run_dir / "steps.jsonl"
     steps_file.write_text("")

@@ -486,6 +486,26 @@ def main(argv: list[str] | None = None) -> int:
 # -- the trainer's side ---------------------------------------------------------------------------
 
 
+def start_workers_warm(warm: bool, model: str = "") -> str | None:
+    """Where this run's workers start from: a zygote of its own (started here), the one
+    ``CUA_RL_ZYGOTE`` already names (a process that runs many trainings, such as the test suite,
+    shares one: workers whose environment differs from its first worker's start cold, named),
+    or, with ``warm`` false, none. Its address, or None."""
+    given = os.environ.get(ENV_ZYGOTE)
+    if not warm:
+        os.environ.pop(ENV_ZYGOTE, None)
+        return None
+    if given:
+        if not Path(given).is_socket():
+            raise WarmStartError(
+                f"{ENV_ZYGOTE}={given}: no zygote listens there; unset it (this run then starts "
+                "its own) or start the one it names first"
+            )
+        print(f"[warm-start] workers start from the zygote at {given} ({ENV_ZYGOTE})", flush=True)
+        return given
+    return Zygote(model=model).start().address
+
+
 class Zygote:
     """The zygote of one run, started by its trainer: ``start()`` sets ``CUA_RL_ZYGOTE`` in this
     process's environment, which the scheduler's workers inherit; it stops at exit."""
@@ -499,7 +519,8 @@ class Zygote:
         self.address = ""
         self._dir: tempfile.TemporaryDirectory | None = None
 
-    def start(self, timeout: float = 60.0) -> Zygote:
+    def start(self, timeout: float = 60.0, export: bool = True) -> Zygote:
+        """Start it; with ``export``, this process's workers (its environment) start from it."""
         # The zygote removes it when it ends; the trainer, when it stops the zygote.
         self._dir = tempfile.TemporaryDirectory(prefix="cua-zygote-", ignore_cleanup_errors=True)
         self.address = str(Path(self._dir.name) / "zygote.sock")
@@ -514,7 +535,8 @@ class Zygote:
             raise WarmStartError(f"the warm-start zygote did not start (exit {code}): {line!r}")
         # Its later lines (what it imported) go where the trainer's own output goes.
         threading.Thread(target=self._relay, name="warm-start-zygote", daemon=True).start()
-        os.environ[ENV_ZYGOTE] = self.address
+        if export:
+            os.environ[ENV_ZYGOTE] = self.address
         atexit.register(self.stop)
         return self
 

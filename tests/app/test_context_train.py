@@ -168,10 +168,21 @@ def test_the_rollout_worker_forks_from_the_zygote_also_where_it_borrows_a_server
     # the actor: a variable read when the worker launches, so the fork takes it.
     _, regime, run = trained
     assert run.returncode == 0, run.output[-6000:]
+    # The demo's run starts its own zygote; the others' workers fork from the pytest
+    # process's (tests/conftest.py warm_env), which imported their modules for all of them.
+    train_log = (run.run_dir / "logs" / "train.log").read_text(errors="replace")
+    given = "[warm-start] workers start from the zygote at " in train_log
+    own = "[warm-start] zygote imported" in train_log
+    assert (own, given) == ((True, False) if regime is DEMO else (False, True)), regime.name
     for role in ("actor", "rollout"):
         (log,) = (run.run_dir / "areal" / "logs").rglob(f"{role}.log")
         text = log.read_text(errors="replace")
         said = [x for x in text.splitlines() if x.startswith("[warm-start]")]
-        assert len(said) == 1 and said[0].startswith("[warm-start] worker forked"), (role, said)
+        forked = [x for x in said if x.startswith("[warm-start] worker forked from the zygote")]
+        # The rollout worker's log also holds the eval rollout worker's line, where there is
+        # one (the demo's run): it starts cold (app/test_train_local.py).
+        assert len(forked) == 1 and len(said) == 1 + (role == "rollout" and regime is DEMO), (
+            role, said,
+        )  # fmt: skip
         if role == "rollout":
             assert bool(regime.borrows) == ("Borrowed the inference server at" in text), regime

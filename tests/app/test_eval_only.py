@@ -29,11 +29,12 @@ def test_zero_steps_loads_and_a_negative_count_is_refused(tmp_path):
 
 @pytest.mark.slow
 @pytest.mark.timeout(1500)
-def test_zero_steps_evaluates_without_training(tmp_path, model_servers):
+def test_zero_steps_evaluates_without_training(tmp_path, model_servers, warm_env):
     run_dir = tmp_path / "demo"
     run = run_demo(
         run_dir, "--quiet", *NO_LATENCY, "total_train_steps=0",
         server=model_servers("qwen2-vl-bpe"), timeout=1200, name="evaluation only",
+        env=warm_env,
     )  # fmt: skip
     out = run.output
     assert run.returncode == 0, out[-5000:]

@@ -42,22 +42,22 @@ ONE_STEP = ("total_train_steps=1", "total_train_epochs=1")
 OWN_SERVER = {"qwen3-vl-moe"}
 
 
-def _train(run_dir: Path, kind: str, server) -> tuple[int, str, float]:
+def _train(run_dir: Path, kind: str, server, env: dict[str, str]) -> tuple[int, str, float]:
     t0 = time.monotonic()
     run = run_demo(
         run_dir, "--model", kind, *NO_LATENCY, *NO_EVAL, *ONE_STEP,
-        server=server, timeout=1200, name=f"family {kind}",
+        server=server, timeout=1200, name=f"family {kind}", env=env,
     )  # fmt: skip
     rc, out = run.returncode, run.output
     return rc, out, time.monotonic() - t0
 
 
 @pytest.fixture(scope="module", params=FAMILY_KINDS)
-def trained(request, tmp_path_factory, model_servers):
+def trained(request, tmp_path_factory, model_servers, warm_env):
     kind = request.param
     run_dir = tmp_path_factory.mktemp(kind) / "run"
     server = None if kind in OWN_SERVER else model_servers(kind)
-    rc, out, seconds = _train(run_dir, kind, server)
+    rc, out, seconds = _train(run_dir, kind, server, warm_env)
     print(f"{kind}: trained in {seconds:.0f}s")  # pytest -s shows each family's cost
     return kind, run_dir / "monitor.db", rc, out
 

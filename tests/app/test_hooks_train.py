@@ -11,6 +11,7 @@ holds it and trains the shared ones)."""
 from __future__ import annotations
 
 import json
+import os
 import subprocess
 import time
 from pathlib import Path
@@ -32,7 +33,9 @@ pytestmark = pytest.mark.slow
 MODEL = "qwen2-vl-bpe"
 
 
-def _train(name: str, tmp_path: Path, servers, gym, agent, *overrides: str, timeout: int = 800):
+def _train(
+    name: str, tmp_path: Path, servers, warm_env, gym, agent, *overrides: str, timeout: int = 800
+):
     server = servers(MODEL)
     monitor = f"monitor.db_path={tmp_path / 'monitor.db'}"
     argv = train_command(
@@ -41,21 +44,24 @@ def _train(name: str, tmp_path: Path, servers, gym, agent, *overrides: str, time
     )  # fmt: skip
     t0 = time.monotonic()
     try:
-        return subprocess.run(argv, cwd=ROOT, capture_output=True, text=True, timeout=timeout)
+        return subprocess.run(
+            argv, cwd=ROOT, capture_output=True, text=True, timeout=timeout,
+            env={**os.environ, **warm_env},
+        )  # fmt: skip
     finally:
         note_cost(name, time.monotonic() - t0)
 
 
 @pytest.mark.timeout(900)
 def test_a_hook_that_always_raises_stops_the_training_through_failfast_naming_it(
-    tmp_path, model_servers
+    tmp_path, model_servers, warm_env
 ):
     window = 6
     where = "tests.app.workflows.BrokenReward.compute_reward"
     with GymServer() as gym, AgentServer() as agent:
         t0 = time.monotonic()
         proc = _train(
-            "hooks: a raising hook", tmp_path, model_servers, gym, agent,
+            "hooks: a raising hook", tmp_path, model_servers, warm_env, gym, agent,
             f"workflow={workflows.BrokenReward.__module__}.BrokenReward",
             f"failfast.window={window}",
             # Above local.yaml's 4 episodes in flight: a count is allowed to trip at once.

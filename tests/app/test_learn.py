@@ -283,7 +283,9 @@ MARGIN = 0.4
 TARGET = 0.8
 
 
-def _learn(tmp_path: Path, name: str, *extra: str, steps: int = STEPS) -> dict:
+def _learn(
+    tmp_path: Path, name: str, *extra: str, steps: int = STEPS, env: dict[str, str] | None = None
+) -> dict:
     run_dir = tmp_path / name
     t0 = time.monotonic()
     proc = subprocess.run(
@@ -303,7 +305,7 @@ def _learn(tmp_path: Path, name: str, *extra: str, steps: int = STEPS) -> dict:
         capture_output=True,
         text=True,
         timeout=900,
-        env={**os.environ, "PYTHONUNBUFFERED": "1"},
+        env={**os.environ, "PYTHONUNBUFFERED": "1", **(env or {})},
     )
     note_cost(f"learning proof {name}", time.monotonic() - t0)
     assert proc.returncode == 0, proc.stdout[-4000:] + proc.stderr[-4000:]
@@ -319,21 +321,24 @@ def _learn(tmp_path: Path, name: str, *extra: str, steps: int = STEPS) -> dict:
 @pytest.mark.slow
 @pytest.mark.timeout(1900)
 def test_the_policy_learns_and_the_shifted_credit_control_does_not(
-    tmp_path, tiny_vl_bpe_model_dir, model_servers
+    tmp_path, tiny_vl_bpe_model_dir, model_servers, warm_env
 ):
     # Both runs borrow the session's server; each loads the tiny model's initial weights into it.
     borrow = model_servers("qwen2-vl-bpe").borrow_override()
     # The learning run ends once 3 steps average 0.8 success (at steps 10-12 in the measured
     # runs at this staleness): its last 3 steps are then that window, a gain of 0.7 or more.
-    learned = _learn(tmp_path, "learn", "--stop-at-target", "--target", str(TARGET), borrow)
+    learned = _learn(
+        tmp_path, "learn", "--stop-at-target", "--target", str(TARGET), borrow, env=warm_env
+    )
     gain = learned["last_mean"] - learned["first_mean"]
     assert gain >= MARGIN, learned["success"]
 
     # The control gets the learning run's budget: as many steps as it needed (all 20 where it
     # never reached the target). Over 20 steps the measured controls gained <= 0.
     control = _learn(
-        tmp_path, "control", "--control", "shifted-credit", borrow, steps=learned["steps"]
-    )
+        tmp_path, "control", "--control", "shifted-credit", borrow, steps=learned["steps"],
+        env=warm_env,
+    )  # fmt: skip
     gain = control["last_mean"] - control["first_mean"]
     assert gain < MARGIN, control["success"]
 

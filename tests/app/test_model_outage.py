@@ -87,7 +87,7 @@ def _received(agent: AgentServer) -> dict[str, list[str]]:
 
 @pytest.mark.timeout(1800)
 def test_the_local_stack_trains_through_a_60s_model_server_outage(
-    tmp_path, tiny_vl_bpe_model_dir, model_servers
+    tmp_path, tiny_vl_bpe_model_dir, model_servers, warm_env
 ):
     from transformers import AutoTokenizer
 
@@ -110,6 +110,7 @@ def test_the_local_stack_trains_through_a_60s_model_server_outage(
                     f"total_train_steps={STEPS}", f"total_train_epochs={STEPS}",
                 ),
                 cwd=ROOT, stdout=out, stderr=subprocess.STDOUT, start_new_session=True,
+                env={**os.environ, **warm_env},
             )  # fmt: skip
             # A call is in flight and the gateway holds it: the proxy cut its answer.
             _until(lambda: proxy.dropped >= 1, "a model call during the outage", proc, log, 0.05)

@@ -188,7 +188,7 @@ def _cmd(pid: int) -> str:
 
 @pytest.mark.timeout(900)
 def test_systematic_rejection_stops_the_training_failed_with_its_reason(
-    tmp_path, tiny_vl_bpe_model_dir, model_servers
+    tmp_path, tiny_vl_bpe_model_dir, model_servers, warm_env
 ):
     """An agent that returns no token data, called directly (no gateway): every episode is
     rejected missing_tokens. The run stops within the window, failed, naming reason and fix."""
@@ -209,6 +209,7 @@ def test_systematic_rejection_stops_the_training_failed_with_its_reason(
                 "total_train_steps=20", "total_train_epochs=20",
             ),
             cwd=ROOT, capture_output=True, text=True, timeout=800,
+            env={**os.environ, **warm_env},
         )  # fmt: skip
         took = time.monotonic() - t0
         live = httpx.get(f"{gym.base_url}/executions", timeout=10).json()["executions"]

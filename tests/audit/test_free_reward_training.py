@@ -44,7 +44,9 @@ def _rows(db, sql: str, *args) -> list[tuple]:
         con.close()
 
 
-def test_a_training_counts_free_reward_and_leaves_the_flagged_task_out(tmp_path, model_servers):
+def test_a_training_counts_free_reward_and_leaves_the_flagged_task_out(
+    tmp_path, model_servers, warm_env
+):
     run_dir = tmp_path / "run"
     run_dir.mkdir()
     db = run_dir / "monitor.db"
@@ -71,6 +73,7 @@ def test_a_training_counts_free_reward_and_leaves_the_flagged_task_out(tmp_path,
         "total_train_epochs=2",
         "total_train_steps=2",
         server=model_servers("qwen2-vl-bpe"), timeout=1500, name="audit: free reward",
+        env=warm_env,
     )  # fmt: skip
     assert run.returncode == 0, run.output[-4000:]
     train_log = (run_dir / "logs" / "train.log").read_text(errors="replace")

@@ -16,7 +16,7 @@ from pathlib import Path
 import psutil
 import pytest
 
-from cua_rl.cpu.warm_start import ENV_ZYGOTE, WarmStartError, Zygote
+from cua_rl.cpu.warm_start import ENV_ZYGOTE, WarmStartError, Zygote, start_workers_warm
 
 ROOT = Path(__file__).resolve().parents[2]
 ENTRY = "tests.cpu.warm_entry:run"
@@ -242,3 +242,18 @@ def test_the_zygote_and_its_workers_end_with_the_trainer_that_started_it(tmp_pat
     worker.wait(timeout=60)
     zygote.wait(timeout=60)
     assert not Path(address).parent.exists(), address
+
+
+def test_a_run_takes_the_zygote_its_environment_names_and_refuses_one_that_is_not_there(
+    zygote, tmp_path, monkeypatch, capsys
+):
+    monkeypatch.setenv(ENV_ZYGOTE, zygote.address)
+    assert start_workers_warm(True) == zygote.address
+    assert capsys.readouterr().out == (
+        f"[warm-start] workers start from the zygote at {zygote.address} ({ENV_ZYGOTE})\n"
+    )
+    # warm_start_workers: false: its workers start cold, whatever the environment names.
+    assert start_workers_warm(False) is None and ENV_ZYGOTE not in os.environ
+    monkeypatch.setenv(ENV_ZYGOTE, str(tmp_path / "gone.sock"))
+    with pytest.raises(WarmStartError, match="gone.sock: no zygote listens there"):
+        start_workers_warm(True)

@@ -16,6 +16,7 @@ checks read the curriculum's decision log and the monitor's database:
 from __future__ import annotations
 
 import json
+import os
 import re
 import sqlite3
 import subprocess
@@ -38,7 +39,9 @@ GROUP = 2
 pytestmark = pytest.mark.slow
 
 
-def _train(tmp_path: Path, gym, agent, model_dir, *overrides: str) -> subprocess.CompletedProcess:
+def _train(
+    tmp_path: Path, gym, agent, model_dir, warm_env, *overrides: str
+) -> subprocess.CompletedProcess:
     t0 = time.monotonic()
     proc = subprocess.run(
         [
@@ -74,6 +77,7 @@ def _train(tmp_path: Path, gym, agent, model_dir, *overrides: str) -> subprocess
         capture_output=True,
         text=True,
         timeout=1100,
+        env={**os.environ, **warm_env},
     )
     note_cost(f"curriculum {overrides[-1]}", time.monotonic() - t0)
     return proc
@@ -91,7 +95,7 @@ def _decisions(tmp_path: Path) -> list[dict]:
 
 @pytest.mark.timeout(2400)
 def test_ucb_batches_follow_the_outcomes_and_survive_a_restart(
-    tmp_path, tiny_vl_bpe_model_dir, model_servers
+    tmp_path, tiny_vl_bpe_model_dir, model_servers, warm_env
 ):
     db = tmp_path / "monitor.db"
     borrow = model_servers("qwen2-vl-bpe").borrow_override()
@@ -101,6 +105,7 @@ def test_ucb_batches_follow_the_outcomes_and_survive_a_restart(
             gym,
             agent,
             tiny_vl_bpe_model_dir,
+            warm_env,
             borrow,
             "total_train_steps=2",
             "curriculum.drop_zero_variance=true",
@@ -111,6 +116,7 @@ def test_ucb_batches_follow_the_outcomes_and_survive_a_restart(
             gym,
             agent,
             tiny_vl_bpe_model_dir,
+            warm_env,
             borrow,
             "total_train_steps=3",
             "curriculum.drop_zero_variance=false",
