@@ -130,11 +130,13 @@ def warm_env():
     the trainings of one process import the workers' modules once, not once each. For trainings
     that end normally; those that check how a run's processes end (SIGTERM, a killed trainer, a
     crash) and the demo's own keep a zygote of their own. It execs into its first worker's
-    environment, so only that pytest leaves per test may differ besides the late variables."""
-    from cua_rl.cpu.warm_start import ENV_ZYGOTE, LATE_VARS, Zygote
+    environment: a later training's workers fork only where theirs is the same but for the late
+    variables. pytest names the current test in ``PYTEST_CURRENT_TEST``, which Ray's
+    ``is_in_test`` reads while the zygote imports: every training gets one value of it."""
+    from cua_rl.cpu.warm_start import ENV_ZYGOTE, Zygote
 
-    zygote = Zygote(late=LATE_VARS | {"PYTEST_CURRENT_TEST"}).start(export=False)
-    yield {ENV_ZYGOTE: zygote.address}
+    zygote = Zygote().start(export=False)
+    yield {ENV_ZYGOTE: zygote.address, "PYTEST_CURRENT_TEST": "a training of the suite"}
     zygote.stop()
 
 

@@ -93,6 +93,8 @@ _GATEWAY = "cua_rl/gateway/engine.py calls"
 _HOOKS = "cua_rl/areal/hooks.py"
 _VISION = "cua_rl/areal/vision_dedup.py"
 _CREDIT = "cua_rl/credit/trainer.py"
+_VOCAB = "areal.utils.functional.vocab_parallel"
+_DYNAMIC = "cua_rl/cpu/training.py compiles its original with dynamic shapes (CPU workers)"
 
 RELIANCES: tuple[Reliance, ...] = (
     # The trainer factory (every fsdp engine is our class); selective logits: six FSDPEngine
@@ -231,6 +233,9 @@ RELIANCES: tuple[Reliance, ...] = (
     Reliance(
         "areal.utils.functional", "gather_logprobs_entropy", "cua_rl/areal/logits_engine.py calls"
     ),
+    # On CPU, compiled again with dynamic shapes from the first call (cua_rl/cpu/training.py).
+    Reliance(_VOCAB, "_gather_logprobs", _DYNAMIC),
+    Reliance(_VOCAB, "_gather_logprobs_entropy", _DYNAMIC),
     Reliance("areal.utils.environ", "is_single_controller", "cua_rl/areal/actor.py calls"),
     # A trainer whose construction fails stops the workers it started (cua_rl/areal/actor.py).
     Reliance(

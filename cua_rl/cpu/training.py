@@ -182,9 +182,40 @@ def patch_worker() -> None:
 
     bind_loopback()
     unseed_port_choice()
+    compile_gathers_dynamic()
     # RemoteInfEngine.launch_server fills the host with gethostip(), the machine's first
     # non-loopback address: every caller is on this machine, so the server stays on loopback.
     apply(loopback=True)
+
+
+# AReaL's log-prob gathers (areal/utils/functional/vocab_parallel.py), compiled by torch.compile
+# with its defaults when the module loads.
+GATHERS = ("_gather_logprobs", "_gather_logprobs_entropy")
+
+
+def compile_gathers_dynamic() -> None:
+    """Compile AReaL's log-prob gathers for dynamic shapes from their first call.
+
+    With torch.compile's defaults the first call's shapes are compiled static and the next
+    shape again, dynamic. On CPU each compile builds C++ kernels with the system compiler: in
+    every worker process of every training, for shapes no later process meets again (each batch
+    has other lengths), about 4 CPU s with inductor's cache warm and 11 cold (bench/
+    compile_gathers.py). Compiled dynamic from the start, one kernel per dtype serves every
+    length, and inductor's on-disk cache hands it to every later process. The same operations:
+    GPU runs keep AReaL's compile (their kernels are Triton's, not these)."""
+    import torch
+    from areal.utils.functional import vocab_parallel
+
+    for name in GATHERS:
+        compiled = getattr(vocab_parallel, name)
+        original = getattr(compiled, "_torchdynamo_orig_callable", None)
+        if original is None:
+            raise ConfigError(
+                f"areal.utils.functional.vocab_parallel.{name} is not a torch.compile'd "
+                f"function in this AReaL/torch ({torch.__version__}): update "
+                "cua_rl/cpu/training.py compile_gathers_dynamic and cua_rl/areal/support.py"
+            )
+        setattr(vocab_parallel, name, torch.compile(original, dynamic=True))
 
 
 def pin_host_ip(ip: str) -> None:

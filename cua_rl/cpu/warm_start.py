@@ -215,6 +215,7 @@ class _Server:
         self.selector.register(self.listener, selectors.EVENT_READ, "accept")
         self.first_env: dict[str, str] | None = None
         self.first_cwd = ""
+        self.read_late: frozenset[str] = frozenset()
         self.children: dict[int, tuple[int, socket.socket]] = {}  # pidfd -> (pid, connection)
         self.stopping = False
         self.kill_at = float("inf")
@@ -268,6 +269,7 @@ class _Server:
             f"in {time.monotonic() - t0:.1f} s, {time.process_time() - c0:.1f} CPU s",
             flush=True,
         )
+        self.read_late = self.late & recorder.read
         self.late = self.late - recorder.read
         self.first_env, self.first_cwd = env, request["cwd"]
 
@@ -319,8 +321,10 @@ class _Server:
                 return
             differs = _env_difference(self.first_env, request["env"], self.late)
             if differs:
+                named = [f"{k} (read while the zygote imported)" if k in self.read_late else k
+                         for k in differs]  # fmt: skip
                 _send(conn, {"cold": "its environment differs from the first worker's in "
-                             + ", ".join(differs)})  # fmt: skip
+                             + ", ".join(named)})  # fmt: skip
                 conn.close()
                 return
             self.fork(conn, request, fds)

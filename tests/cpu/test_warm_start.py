@@ -178,7 +178,7 @@ def test_a_late_variable_may_differ_unless_an_import_read_it():
         # Read while the zygote imported: its value is the first worker's in every fork.
         assert _ask(z, WARM_TEST="report", WARM_AT_IMPORT="second") == [
             "[warm-start] cold start: its environment differs from the first worker's in "
-            "WARM_AT_IMPORT",
+            "WARM_AT_IMPORT (read while the zygote imported)",
             "returned None",
         ]
     finally:
