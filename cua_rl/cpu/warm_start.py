@@ -25,8 +25,9 @@ the worker itself and its log says why) unless every differing variable is the s
 (``SHELL_VARS``) or one the workers read when they use it (``LATE_VARS``: the rollout worker's
 server and interpreter), and the zygote saw no import read it: it records every variable read
 through ``os.environ`` while it imports, so a late variable an import starts reading makes its
-workers start cold, named, instead of forking with the first worker's value baked in. A zygote that fails or ends fails the stand-ins waiting on it with its reason; nothing
-falls back silently. Ray and Slurm runs do not use it (their workers are not started by the
+workers start cold, named, instead of forking with the first worker's value baked in. A zygote
+that fails or ends fails the stand-ins waiting on it with its reason; nothing falls back
+silently. Ray and Slurm runs do not use it (their workers are not started by the
 local scheduler's command).
 """
 
