@@ -216,7 +216,7 @@ class _Server:
         self.selector.register(self.listener, selectors.EVENT_READ, "accept")
         self.first_env: dict[str, str] | None = None
         self.first_cwd = ""
-        self.read_late: frozenset[str] = frozenset()
+        self.read_at_import: frozenset[str] = frozenset()
         self.children: dict[int, tuple[int, socket.socket]] = {}  # pidfd -> (pid, connection)
         self.stopping = False
         self.kill_at = float("inf")
@@ -270,8 +270,7 @@ class _Server:
             f"in {time.monotonic() - t0:.1f} s, {time.process_time() - c0:.1f} CPU s",
             flush=True,
         )
-        self.read_late = self.late & recorder.read
-        self.late = self.late - recorder.read
+        self.read_at_import = frozenset(recorder.read)
         self.first_env, self.first_cwd = env, request["cwd"]
 
     def serve(self) -> None:
@@ -320,9 +319,10 @@ class _Server:
                 _send(conn, {"cold": "its working directory differs from the first worker's"})
                 conn.close()
                 return
-            differs = _env_difference(self.first_env, request["env"], self.late)
+            late = self.late - self.read_at_import
+            differs = _env_difference(self.first_env, request["env"], late)
             if differs:
-                named = [f"{k} (read while the zygote imported)" if k in self.read_late else k
+                named = [f"{k} (read while the zygote imported)" if k in self.late else k
                          for k in differs]  # fmt: skip
                 _send(conn, {"cold": "its environment differs from the first worker's in "
                              + ", ".join(named)})  # fmt: skip
