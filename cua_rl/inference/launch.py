@@ -34,6 +34,9 @@ ENV_VLLM_PYTHON = "CUA_VLLM_PYTHON"
 # host:port of a running server the rollout worker borrows instead of starting one.
 ENV_SERVER = "CUA_INFERENCE_SERVER"
 SERVER_MODULE = "cua_rl.inference.vllm_server"
+# The folder every launch shares for vLLM's model-class records, set by launch_env where it
+# gives the launch a cache root of its own (cua_rl.inference.vllm_server.share_modelinfos).
+ENV_MODELINFOS = "CUA_VLLM_MODELINFOS"
 WORKER_EXTENSION = "cua_rl.inference.vllm_worker.DiskWeightReloadExtension"
 # The environments the Makefile creates, relative to the repository root.
 CPU_ENV = ".venv-vllm"
@@ -100,6 +103,9 @@ def launch_env(base: dict[str, str]) -> dict[str, str]:
     triton_cache = env.get("TRITON_CACHE_PATH", vllm_remote.TRITON_CACHE_PATH)
     env["TRITON_CACHE_PATH"] = os.path.join(triton_cache, str(uuid.uuid4()))
     if env.get("VLLM_CACHE_ROOT"):
+        # One root per launch, as AReaL's; the model-class records shared by every launch
+        # (cua_rl.inference.vllm_server.share_modelinfos).
+        env.setdefault(ENV_MODELINFOS, os.path.join(env["VLLM_CACHE_ROOT"], "modelinfos"))
         env["VLLM_CACHE_ROOT"] = os.path.join(env["VLLM_CACHE_ROOT"], str(uuid.uuid4()))
     env["VLLM_ALLOW_RUNTIME_LORA_UPDATING"] = "True"
     return env

@@ -34,6 +34,7 @@ def _server_module(report: dict) -> None:
     from cua_rl.inference import vllm_server
 
     vllm_server._install_routes()
+    vllm_server._modelinfo_folder()
 
 
 def _arguments(report: dict, argv: list[str]) -> None:

@@ -40,6 +40,7 @@ from fastapi import APIRouter, Depends, Request
 from fastapi.responses import JSONResponse, StreamingResponse
 from pydantic import BaseModel
 
+from cua_rl.inference.launch import ENV_MODELINFOS
 from cua_rl.logs import get_logger
 
 # Its module name spelt out: run as ``python -m``, ``__name__`` would be ``__main__``.
@@ -250,6 +251,42 @@ def _install_routes() -> None:
     entry.build_app = build_app
 
 
+def _modelinfo_folder():
+    """The folder where vLLM keeps what it read of a model's class: ``<VLLM_CACHE_ROOT>/modelinfos``
+    (``_LazyRegisteredModel._get_cache_dir``, vllm/model_executor/models/registry.py)."""
+    from vllm.model_executor.models import registry
+
+    get = getattr(getattr(registry, "_LazyRegisteredModel", None), "_get_cache_dir", None)
+    if get is None:
+        raise RuntimeError(
+            "vllm.model_executor.models.registry._LazyRegisteredModel._get_cache_dir is gone: "
+            f"cua_rl.inference.vllm_server links that folder to ${ENV_MODELINFOS}; port "
+            "share_modelinfos to this vLLM"
+        )
+    return get()
+
+
+def share_modelinfos() -> None:
+    """Link this launch's model-class records to the folder every launch shares.
+
+    AReaL gives every server it launches a cache root of its own (``VLLM_CACHE_ROOT/<uuid>``, so
+    that servers starting together never write the same torch.compile files), and so does
+    ``launch_env``. vLLM keeps there too what it read of the model's class; without that record
+    it imports the model's module in a fresh interpreter to read it (``_run_in_subprocess``):
+    about 12 of a tiny model's 37 CPU seconds to ready, at every launch. Those records are
+    written atomically and checked against a hash of the module's source, so sharing them is
+    safe where sharing the compile cache is not."""
+    shared = os.environ.get(ENV_MODELINFOS)
+    if not shared:
+        return
+    own = _modelinfo_folder()
+    if own.exists() or own.is_symlink():
+        return
+    os.makedirs(shared, exist_ok=True)
+    own.parent.mkdir(parents=True, exist_ok=True)
+    own.symlink_to(os.path.abspath(shared), target_is_directory=True)
+
+
 def _rewrite_argv(argv: list[str]) -> list[str]:
     out = list(argv)
     for i, a in enumerate(out):
@@ -284,6 +321,7 @@ def _serve(argv: list[str] | None) -> None:
     from vllm.utils.argparse_utils import FlexibleArgumentParser
 
     _install_routes()
+    share_modelinfos()
     cli_env_setup()
     parser = make_arg_parser(FlexibleArgumentParser(description="vLLM with AReaL's control routes"))
     args = parser.parse_args(_rewrite_argv(sys.argv[1:] if argv is None else argv))

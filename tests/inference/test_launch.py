@@ -293,3 +293,59 @@ def test_the_worker_borrows_instead_of_launching(monkeypatch):
         backend().launch_server(server_args)
     # AReaL reads the borrowed server's address back from the same dict.
     assert (server_args["host"], server_args["port"]) == ("127.0.0.1", port)
+
+
+# In vLLM's interpreter: the model-class record of Qwen2-VL read under each of the launch
+# environments given (JSON on argv), one after another, as consecutive launches would; from
+# the second on, vLLM's subprocess that imports the model module to read it is made to fail.
+_READ_MODELINFO = """
+import json, os, sys
+from vllm.model_executor.models import registry
+from cua_rl.inference.vllm_server import share_modelinfos
+
+def refused(fn):
+    raise AssertionError("vLLM read the model class in a subprocess again")
+
+for i, env in enumerate(json.loads(sys.argv[1])):
+    os.environ.update(env)
+    share_modelinfos()
+    if i:
+        registry._run_in_subprocess = refused
+    model = registry._LazyRegisteredModel(
+        "vllm.model_executor.models.qwen2_vl", "Qwen2VLForConditionalGeneration"
+    )
+    print("read", i, model.inspect_model_cls().supports_multimodal, flush=True)
+"""
+
+
+@pytest.mark.slow
+def test_each_launch_has_its_own_cache_root_and_shares_the_model_class_records(tmp_path):
+    import json
+    import subprocess
+
+    from cua_rl.testing.vllm_server import vllm_python
+
+    base = {"VLLM_CACHE_ROOT": str(tmp_path / "vllm")}
+    envs = [launch.launch_env(base) for _ in range(2)]
+    roots = [env["VLLM_CACHE_ROOT"] for env in envs]
+    assert roots[0] != roots[1] and all(Path(r).parent == tmp_path / "vllm" for r in roots)
+    assert {env[launch.ENV_MODELINFOS] for env in envs} == {str(tmp_path / "vllm" / "modelinfos")}
+    keys = ("VLLM_CACHE_ROOT", launch.ENV_MODELINFOS, "PYTHONPATH")
+    out = subprocess.run(
+        [
+            str(vllm_python()),
+            "-c",
+            _READ_MODELINFO,
+            json.dumps([{k: e[k] for k in keys} for e in envs]),
+        ],
+        capture_output=True,
+        text=True,
+        timeout=600,
+    )
+    assert out.returncode == 0, out.stderr[-3000:]
+    assert out.stdout.split("\n")[-3:] == ["read 0 True", "read 1 True", ""], out.stdout
+    for root in roots:
+        assert (Path(root) / "modelinfos").resolve() == tmp_path / "vllm" / "modelinfos"
+    assert [p.name for p in (tmp_path / "vllm" / "modelinfos").iterdir()] == [
+        "vllm-model_executor-models-qwen2_vl-Qwen2VLForConditionalGeneration.json"
+    ]
