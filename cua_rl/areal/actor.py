@@ -18,7 +18,8 @@ carry one (``step_credit``: ``cua_rl.credit.trainer``).
 ``ActorMixin`` overrides ``PPOTrainer._create_train_engine`` (declared in ``cua_rl.areal.support``)
 with AReaL's fsdp branch and ``actor_class``; other backends (megatron, archon) are AReaL's own,
 whose models are not transformers' and get no fix. It also gives the scheduler the config's
-``worker_startup_s`` (``_init_scheduler``), and stops the workers when the trainer's construction
+``worker_startup_s`` (``_init_scheduler``: its start-up timeout, and the wait for a worker it
+forks from another), and stops the workers when the trainer's construction
 fails (``Scheduler.delete_workers``: no trainer exists then to close them).
 """
 
@@ -29,6 +30,8 @@ from typing import Any
 
 from areal import PPOTrainer
 from areal.engine.fsdp_engine import FSDPPPOActor
+from areal.infra.scheduler.local import LocalScheduler
+from areal.infra.scheduler.slurm import SlurmScheduler
 from areal.utils.data import batched_call
 from areal.utils.environ import is_single_controller
 
@@ -38,6 +41,9 @@ from cua_rl.areal.recompute import cast_recomputed_inputs
 from cua_rl.areal.vision_dedup import VisionDedupMixin
 from cua_rl.credit.trainer import advantages_with_steps, carries_steps
 from cua_rl.heap import hold_mmap_threshold, release_free_memory
+
+# The schedulers whose forked workers are waited for with a timeout of their own.
+FORKS_WAITED = (LocalScheduler, SlurmScheduler)
 
 # Workers import this module by the engine's dotted path: the trainer's Qwen2.5-VL positions
 # then match vLLM's.
@@ -133,6 +139,14 @@ class ActorMixin:
         startup_s = getattr(self.config, "worker_startup_s", None)
         if startup_s is not None:
             scheduler.startup_timeout = startup_s
+            # A worker forked from another (the eval rollout worker from the rollout worker) is
+            # waited for 60 s whatever startup_timeout says (_wait_for_fork_ready's default, local
+            # and Slurm): a cold eval worker on a busy machine answered after 63 s in a suite run
+            # and failed its training. On this scheduler only, it waits worker_startup_s too.
+            if isinstance(scheduler, FORKS_WAITED):
+                scheduler._wait_for_fork_ready = functools.partial(
+                    scheduler._wait_for_fork_ready, timeout=startup_s
+                )
         return scheduler
 
     def _init_rollout(self, rollout_config, is_eval=False, lora_path=None):

@@ -229,6 +229,15 @@ RELIANCES: tuple[Reliance, ...] = (
             ("slurm", "SlurmScheduler"),
         )
     ),
+    *(
+        Reliance(
+            f"areal.infra.scheduler.{module}",
+            f"{cls}._wait_for_fork_ready",
+            "cua_rl/areal/actor.py gives it worker_startup_s",
+            params=("timeout",),
+        )
+        for module, cls in (("local", "LocalScheduler"), ("slurm", "SlurmScheduler"))
+    ),
     Reliance("areal.utils.functional", "gather_logprobs", "cua_rl/areal/logits_engine.py calls"),
     Reliance(
         "areal.utils.functional", "gather_logprobs_entropy", "cua_rl/areal/logits_engine.py calls"
