@@ -49,11 +49,6 @@ BESIDE = {
         "tests/app/test_run_end.py::test_a_run_ending_on_a_busy_machine_leaves_no_execution_and_no_open_record",
         # Two trainings of a user's workflow subclass, borrowing this process's shared server.
         "tests/app/test_hooks_train.py",
-        # The launcher's errors for a user's mistakes and for services that fail (no vLLM
-        # server; each starts the launcher as a user runs it): 233 s of main's 2,082 when main
-        # ended last, 557 s after this process (a fresh clone, 2026-11-29).
-        "tests/app/test_launch_errors.py",
-        "tests/app/test_service_errors.py",
     ),
     # Trainings that must end a particular way (SIGTERM, fail-fast, a killed trainer, an outage,
     # a crash at start), the evaluation-only run and the audit's training, then one training per
@@ -72,15 +67,14 @@ BESIDE = {
         "tests/app/test_families_train.py",
     ),
     # The proof of learning and the curriculum's restart (long trainings borrowing one server),
-    # the Ray and Slurm trainings, AReaL's own PPO smoke steps. The GPU environments'
-    # resolutions (104 s, waiting on the package registry) run in main: with the launcher's
-    # error and check tests moved out of main, that evens the five processes' ends, measured
-    # 1,456-2,082 s apart before (a fresh clone, 2026-11-29).
+    # the Ray and Slurm trainings, AReaL's own PPO smoke steps, and the GPU environments'
+    # resolutions, which wait on the package registry.
     "learning": (
         "tests/app/test_learn.py",
         "tests/curriculum/test_in_the_loop.py",
         "tests/cluster",
         "tests/cpu/test_ppo_smoke.py",
+        "tests/inference/test_environments.py",
     ),
     # Part of what the main process ran alone once the trainings had ended, one core idle: the
     # folders whose tests start no vLLM server (the actor's, the gym's, the audit's, the
@@ -90,9 +84,7 @@ BESIDE = {
     # GiB of 24. With the first two folders only, it ended at 715 s of 2,044 and main ran alone
     # for its last 230 s (a fresh clone, 2026-11-28). With all of these folders it ended at 878 s
     # of 1,555, main last, so the launcher's config, check and harness tests (no vLLM server
-    # either: each starts the launcher as a user runs it) run here too; and `--check`'s stack
-    # and check tests (they probe the vLLM environment, start no server: 300 s of main's wall
-    # when main ended 626 s after this process, 2026-11-29).
+    # either: each starts the launcher as a user runs it) run here too.
     "parts": (
         "tests/areal",
         "tests/gym",
@@ -106,8 +98,6 @@ BESIDE = {
         "tests/app/test_harness.py",
         "tests/app/test_check_gpu.py",
         "tests/app/test_check_cluster.py",
-        "tests/app/test_stack.py",
-        "tests/app/test_train_check.py",
     ),
 }
 SLOWEST = 20
