@@ -290,20 +290,20 @@ SERVICE_CURRENT = Regime(
 # Bring your own agent: ``--agent-mode function`` with an agent function that hands each task to
 # the example's agent written with the official openai SDK (examples/cua_agent/openai_agent.py)
 # or to one written with LangChain's OpenAI chat model (tests/agent/langchain_agent.py: even task
-# numbers), each called as it is; two asynchronous steps (one of staleness), every episode stored.
+# numbers), each called as it is; three asynchronous steps (one of staleness: the third step's
+# episodes were started by a later version than the first weights, whatever the machine's speed;
+# with two, which versions the monitor recorded was the machine's timing), every episode stored.
 FUNCTION_AGENTS = Regime(
     name="function-agents",
     what="agent functions of one's own (openai SDK, LangChain), asynchronous (staleness 1), "
-    "2 steps, borrowed server, no evaluation",
+    f"{CONTEXT_STEPS} steps, borrowed server, no evaluation",
     args=(
         "--agent-mode=function",
         *NO_LATENCY,
         "agent.function=tests.agent.langchain_agent:example_or_langchain",
-        "rollout.max_head_offpolicyness=1",
-        "monitor.store_episodes=all",
-        *NO_EVAL,
+        *_CONTEXT,
     ),
-    steps=2,
+    steps=CONTEXT_STEPS,
 )
 REGIMES = {r.name: r for r in (DEMO, BUILTIN_MAI_UI, SERVICE_CURRENT, FUNCTION_AGENTS)}
 
