@@ -19,6 +19,14 @@ BROWSER_ARGS = [
     "--disable-sync",
 ]
 
+# Playwright's 30 s default is a bound on the monitor's work, not on the browser's: the suite's
+# five test processes, trainings and vLLM servers share two cores, and one page may wait on work
+# that costs the monitor several CPU seconds (the rollout's Parquet link imports transformers and
+# datasets in the monitor process: 8 CPU s on a quiet machine). Two fresh clones met 30 s (a
+# dashboard page, the Parquet download) under that load; an answer that never comes still fails,
+# later.
+TIMEOUT_MS = 180_000
+
 
 def chromium_path() -> str:
     path = shutil.which("chromium")
@@ -43,6 +51,8 @@ class Browser:
             args=BROWSER_ARGS,
             viewport={"width": 1400, "height": 1000},
         )
+        self.context.set_default_timeout(TIMEOUT_MS)
+        self.context.set_default_navigation_timeout(TIMEOUT_MS)
         self.page = self.context.pages[0] if self.context.pages else self.context.new_page()
         self.problems: list[str] = []
         self.page.on(

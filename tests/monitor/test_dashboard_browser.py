@@ -166,10 +166,9 @@ def test_an_open_training_page_gains_a_new_step_without_a_reload(served, browser
     )
     assert resp.status_code == 200, resp.text
     t0 = time.monotonic()
-    page.wait_for_selector(f'tr.step-row[data-step="{new_step}"]', timeout=30_000)
+    page.wait_for_selector(f'tr.step-row[data-step="{new_step}"]')
     page.wait_for_function(
-        f"document.getElementById('chart-reward').dataset.points === '{new_step}'",
-        timeout=30_000,
+        f"document.getElementById('chart-reward').dataset.points === '{new_step}'"
     )
     assert page.evaluate("window.__notReloaded") is True
     print(f"new step shown {time.monotonic() - t0:.1f}s after it was recorded")
