@@ -31,6 +31,8 @@ def _versions(report: dict) -> None:
 
 
 def _server_module(report: dict) -> None:
+    from torch._inductor.runtime.cache_dir_utils import default_cache_dir  # noqa: F401 (main)
+
     from cua_rl.inference import vllm_server
 
     vllm_server._install_routes()

@@ -47,8 +47,9 @@ from cua_rl.logs import get_logger
 log = get_logger("cua_rl.inference.vllm_server")
 
 AREAL_EXTENSION = "areal.engine.vllm_ext.vllm_worker_extension.VLLMWorkerExtension"
-# The folder of each server's ZeroMQ sockets, under the temp folder (main).
-RPC_FOLDER_PREFIX = "cua-vllm-rpc-"
+# Each server's own temp folder (its ZeroMQ sockets, its torch store file), under the temp
+# folder (main).
+OWN_FOLDER_PREFIX = "cua-vllm-"
 OUR_EXTENSION = "cua_rl.inference.vllm_worker.DiskWeightReloadExtension"
 _VERSIONED_PATH = re.compile(r"weight_update_v(\d+)$")
 
@@ -298,19 +299,25 @@ def _rewrite_argv(argv: list[str]) -> list[str]:
 
 
 def main(argv: list[str] | None = None) -> None:
-    # vLLM's processes talk over ZeroMQ sockets at ipc://<VLLM_RPC_BASE_PATH>/<uuid> (default:
-    # the temp folder) and leave the socket files there when they stop: thousands gathered in
-    # /tmp over a test suite. A folder of this server's own, removed when it exits (a SIGTERM
-    # included; a SIGKILL leaves it), keeps them together. A base path the user set is kept.
-    own = None
+    # What vLLM's processes leave in the temp folder when they stop: the ZeroMQ sockets at
+    # ipc://<VLLM_RPC_BASE_PATH>/<uuid> (thousands gathered in /tmp over a test suite) and the
+    # file the engine's one-process torch group meets in (vllm_dist_<uuid>, one per launch). A
+    # folder of this server's own, made its processes' temp folder and removed when it exits (a
+    # SIGTERM included; a SIGKILL leaves it), keeps them together. A base path the user set for
+    # the sockets is kept; Inductor's compile cache stays where it was (its default is under the
+    # temp folder), shared by every launch.
+    from torch._inductor.runtime.cache_dir_utils import default_cache_dir
+
+    own = tempfile.mkdtemp(prefix=OWN_FOLDER_PREFIX)
+    os.environ.setdefault("TORCHINDUCTOR_CACHE_DIR", default_cache_dir())
     if not os.environ.get("VLLM_RPC_BASE_PATH"):
-        own = tempfile.mkdtemp(prefix=RPC_FOLDER_PREFIX)
         os.environ["VLLM_RPC_BASE_PATH"] = own
+    os.environ["TMPDIR"] = own
+    tempfile.tempdir = None  # read again from TMPDIR, here and in the engine's process
     try:
         _serve(argv)
     finally:
-        if own is not None:
-            shutil.rmtree(own, ignore_errors=True)
+        shutil.rmtree(own, ignore_errors=True)
 
 
 def _serve(argv: list[str] | None) -> None:

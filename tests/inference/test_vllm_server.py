@@ -19,7 +19,7 @@ from safetensors.torch import load_file, save_file
 
 from cua_rl.gateway.backends import VLLMTokens
 from cua_rl.inference import attach
-from cua_rl.inference.vllm_server import RPC_FOLDER_PREFIX
+from cua_rl.inference.vllm_server import OWN_FOLDER_PREFIX
 from cua_rl.testing.vllm_server import free_port
 
 pytestmark = pytest.mark.slow
@@ -220,13 +220,16 @@ def test_an_unreachable_server_is_named(tmp_path):
         attach.attach_process(f"127.0.0.1:{port}", str(tmp_path))
 
 
-def test_the_servers_sockets_live_in_its_own_folder_and_leave_with_it(areal_vllm_server):
+def test_what_the_server_leaves_in_the_temp_folder_lives_in_its_own_folder_and_leaves_with_it(
+    areal_vllm_server,
+):
     # Last in this module: it stops the module's server. vLLM's ZeroMQ socket files went
-    # straight into the temp folder and stayed there after the server stopped.
+    # straight into the temp folder and stayed there after the server stopped, and so did the
+    # file its engine's torch group meets in (vllm_dist_<uuid>, one per launch).
     tmp = Path(areal_vllm_server.env["TMPDIR"])
-    (own,) = tmp.glob(f"{RPC_FOLDER_PREFIX}*")
+    (own,) = tmp.glob(f"{OWN_FOLDER_PREFIX}*")
     assert any(p.is_socket() for p in own.iterdir()), list(own.iterdir())
-    assert not [p for p in tmp.iterdir() if p.is_socket()]
+    assert any(p.name.startswith("vllm_dist_") for p in own.iterdir()), list(own.iterdir())
+    assert [p.name for p in tmp.iterdir()] == [own.name]
     areal_vllm_server.stop()
-    assert not own.exists()
-    assert not [p for p in tmp.rglob("*") if p.is_socket()]
+    assert list(tmp.iterdir()) == []
