@@ -45,12 +45,15 @@ DRAIN_REASON = "run ended: drained"
 
 class LiveEpisode(EpisodeObserver):
     """What the drain names of an episode in flight: its rollout, and its gym execution once the
-    box is open (it observes the episode's box for it)."""
+    box is open (it observes the episode's box for it). ``surplus``: a rollout the trainer
+    prefetched after the last step, which the monitor does not record: the drain's summary
+    counts those apart, as the monitor shows no cancelled rollout for them."""
 
     name = "drain"
 
-    def __init__(self, rollout_uuid: str):
+    def __init__(self, rollout_uuid: str, surplus: bool = False):
         self.rollout_uuid = rollout_uuid
+        self.surplus = surplus
         self.execution_id: str | None = None
 
     async def box_changed(self, event: BoxChanged) -> None:
@@ -93,15 +96,16 @@ class Drain:
         self._started: float | None = None
         self._deadline = 0.0
         self._cancelled = 0
+        self._surplus = 0  # of them, rollouts prefetched after the last step (not recorded)
         self._unflushed: list[str] = []
         self._named = False
         self._timer: threading.Timer | None = None
         self._tasks: set[asyncio.Task] = set()  # the episode tasks running (``registered``)
         self.reports: list[str] = []  # the summary lines logged, for tests and callers
 
-    def live(self, rollout_uuid: str) -> LiveEpisode:
+    def live(self, rollout_uuid: str, surplus: bool = False) -> LiveEpisode:
         """A new episode's record for this drain (it observes the episode's box)."""
-        return LiveEpisode(rollout_uuid)
+        return LiveEpisode(rollout_uuid, surplus)
 
     def track(self, episode: LiveEpisode) -> None:
         with self._lock:
@@ -150,6 +154,7 @@ class Drain:
         timeout_s = self.timeout_s
         with self._lock:
             self._cancelled += 1
+            self._surplus += episode.surplus
             self._draining[episode.rollout_uuid] = episode
             if self._started is None:
                 self._started = time.monotonic()
@@ -186,6 +191,11 @@ class Drain:
                 )
             else:
                 line = f"{self._cancelled} episodes cancelled and closed in {took:.1f}s"
+            if self._surplus:
+                line += (
+                    f" ({self._surplus} of them prefetched after the last step, which the "
+                    "monitor does not record)"
+                )
             self._reset()
         if timer is not None:
             timer.cancel()
@@ -212,6 +222,7 @@ class Drain:
 
     def _reset(self) -> None:
         self._started, self._cancelled, self._unflushed, self._named = None, 0, [], False
+        self._surplus = 0
 
     # ---- the runner's destroy ---------------------------------------------------------------
 

@@ -234,18 +234,24 @@ class EpisodeScope:
     def first_time(self, key: tuple) -> bool:
         return self.runtime.first_time(key)
 
+    @property
+    def surplus(self) -> bool:
+        """A training rollout of a policy the run never trains: the trainer prefetches a batch
+        after the last step, and it belongs to no step record."""
+        s = self.settings
+        return is_surplus(s.phase, self.is_eval, s.total_steps, self.task.version)
+
     async def monitor(self) -> MonitorClient | None:
         """The monitor client the episode is recorded through; None without a monitor, or for a
         training rollout of a policy the run never trains (the trainer prefetches a batch after
         the last step, and it belongs to no step record)."""
         if self._recorded is None:
-            s, task = self.settings, self.task
-            self._recorded = not is_surplus(s.phase, self.is_eval, s.total_steps, task.version)
+            self._recorded = not self.surplus
             if not self._recorded:
                 log.info(
                     "episode %s samples policy version %d after the last step: not recorded",
-                    task.rollout_uuid,
-                    task.version,
+                    self.task.rollout_uuid,
+                    self.task.version,
                 )
         return await self.loop.monitor_client() if self._recorded else None
 

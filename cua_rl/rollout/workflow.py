@@ -201,7 +201,7 @@ class CUAAgentWorkflow(RolloutWorkflow):
             processor=lambda: self.processor,
             model_name=self.model_name(),
         )
-        live = runtime.drain.live(task.rollout_uuid)
+        live = runtime.drain.live(task.rollout_uuid, surplus=scope.surplus)
         try:
             watching, refused = self.observers(scope), None
         except Exception as exc:  # the user's hook: the episode is told to the default list

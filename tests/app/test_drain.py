@@ -77,7 +77,7 @@ def stack(tmp_path):
     store.close()
 
 
-def _workflow(gym, agent, monitor, model, drain_s: float) -> CUAAgentWorkflow:
+def _workflow(gym, agent, monitor, model, drain_s: float, total_steps: int = 0) -> CUAAgentWorkflow:
     timeouts = GenvTimeouts(connect_s=2, request_s=10, create_s=10, terminate_s=3, backoff_s=0.01)
     return CUAAgentWorkflow(
         WorkflowSettings(
@@ -94,6 +94,7 @@ def _workflow(gym, agent, monitor, model, drain_s: float) -> CUAAgentWorkflow:
             monitor_base_url=monitor.url,
             training_ref=RUN,
             drain=DrainConfig(timeout_s=drain_s),
+            total_steps=total_steps,
         )
     )
 
@@ -112,11 +113,12 @@ class _Executor:
 class _Engine:
     """The members of AReaL's ``RemoteInfEngine`` the workflow and the gateway read."""
 
-    def __init__(self, runner=None):
+    def __init__(self, runner=None, version: int = 0):
         self.workflow_executor = _Executor(runner)
+        self.version = version
 
     def get_version(self) -> int:
-        return 0
+        return self.version
 
     def choose_server(self) -> str:
         raise AssertionError("direct mode names its server: the engine's is never chosen")
@@ -128,22 +130,24 @@ async def _live(gym) -> list[str]:
         return [e["execution_id"] for e in r.json()["executions"]]
 
 
-async def _start_episodes(wf, gym, model) -> tuple[list[asyncio.Task], list[str]]:
-    """EPISODES episodes, returned once each holds an execution and waits on its model call."""
+async def _start_episodes(wf, gym, model, versions=(0,) * EPISODES):
+    """An episode per policy version in ``versions``, returned once each holds an execution and
+    waits on its model call: (their tasks, the executions)."""
     workflow_context.set(workflow_context.WorkflowContext(is_eval=False))
-    engine = _Engine()
     tasks = [
         asyncio.create_task(
-            wf.arun_episode(engine, {"task_id": "sim-001-wifi-on", "instruction": "Turn Wi-Fi on."})
+            wf.arun_episode(
+                _Engine(version=v), {"task_id": "sim-001-wifi-on", "instruction": "Turn Wi-Fi on."}
+            )
         )
-        for _ in range(EPISODES)
+        for v in versions
     ]
-    while model.calls < EPISODES:
+    while model.calls < len(versions):
         done = [t for t in tasks if t.done()]
         assert not done, [t.result() for t in done]
         await asyncio.sleep(0.05)
     live = await _live(gym)
-    assert len(live) == EPISODES, live
+    assert len(live) == len(versions), live
     return tasks, live
 
 
@@ -181,6 +185,28 @@ async def test_cancelled_episodes_close_execution_agent_run_and_records(stack):
     assert rollouts == [("cancelled", DRAIN_REASON)] * EPISODES, rollouts
     envs = db_rows(db, "SELECT status, status_message FROM environment")
     assert envs == [("terminated", DRAIN_REASON)] * EPISODES, envs
+
+
+@pytest.mark.slow
+async def test_the_summary_counts_apart_the_prefetched_episodes_the_monitor_does_not_record(stack):
+    # A one-step run: policy version 1 is never trained, its episodes (the trainer prefetches a
+    # batch after the last step) belong to no step record. Cancelled, the monitor shows only
+    # the others: the drain's summary says how many of its count those are.
+    gym, agent, monitor, model, db = stack
+    wf = _workflow(gym, agent, monitor, model, drain_s=20, total_steps=1)
+    tasks, _ = await _start_episodes(wf, gym, model, versions=(0, 0, 1))
+    await _cancel_all(tasks)
+    await wf.aclose()
+    assert await _live(gym) == []
+    reports = wf.runtime.drain.reports
+    assert reports and reports[-1].startswith("3 episodes cancelled and closed in"), reports
+    assert reports[-1].endswith(
+        "(1 of them prefetched after the last step, which the monitor does not record)"
+    ), reports
+    assert (
+        db_rows(db, "SELECT status, status_message FROM rollout")
+        == [("cancelled", DRAIN_REASON)] * 2
+    )
 
 
 @pytest.mark.slow
