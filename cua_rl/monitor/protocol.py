@@ -34,6 +34,11 @@ RECORD_TABLES: dict[str, str] = {
     "validations": "validation",
 }
 RECORD_KINDS: tuple[str, ...] = tuple(RECORD_TABLES)
+# The header naming a batch's idempotency key: a batch whose key the monitor applied before is
+# not applied again. This package's client gives each queued batch one key, the same on every
+# resend and replay (the server's ``applied_batch`` table).
+BATCH_KEY_HEADER = "Idempotency-Key"
+MAX_BATCH_KEY_CHARS = 200
 # The trajectory warehouse's kinds (cua_rl.warehouse, docs/warehouse.md): ``episode_images`` (the
 # bytes the model received, by sha256) are stored before every other kind of their batch, and
 # ``episodes`` (an accepted episode's token data) after them all, since it names its rollout.

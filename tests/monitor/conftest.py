@@ -20,6 +20,7 @@ from pathlib import Path
 import httpx
 import pytest
 
+from cua_rl.monitor.protocol import BATCH_KEY_HEADER
 from cua_rl.monitor.server.store import IngestValidationError, MonitorStore
 
 SEED = Path(__file__).parent / "data" / "training-monitor-schema.md"
@@ -139,7 +140,7 @@ class FlakyMonitor:
                 json={"error": {"code": "body_too_large", "message": "too big", "details": None}},
             )
         try:
-            answer = self.store.ingest(batch)
+            answer = self.store.ingest(batch, request.headers.get(BATCH_KEY_HEADER))
             self.batches.append(batch)
             if self.lose_answers:
                 self.lose_answers -= 1

@@ -10,7 +10,12 @@ import httpx
 import pytest
 
 from cua_rl.errors import ConfigError
-from cua_rl.monitor.worker.client import MonitorClient, MonitorClientConfig
+from cua_rl.monitor.protocol import BATCH_KEY_HEADER
+from cua_rl.monitor.server.app import create_app
+from cua_rl.monitor.worker.client import MonitorClient, MonitorClientConfig, spooled
+from cua_rl.monitor.worker.context import MonitorContext
+from cua_rl.monitor.worker.recorder import RolloutRecorder
+from cua_rl.serving import ThreadedServer
 
 from .conftest import FlakyMonitor, full_batch, uid
 
@@ -238,8 +243,10 @@ async def test_never_raises_never_blocks_and_close_spools_leftovers(fake, tmp_pa
     assert loop.time() - t0 < 15
     # The batch in flight and whatever was queued are in the spool, not lost.
     lines = (tmp_path / "spool.jsonl").read_text().splitlines()
-    spooled = [t["task_id"] for line in lines for t in json.loads(line).get("tasks", [])]
-    assert sorted(spooled) == sorted(f"h{i}" for i in range(50))
+    batches = [spooled(json.loads(line)) for line in lines]
+    assert all(key for _, key in batches)  # each kept with its idempotency key
+    tasks = [t["task_id"] for batch, _ in batches for t in batch.get("tasks", [])]
+    assert sorted(tasks) == sorted(f"h{i}" for i in range(50))
 
     # A new client on the same spool replays it once the monitor answers.
     fake.hang = False
@@ -314,6 +321,73 @@ async def test_answer_lost_after_commit_is_not_duplicated(fake, tmp_path, store)
     assert len(fake.batches) == 3  # the same batch was ingested three times
     assert task_count(store) == 1
     assert store._reader().execute("SELECT count(*) FROM validator").fetchone()[0] == 3
+
+
+class AnswersLost(httpx.AsyncBaseTransport):
+    """Real HTTP to the monitor on loopback; the first ``n`` answers to ingest batches are lost
+    after the monitor committed them (the connection drops before the client reads them)."""
+
+    def __init__(self, n: int):
+        self.inner = httpx.AsyncHTTPTransport()
+        self.n = n
+        self.keys: list[str | None] = []  # each ingest POST's idempotency key
+
+    async def handle_async_request(self, request: httpx.Request) -> httpx.Response:
+        response = await self.inner.handle_async_request(request)
+        if request.url.path == "/api/ingest/batch":
+            self.keys.append(request.headers.get(BATCH_KEY_HEADER))
+            if self.n:
+                self.n -= 1
+                await response.aclose()
+                raise httpx.ReadError("connection reset after commit", request=request)
+        return response
+
+    async def aclose(self) -> None:
+        await self.inner.aclose()
+
+
+async def test_a_batch_whose_answer_was_lost_walks_no_record_through_its_statuses_twice(
+    tmp_path, store
+):
+    # One batch holds a rollout's whole life (pending, env_creation, running, completed: status
+    # changes are never merged, each is a status_history row). Its answer is lost twice after
+    # the monitor committed it; the client sends it again each time. Applied again, it would
+    # walk the finished rollout back to pending and through its statuses a second and third time.
+    lost = AnswersLost(2)
+    with ThreadedServer(create_app(store), name="monitor") as server:
+        cfg = MonitorClientConfig(
+            base_url=server.url,
+            flush_interval_s=10,  # one batch: the flush below sends everything queued at once
+            backoff_initial_s=0.01,
+            backoff_max_s=0.05,
+            max_retries=3,
+            spool_path=str(tmp_path / "spool.jsonl"),
+        )
+        async with MonitorClient(cfg, client=httpx.AsyncClient(transport=lost)) as client:
+            run = client.training(uid("run-"), log_path="runs/x", model_name="tiny")
+            step = client.step(run, 1, status="rollout_running")
+            rollout = uid("rollout-")
+            recorder = RolloutRecorder(
+                client,
+                rollout,
+                task_id="task-1",
+                model_path="m",
+                source=MonitorContext(training_id=run, step_id=step),
+            )
+            await recorder.start(group=0, env_index=0)
+            await recorder.environment("creating")
+            await recorder.environment("running", gbox_id="box-1")
+            await recorder.environment("terminated")
+            await recorder.complete(reward=1.0)
+            assert await client.flush(timeout=30)
+            assert (client.counters.retried, client.counters.dropped) == (2, 0), client.counters
+    assert len(lost.keys) == 3 and lost.keys[0] and len(set(lost.keys)) == 1, lost.keys
+    history = store._reader().execute(
+        "SELECT h.new_status FROM status_history h JOIN rollout r ON h.entity_id = r.id "
+        "WHERE h.entity_type = 'rollout' AND r.rollout_id = ? ORDER BY h.id",
+        (rollout,),
+    )
+    assert [r[0] for r in history] == ["pending", "env_creation", "running", "completed"]
 
 
 async def test_updates_of_one_record_in_one_batch_are_merged(fake, tmp_path, store):

@@ -443,6 +443,7 @@ def test_migration_3_keeps_an_existing_database(tmp_path):
             (4,),
             (5,),
             (6,),
+            (7,),
         ]
         rows = conn.execute("SELECT id, rollout_id, status FROM environment ORDER BY id").fetchall()
         assert [tuple(r) for r in rows] == [(1, 1, "creating"), (2, 1, "running")]

@@ -1,6 +1,9 @@
 """A monitor process SIGKILLed and restarted in the middle of a recorded run: every record ends up
-in the database exactly once (the client retries and spools while it is down, replays after, and
-ingest is idempotent by client id). Real process, real HTTP on loopback, real SQLite file."""
+in the database exactly once (the client retries and spools while it is down, replays after;
+ingest is idempotent by client id, and a batch committed just before the kill, whose answer was
+lost, is not applied again: its idempotency key). Real process, real HTTP on loopback, real
+SQLite file. The lost answer itself is forced in test_client.py (``AnswersLost``); here the kill
+lands wherever it lands."""
 
 from __future__ import annotations
 

@@ -182,7 +182,7 @@ def test_wal_foreign_keys_and_migration_version(store, tmp_path):
     assert conn.execute("PRAGMA journal_mode").fetchone()[0] == "wal"
     assert conn.execute("PRAGMA foreign_keys").fetchone()[0] == 1
     versions = [tuple(r) for r in conn.execute("SELECT version FROM schema_migrations")]
-    assert versions == [(1,), (2,), (3,), (4,), (5,), (6,)]
+    assert versions == [(1,), (2,), (3,), (4,), (5,), (6,), (7,)]
     assert migrate(conn) == []  # reopening applies nothing twice
     with pytest.raises(sqlite3.IntegrityError, match="FOREIGN KEY"):
         conn.execute("INSERT INTO turn (rollout_id, turn) VALUES (999, 1)")
@@ -190,7 +190,7 @@ def test_wal_foreign_keys_and_migration_version(store, tmp_path):
     again = MonitorStore(store.path)
     assert [
         tuple(r) for r in connect(store.path).execute("SELECT version FROM schema_migrations")
-    ] == [(1,), (2,), (3,), (4,), (5,), (6,)]
+    ] == [(1,), (2,), (3,), (4,), (5,), (6,), (7,)]
     again.close()
 
 
@@ -382,7 +382,7 @@ def test_concurrent_first_opens_apply_migration_1_once(tmp_path):
         t.join(timeout=60)
     assert errors == []
     rows = connect(path).execute("SELECT version FROM schema_migrations").fetchall()
-    assert [tuple(r) for r in rows] == [(1,), (2,), (3,), (4,), (5,), (6,)]
+    assert [tuple(r) for r in rows] == [(1,), (2,), (3,), (4,), (5,), (6,), (7,)]
 
 
 def test_opening_waits_for_a_lock_held_while_it_switches_to_wal(tmp_path):

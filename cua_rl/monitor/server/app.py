@@ -22,7 +22,7 @@ from fastapi.responses import FileResponse, Response
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
 from cua_rl.logs import get_logger
-from cua_rl.monitor.protocol import IMAGE_KIND, ScreenshotError
+from cua_rl.monitor.protocol import BATCH_KEY_HEADER, IMAGE_KIND, ScreenshotError
 from cua_rl.monitor.server import audits, episodes
 from cua_rl.monitor.server.dashboard import DEFAULT_STALE_AFTER_S, DashboardAuth, install_dashboard
 from cua_rl.monitor.server.read import MonitorReader
@@ -276,7 +276,8 @@ def _install_ingest(
             images = batch.pop(IMAGE_KIND, None) if isinstance(batch, dict) else None
             if images is not None:
                 await anyio.to_thread.run_sync(episodes.put_images, images, shots.put)
-            result = await anyio.to_thread.run_sync(store.ingest, batch)
+            key = request.headers.get(BATCH_KEY_HEADER)
+            result = await anyio.to_thread.run_sync(store.ingest, batch, key)
         except IngestValidationError as exc:
             raise ApiError(422, "validation_error", str(exc), exc.details()) from None
         return _json(result)

@@ -581,6 +581,18 @@ CREATE TABLE audit_task (
 """ + _updated_at_triggers(("audit",))
 AUDIT_VERSION = 6
 
+# Migration 7: the batches applied under an idempotency key (the ``Idempotency-Key`` header,
+# which this package's client sends with every queued batch, the same on every resend and
+# replay). A batch whose key is here is not applied again: replaying one that holds several
+# status changes of one record would walk that record back through them.
+_APPLIED_BATCH_SQL = """
+CREATE TABLE applied_batch (
+    batch_key TEXT PRIMARY KEY,
+    applied_at TIMESTAMP DEFAULT CURRENT_TIMESTAMP
+);
+"""
+APPLIED_BATCH_VERSION = 7
+
 
 MIGRATIONS: tuple[Migration, ...] = (
     Migration(1, "seed schema", _migration_1()),
@@ -589,4 +601,5 @@ MIGRATIONS: tuple[Migration, ...] = (
     Migration(4, "service pauses", _PAUSE_SQL),
     Migration(EPISODE_STORE_VERSION, "trajectory warehouse", _EPISODE_STORE_SQL),
     Migration(AUDIT_VERSION, "verifier audits", _AUDIT_SQL),
+    Migration(APPLIED_BATCH_VERSION, "idempotency keys of applied batches", _APPLIED_BATCH_SQL),
 )

@@ -39,6 +39,7 @@ from cua_rl.monitor.protocol import (
     AUDIT_KINDS,
     EPISODE_KIND,
     IMAGE_KIND,
+    MAX_BATCH_KEY_CHARS,
     SOURCE_ID_COLUMNS,
     SOURCE_TYPES,
     STATUSES,
@@ -98,8 +99,19 @@ class MonitorStore:
 
     # ------------------------------------------------------------------ ingest
 
-    def ingest(self, batch: Any) -> dict[str, Any]:
-        """Apply one batch atomically; returns ``{"training_id", <key>: [{client_id, id}]}``."""
+    def ingest(self, batch: Any, key: str | None = None) -> dict[str, Any]:
+        """Apply one batch atomically; returns ``{"training_id", <key>: [{client_id, id}]}``.
+
+        ``key``: the batch's idempotency key. A batch whose key was applied before is not
+        applied again (``{"replayed": True}``): the same records sent again after an answer was
+        lost (the client spools and replays the batch) would otherwise walk a record through
+        the status changes the batch holds a second time."""
+        if key is not None and (
+            not isinstance(key, str) or not 0 < len(key) <= MAX_BATCH_KEY_CHARS
+        ):
+            raise IngestValidationError(
+                f"the idempotency key must be a string of 1 to {MAX_BATCH_KEY_CHARS} characters"
+            )
         if not isinstance(batch, dict):
             raise IngestValidationError("the batch must be a JSON object")
         unknown = sorted(set(batch) - set(BATCH_KEYS) - {EPISODE_KIND, *AUDIT_KINDS})
@@ -113,12 +125,22 @@ class MonitorStore:
             conn = self._write
             conn.execute("BEGIN IMMEDIATE")
             try:
-                result = self._apply(conn, batch)
+                if key is not None and self._applied(conn, key):
+                    result = {"replayed": True}
+                else:
+                    result = self._apply(conn, batch)
                 conn.execute("COMMIT")
             except BaseException:
                 conn.execute("ROLLBACK")
                 raise
         return result
+
+    @staticmethod
+    def _applied(conn: sqlite3.Connection, key: str) -> bool:
+        """Whether the batch of ``key`` was applied; if not, it is now (the caller's transaction
+        applies it)."""
+        cur = conn.execute("INSERT OR IGNORE INTO applied_batch (batch_key) VALUES (?)", (key,))
+        return cur.rowcount == 0
 
     def _apply(self, conn: sqlite3.Connection, batch: dict[str, Any]) -> dict[str, Any]:
         result: dict[str, Any] = {}

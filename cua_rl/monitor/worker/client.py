@@ -5,8 +5,10 @@ the event loop turns the queue into batches (``batch_max_records`` or ``flush_in
 posts them one at a time, so batches reach the server in the order they were made. A batch that
 fails with a transport error, a 5xx, 408 or 429 is retried with exponential backoff; when retries
 run out it is appended to a local JSONL spool, and while the spool is not empty every new batch
-goes there too (order is kept), until a replay succeeds. Because the server upserts by client id,
-a batch that was committed but whose answer was lost can be sent again safely.
+goes there too (order is kept), until a replay succeeds. Each batch carries an idempotency key
+(``BATCH_KEY_HEADER``), the same on every resend and replay, and kept with the batch in the
+spool: a batch that was committed but whose answer was lost is not applied twice (upserts by
+client id alone would walk a record back through the status changes the batch holds).
 
 A 422 names the record it refused; that record is dropped (counted) and the rest re-sent, so one
 bad record does not lose its batch. Counters: ``sent``, ``retried``, ``spooled``, ``replayed``,
@@ -21,6 +23,7 @@ import base64
 import collections
 import json
 import threading
+import uuid
 from datetime import UTC, datetime
 from pathlib import Path
 from typing import Any
@@ -31,6 +34,7 @@ from cua_rl.aio import within
 from cua_rl.errors import MonitorError
 from cua_rl.logs import get_logger
 from cua_rl.monitor.protocol import (
+    BATCH_KEY_HEADER,
     BATCH_ORDER,
     EPISODE_KIND,
     IMAGE_KIND,
@@ -56,6 +60,13 @@ _SPOOL_STATUSES = {401, 403, 404}
 # Records the trainer process sends: a rollout worker's record may name one before the trainer's
 # batch (or its spool, after a monitor restart) reaches the monitor, so such a refusal waits.
 _OTHER_PROCESS_KINDS = frozenset({"training", "step", "eval", "baseline"})
+# A spool line: the batch and its idempotency key (lines spooled before keys were sent hold the
+# bare batch, replayed without one).
+_SPOOLED_KEY, _SPOOLED_BATCH = "idempotency_key", "batch"
+
+
+def new_batch_key() -> str:
+    return uuid.uuid4().hex
 
 
 class MonitorClient:
@@ -73,7 +84,7 @@ class MonitorClient:
         self._task: asyncio.Task | None = None
         self._closing = False
         self._stopping = False
-        self._inflight: dict[str, Any] | None = None
+        self._inflight: tuple[dict[str, Any], str] | None = None  # a batch and its key
         # Claimed at the first spooled batch (docs in spool.py), or now to replay what a dead
         # client left at the configured path.
         self._spool: Path | None = None
@@ -275,11 +286,11 @@ class MonitorClient:
         # The batch that was in flight, then whatever is still queued, go to the spool (in that
         # order) so a later client on the same spool path replays them.
         inflight, self._inflight = self._inflight, None
-        if inflight:
-            await self._spool_batch(inflight)
+        if inflight and inflight[0]:
+            await self._spool_batch(*inflight)
         leftover = self._take(len(self._queue)) if self._queue else None
         if leftover:
-            await self._spool_batch(leftover)
+            await self._spool_batch(leftover, new_batch_key())
         await self.screenshots.stop()
         if self._owns_http and self._http is not None:
             await self._http.aclose()
@@ -397,14 +408,14 @@ class MonitorClient:
                     if self._spool_pending:
                         await self._maybe_replay()
                     while self._queue and not self._stopping:
-                        batch = self._take(cfg.batch_max_records)
+                        batch, key = self._take(cfg.batch_max_records), new_batch_key()
                         # Owned by the worker until delivered or spooled; close() spools it if
                         # the worker is cancelled in between.
-                        self._inflight = batch
+                        self._inflight = (batch, key)
                         if self._spool_pending:
-                            await self._spool_batch(batch)
+                            await self._spool_batch(batch, key)
                         else:
-                            await self._deliver(batch)
+                            await self._deliver(batch, key)
                         self._inflight = None
                 finally:
                     self._busy = False
@@ -415,8 +426,10 @@ class MonitorClient:
                 log.exception("monitor: client worker error")
                 await asyncio.sleep(cfg.flush_interval_s)
 
-    async def _post(self, batch: dict[str, Any]) -> httpx.Response:
+    async def _post(self, batch: dict[str, Any], key: str | None = None) -> httpx.Response:
         headers = {"Content-Type": "application/json"}
+        if key is not None:
+            headers[BATCH_KEY_HEADER] = key
         if self.config.token:
             headers["Authorization"] = f"Bearer {self.config.token}"
         return await self._http.post(
@@ -426,20 +439,23 @@ class MonitorClient:
             timeout=self.config.request_timeout_s,
         )
 
-    async def _deliver(self, batch: dict[str, Any], *, retries: int | None = None) -> bool:
-        """Send with retries; spool on failure. True when the server took it (or parts of it)."""
+    async def _deliver(
+        self, batch: dict[str, Any], key: str, *, retries: int | None = None
+    ) -> bool:
+        """Send with retries; spool on failure. True when the server took it (or parts of it).
+        ``key``: its idempotency key, on every attempt."""
         cfg = self.config
         retries = cfg.max_retries if retries is None else retries
         delay = cfg.backoff_initial_s
         attempt = 0
         while batch:
-            outcome = await self._attempt(batch)
+            outcome = await self._attempt(batch, key)
             if outcome == "ok":
                 return True
             if outcome == "dropped-one":
                 continue  # the refused record was removed; send the rest now
             if outcome == "spool" or attempt >= retries:
-                await self._spool_batch(batch)
+                await self._spool_batch(batch, key)
                 return False
             attempt += 1
             self.counters.retried += 1
@@ -447,9 +463,11 @@ class MonitorClient:
             delay = min(delay * 2, cfg.backoff_max_s)
         return True
 
-    async def _attempt(self, batch: dict[str, Any]) -> str:
+    async def _attempt(self, batch: dict[str, Any], key: str | None) -> str:
+        """One POST. A refused batch was not applied (its transaction rolled back), so what is
+        left of it after a refused record is dropped goes again under the same key."""
         try:
-            resp = await self._post(batch)
+            resp = await self._post(batch, key)
         except httpx.HTTPError as exc:
             self.counters.last_error = f"{type(exc).__name__}: {exc}"
             return "retry"
@@ -468,8 +486,10 @@ class MonitorClient:
             return "dropped-one"
         if resp.status_code == 413 and count(batch) > 1:
             first, second = split(batch)
-            await self._deliver(first)
-            await self._deliver(second)
+            # Keys of their own, derived: the halves of a replayed batch get the same ones.
+            base = key or new_batch_key()
+            await self._deliver(first, f"{base}.1")
+            await self._deliver(second, f"{base}.2")
             batch.clear()
             return "ok"
         log.warning(
@@ -521,10 +541,10 @@ class MonitorClient:
 
     # ------------------------------------------------------------------ spool
 
-    async def _spool_batch(self, batch: dict[str, Any]) -> None:
+    async def _spool_batch(self, batch: dict[str, Any], key: str) -> None:
         if not batch:
             return
-        line = dumps(batch) + b"\n"
+        line = dumps({_SPOOLED_KEY: key, _SPOOLED_BATCH: batch}) + b"\n"
         try:
             if self._spool is None:
                 self._spool, self._spool_fd = spool.claim(Path(self.config.spool_path))
@@ -547,16 +567,16 @@ class MonitorClient:
         done = 0
         for line in lines:
             try:
-                batch = json.loads(line)
+                batch, key = spooled(json.loads(line))
             except ValueError:
                 self.counters.dropped += 1
                 self.counters.last_error = "corrupt spool line skipped"
                 done += 1
                 continue
             sent_before = self.counters.sent
-            outcome = await self._attempt(batch)
+            outcome = await self._attempt(batch, key)
             while batch and outcome == "dropped-one":
-                outcome = await self._attempt(batch)
+                outcome = await self._attempt(batch, key)
             if outcome in ("retry", "spool") and batch:
                 break
             self.counters.replayed += self.counters.sent - sent_before
@@ -564,3 +584,14 @@ class MonitorClient:
         # Only the replayed prefix goes; lines appended meanwhile stay, in order.
         remaining = await asyncio.to_thread(spool.drop_prefix, self._spool, done)
         self._spool_pending = remaining > 0
+
+
+def spooled(line: Any) -> tuple[dict[str, Any], str | None]:
+    """A spool line's batch and idempotency key (None for a bare batch of an older spool)."""
+    if isinstance(line, dict) and set(line) == {_SPOOLED_KEY, _SPOOLED_BATCH}:
+        batch, key = line[_SPOOLED_BATCH], line[_SPOOLED_KEY]
+        if isinstance(batch, dict) and isinstance(key, str):
+            return batch, key
+    if not isinstance(line, dict):
+        raise ValueError("a spool line is a JSON object")
+    return line, None
