@@ -11,7 +11,7 @@ PY_VLLM := $(VENV_VLLM)/bin/python
 PIP_QUIET ?= -q
 export CUA_VLLM_PYTHON ?= $(abspath $(PY_VLLM))
 
-.PHONY: help envs venv venv-vllm test test-fast lint format demo demo-ray clean-envs freeze-vllm models browser learn audit gpu-stack gpu-trainer gpu-envs gpu-wheels
+.PHONY: help envs venv venv-vllm test test-fast lint format demo demo-ray clean-envs freeze-vllm models browser slurm learn audit gpu-stack gpu-trainer gpu-envs gpu-wheels
 SUDO := $(shell [ "$$(id -u)" = 0 ] || echo sudo)
 
 help:
@@ -20,7 +20,8 @@ help:
 	@echo "make learn      proof of learning: train the tiny model on the learn tasks, plot success per step"
 	@echo "make audit      audit the verifiers of the local gym's tasks (AUDIT_GYM, AUDIT_CONFIG, AUDIT_ARGS)"
 	@echo "make test       create/reuse both environments and run the whole suite (slow tests included);"
-	@echo "                installs Debian's chromium first when it is missing (make browser)"
+	@echo "                installs Debian's chromium and Slurm first when they are missing (make browser,"
+	@echo "                make slurm)"
 	@echo "make test-fast  the suite without tests marked slow (also needs chromium: make browser)"
 	@echo "make lint       ruff check + format check"
 	@echo "make format     ruff's fixes and formatting, applied"
@@ -31,6 +32,8 @@ help:
 	@echo "make clean-envs delete both environments"
 	@echo "make browser    install Debian's chromium (with apt-get, as root or with sudo) for the"
 	@echo "                dashboard's browser tests, when it is missing; says what apt-get will do first"
+	@echo "make slurm      install Debian's slurm-wlm and munge (the same way) for the Slurm training's"
+	@echo "                test (tests/cluster/test_slurm_training.py), when they are missing"
 	@echo "make freeze-vllm  write .venv-vllm's pins to requirements/vllm-constraints.txt.new, for review"
 	@echo "make help       this list"
 	@echo "make gpu-envs   resolve the GPU environments (trainer, vllm, sglang) for linux x86_64 / Python 3.12, no install"
@@ -96,6 +99,18 @@ browser:
 	    END {printf "== apt-get install chromium: %d packages, %d of them upgrades of installed ones (apt-get install -s chromium lists them)\n", n, u}' && \
 	  DEBIAN_FRONTEND=noninteractive $(SUDO) apt-get install -y -q chromium; }
 
+# The Slurm training's test (tests/cluster/test_slurm_training.py) starts munged, slurmctld and
+# slurmd on loopback (cua_rl/cpu/slurm_cluster.py) from Debian's packages; installed once when
+# missing, the same way (about 40 packages on a Debian 12 image).
+SLURM_PACKAGES := slurm-wlm munge
+slurm:
+	@command -v slurmctld >/dev/null 2>&1 && command -v munged >/dev/null 2>&1 || { \
+	  echo "== the Slurm training's test needs Debian's $(SLURM_PACKAGES), missing: installing them with apt-get"; \
+	  $(SUDO) apt-get update -q >/dev/null && \
+	  $(SUDO) apt-get install -s -q $(SLURM_PACKAGES) | awk '/^Inst / {n++; if (/^Inst [^ ]+ \[/) u++} \
+	    END {printf "== apt-get install $(SLURM_PACKAGES): %d packages, %d of them upgrades of installed ones\n", n, u}' && \
+	  DEBIAN_FRONTEND=noninteractive $(SUDO) apt-get install -y -q $(SLURM_PACKAGES); }
+
 # Proof of learning: the tiny model learns the sim gym's "learn" tasks on CPU in minutes; prints the
 # success rate per step and writes success.png under runs/learn-<time> (docs/learning.md).
 # More runs: make learn LEARN_ARGS="--offpolicyness 0 2 --seeds 1 2 3"; the negative control: --control.
@@ -113,7 +128,7 @@ audit: venv
 # Lint first: it takes a second and CI then catches style drift too. The suite runs as four pytest
 # processes side by side (scripts/test_shards.py: the trainings beside the rest), then prints the
 # slowest tests and every training's wall time (tests/README.md keeps the budget).
-test: envs browser
+test: envs browser slurm
 	$(VENV)/bin/ruff check .
 	$(VENV)/bin/ruff format --check .
 	$(PY) scripts/test_shards.py

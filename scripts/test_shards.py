@@ -49,6 +49,9 @@ BESIDE = {
         "tests/app/test_run_end.py::test_a_run_ending_on_a_busy_machine_leaves_no_execution_and_no_open_record",
         # Two trainings of a user's workflow subclass, borrowing this process's shared server.
         "tests/app/test_hooks_train.py",
+        # The Slurm training (its own daemons and server; `make test` installs Slurm): this
+        # process ended 200-460 s before the others without it.
+        "tests/cluster/test_slurm_training.py",
     ),
     # Trainings that must end a particular way (SIGTERM, fail-fast, a killed trainer, an outage,
     # a crash at start), the evaluation-only run and the audit's training, then one training per
