@@ -25,7 +25,7 @@ def test_two_async_steps_through_slurm(tmp_path, tiny_vl_bpe_model_dir):
     if why:
         pytest.skip(f"no local Slurm: {why}")
     run_dir = tmp_path / "demo-slurm"
-    run = run_demo(run_dir, "--slurm", "--quiet", timeout=1100)
+    run = run_demo(run_dir, "--slurm", "--quiet", timeout=1100, name="slurm training")
     assert run.returncode == 0, run.output[-6000:]
 
     db = run_dir / "monitor.db"
