@@ -101,15 +101,17 @@ browser:
 
 # The Slurm training's test (tests/cluster/test_slurm_training.py) starts munged, slurmctld and
 # slurmd on loopback (cua_rl/cpu/slurm_cluster.py) from Debian's packages; installed once when
-# missing, the same way (about 40 packages on a Debian 12 image).
+# missing, the same way (about 40 packages on a Debian 12 image). Where apt-get cannot install
+# them, make says so and goes on: that one test then skips, naming what is missing.
 SLURM_PACKAGES := slurm-wlm munge
 slurm:
 	@command -v slurmctld >/dev/null 2>&1 && command -v munged >/dev/null 2>&1 || { \
 	  echo "== the Slurm training's test needs Debian's $(SLURM_PACKAGES), missing: installing them with apt-get"; \
-	  $(SUDO) apt-get update -q >/dev/null && \
-	  $(SUDO) apt-get install -s -q $(SLURM_PACKAGES) | awk '/^Inst / {n++; if (/^Inst [^ ]+ \[/) u++} \
-	    END {printf "== apt-get install $(SLURM_PACKAGES): %d packages, %d of them upgrades of installed ones\n", n, u}' && \
-	  DEBIAN_FRONTEND=noninteractive $(SUDO) apt-get install -y -q $(SLURM_PACKAGES); }
+	  { $(SUDO) apt-get update -q >/dev/null && \
+	    $(SUDO) apt-get install -s -q $(SLURM_PACKAGES) | awk '/^Inst / {n++; if (/^Inst [^ ]+ \[/) u++} \
+	      END {printf "== apt-get install $(SLURM_PACKAGES): %d packages, %d of them upgrades of installed ones\n", n, u}' && \
+	    DEBIAN_FRONTEND=noninteractive $(SUDO) apt-get install -y -q $(SLURM_PACKAGES); } || \
+	  echo "== WARNING: apt-get could not install $(SLURM_PACKAGES): tests/cluster/test_slurm_training.py will skip"; }
 
 # Proof of learning: the tiny model learns the sim gym's "learn" tasks on CPU in minutes; prints the
 # success rate per step and writes success.png under runs/learn-<time> (docs/learning.md).
