@@ -22,9 +22,10 @@ BROWSER_ARGS = [
 # Playwright's 30 s default is a bound on the monitor's work, not on the browser's: the suite's
 # five test processes, trainings and vLLM servers share two cores, and one page may wait on work
 # that costs the monitor several CPU seconds (the rollout's Parquet link imports transformers and
-# datasets in the monitor process: 8 CPU s on a quiet machine). Two fresh clones met 30 s (a
-# dashboard page, the Parquet download) under that load; an answer that never comes still fails,
-# later.
+# datasets in the monitor process: 8 CPU s on a quiet machine). A fresh clone met 30 s on the
+# Parquet download under that load; an answer that never comes still fails, later. (A page that
+# never went network-idle met 180 s too: its tour waits for the page's load instead,
+# test_dashboard_browser.py.)
 TIMEOUT_MS = 180_000
 
 
