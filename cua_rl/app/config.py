@@ -87,6 +87,13 @@ class CUAvLLMConfig(vLLMConfig):
         "Serve vLLM's tokens-in endpoint (POST /inference/v1/generate), which the rollout "
         "gateway samples through (endpoint.mode=gateway).",
     )
+    kv_cache_memory_bytes: int | None = doc(
+        None,
+        "Bytes of KV cache the server allocates (vLLM's --kv-cache-memory-bytes). Empty: vLLM "
+        "sizes it (GPU: gpu_memory_utilization; CPU: 4 GiB). The CPU harness sets 128 MiB when "
+        "empty. It must hold one request of max_model_len tokens, or the server does not start. "
+        "vLLM's VLLM_CPU_KVCACHE_SPACE (GiB), where set, wins over it.",
+    )
     logprobs_mode: str = doc(
         "processed_logprobs",
         "Which logprobs vLLM returns. processed_logprobs: of the distribution sampled from "
@@ -111,6 +118,11 @@ class CUAvLLMConfig(vLLMConfig):
                 raise ConfigError(
                     'vllm.limit_mm_per_prompt must be a JSON object like {"image": 64}'
                 )
+        if self.kv_cache_memory_bytes is not None and self.kv_cache_memory_bytes <= 0:
+            raise ConfigError(
+                f"vllm.kv_cache_memory_bytes={self.kv_cache_memory_bytes}: give a positive "
+                "number of bytes, or leave it empty for vLLM's own sizing"
+            )
         for domain in self.allowed_media_domains:
             if not domain or any(c in domain for c in ":/*"):
                 raise ConfigError(

@@ -33,6 +33,12 @@ WORKER_CMD = "python -m cua_rl.cpu.rpc_worker"
 RAY_SETUP_HOOK = "cua_rl.cpu.training.patch_ray_worker"
 WORKER_MEM_GIB = 1
 ENV_INPROC_WORKER = "VLLM_ENABLE_V1_MULTIPROCESSING"
+# The vLLM server's KV cache on CPU: 131,072 tokens of the tiny models' fp32 cache (1 KiB a
+# token), eight requests of configs/local.yaml's 16,384. vLLM CPU's smallest setting by
+# VLLM_CPU_KVCACHE_SPACE is 1 GiB, which the engine core touches whole at start (a tiny model's:
+# 1.75 GB resident with it, 0.77 GB with 64 MiB); the test suite, six servers at once with it,
+# ran its machine out of memory.
+KV_CACHE_BYTES = 128 << 20
 
 
 def enable_cpu_training(
@@ -69,6 +75,8 @@ def enable_cpu_training(
         # AReaL's default 16 kills vLLM CPU's engine core: "No common block size for 16
         # (CPU_ATTN: [MultipleOf(32)])".
         setattr_logged(config.vllm, "block_size", 32, "vllm")
+    if getattr(config.vllm, "kv_cache_memory_bytes", 0) is None:
+        setattr_logged(config.vllm, "kv_cache_memory_bytes", KV_CACHE_BYTES, "vllm")
     if _one_worker_per_server(config) and config.vllm.distributed_executor_backend == "mp":
         # The model in vLLM's engine-core process instead of a worker process of its own: a
         # server of two processes, not three, that does not spin on a shared message queue
@@ -88,7 +96,8 @@ def enable_cpu_training(
             setattr_logged(section, "attn_impl", "sdpa", role)
         for i, spec in enumerate(section.scheduling_spec):
             where = f"{role}.scheduling_spec[{i}]"
-            _cpu_worker_spec(spec, where, changes, scheduler, threads_per_worker)
+            kv_env = not hasattr(config.vllm, "kv_cache_memory_bytes")
+            _cpu_worker_spec(spec, where, changes, scheduler, threads_per_worker, kv_env)
     if config.enable_offload:
         # torch_memory_saver offload is CUDA-only.
         setattr_logged(config, "enable_offload", False, "config")
@@ -110,10 +119,16 @@ def _setattr_logged(changes: list[str], obj: Any, name: str, value: Any, where: 
 
 
 def _cpu_worker_spec(
-    spec: Any, where: str, changes: list[str], scheduler: str | None, threads_per_worker: int
+    spec: Any,
+    where: str,
+    changes: list[str],
+    scheduler: str | None,
+    threads_per_worker: int,
+    kv_env: bool,
 ) -> None:
     """One worker's ``SchedulingSpec`` for CPU: no GPU, few threads, CPU settings in its
-    environment (exported too under Slurm)."""
+    environment (exported too under Slurm). ``kv_env``: the config cannot size the server's KV
+    cache (AReaL's own ``vLLMConfig``), the environment does."""
     if spec.gpu:
         _setattr_logged(changes, spec, "gpu", 0, where)
     # SchedulingSpec.cpu becomes OMP_NUM_THREADS; the default (8) oversubscribes a small box.
@@ -125,8 +140,10 @@ def _cpu_worker_spec(
     # The server inherits the rollout worker's environment (filtered by server_env). No
     # PYTHONPATH here: AReaL builds the workers' PYTHONPATH from the controller's sys.path.
     env = dict(spec.env_vars)
-    # A tiny model needs a tiny KV cache; vLLM CPU's default is 4 GiB.
-    env.setdefault("VLLM_CPU_KVCACHE_SPACE", "1")
+    if kv_env:
+        # A tiny model needs a tiny KV cache; vLLM CPU's default is 4 GiB, and without a size
+        # it asks for 90% of the node's memory at start.
+        env.setdefault("VLLM_CPU_KVCACHE_SPACE", "1")
     # vLLM CPU pins its engine to cores by default; on a shared small box let the OS place it.
     env.setdefault("VLLM_CPU_OMP_THREADS_BIND", "nobind")
     # OpenMP threads that wait by sleeping, not spinning: on a box that the trainer, the server
@@ -136,12 +153,10 @@ def _cpu_worker_spec(
     # Lets vLLM's CPU platform keep vllm.distributed_executor_backend=uni (above); with "mp"
     # it changes nothing (the server's engine core runs apart either way).
     env.setdefault(ENV_INPROC_WORKER, "0")
-    if env != spec.env_vars:
+    added = [k for k in env if k not in spec.env_vars]
+    if added:
         spec.env_vars = env
-        changes.append(
-            f"{where}.env_vars: VLLM_CPU_KVCACHE_SPACE, VLLM_CPU_OMP_THREADS_BIND, "
-            f"OMP_WAIT_POLICY, {ENV_INPROC_WORKER}"
-        )
+        changes.append(f"{where}.env_vars: {', '.join(added)}")
     if scheduler == "slurm":
         # AReaL's Slurm scheduler passes env_vars only into an Apptainer container; a
         # native task (native_slurm) gets them as exports before its command.

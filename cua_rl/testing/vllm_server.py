@@ -20,6 +20,7 @@ from pathlib import Path
 
 import httpx
 
+from cua_rl.cpu.training import KV_CACHE_BYTES
 from cua_rl.errors import ModelServerError
 
 REPO_ROOT = Path(__file__).resolve().parents[2]
@@ -52,7 +53,8 @@ class VLLMServer:
     port: int = 0
     max_model_len: int = 16384
     images_per_prompt: int = 64
-    kv_cache_gib: int = 1
+    # The CPU harness's size (cua_rl.cpu.training): a server here holds what a training's would.
+    kv_cache_bytes: int = KV_CACHE_BYTES
     extra_args: list[str] = field(default_factory=list)
     # Added to the server's environment (e.g. a test plugin's settings).
     env: dict[str, str] = field(default_factory=dict)
@@ -85,6 +87,7 @@ class VLLMServer:
             "--enforce-eager",
             "--dtype", "float32",
             "--max-num-seqs", "16",
+            "--kv-cache-memory-bytes", str(self.kv_cache_bytes),
             # The model in the engine core's process, as the CPU harness runs it
             # (cua_rl.cpu.training): two processes, not three.
             "--distributed-executor-backend", "uni",
@@ -101,7 +104,6 @@ class VLLMServer:
             self.log_path = REPO_ROOT / ".cache" / "logs" / f"vllm-{self.model}-{self.port}.log"
         self.log_path.parent.mkdir(parents=True, exist_ok=True)
         env = dict(os.environ)
-        env.setdefault("VLLM_CPU_KVCACHE_SPACE", str(self.kv_cache_gib))
         env.setdefault("VLLM_TARGET_DEVICE", "cpu")
         # Two cores: leave one for the caller so tests, gym and agent keep running.
         env.setdefault("VLLM_CPU_OMP_THREADS_BIND", "nobind")

@@ -263,6 +263,7 @@ def _recorded_config_is_the_config_that_ran(db: Path) -> None:
     cpu = {
         "vllm.block_size": 32,
         "vllm.distributed_executor_backend": "uni",
+        "vllm.kv_cache_memory_bytes": 128 * 1024 * 1024,
         "vllm.worker_extension_cls": "cua_rl.inference.vllm_worker.DiskWeightReloadExtension",
     }
     for role in ("actor", "rollout"):
@@ -271,7 +272,6 @@ def _recorded_config_is_the_config_that_ran(db: Path) -> None:
             f"{spec}.cmd": "python -m cua_rl.cpu.rpc_worker",
             f"{spec}.cpu": 1,
             f"{spec}.env_vars.CUA_VLLM_PYTHON": vllm_python,
-            f"{spec}.env_vars.VLLM_CPU_KVCACHE_SPACE": "1",
             f"{spec}.env_vars.VLLM_CPU_OMP_THREADS_BIND": "nobind",
             f"{spec}.env_vars.OMP_WAIT_POLICY": "PASSIVE",
             f"{spec}.env_vars.VLLM_ENABLE_V1_MULTIPROCESSING": "0",

@@ -7,8 +7,9 @@ import re
 from pathlib import Path
 
 import pytest
-from areal.api.cli_args import GRPOConfig, load_expr_config
+from areal.api.cli_args import GRPOConfig, get_py_cmd, load_expr_config, vLLMConfig
 
+from cua_rl.app.config import CUAvLLMConfig
 from cua_rl.cpu import training as cpu
 from cua_rl.errors import ConfigError
 
@@ -95,9 +96,36 @@ def test_defaults_are_rewritten_for_cpu(config, fake_vllm_python):
         assert spec.env_vars["CUA_VLLM_PYTHON"] == fake_vllm_python
         assert spec.env_vars["OMP_WAIT_POLICY"] == "PASSIVE"
         assert spec.env_vars["VLLM_ENABLE_V1_MULTIPROCESSING"] == "0"
+        # AReaL's own vLLMConfig cannot size the KV cache: vLLM CPU's environment does.
+        assert spec.env_vars["VLLM_CPU_KVCACHE_SPACE"] == "1"
         # AReaL joins env_vars as "K=V,K=V" and splits on "=" (launcher.get_env_vars).
         assert all("," not in v and "=" not in v for v in spec.env_vars.values())
     assert any(line.startswith("actor.weight_update_mode") for line in changes)
+
+
+def test_our_vllm_section_sizes_the_kv_cache_below_a_gibibyte(config, fake_vllm_python):
+    # vLLM CPU's environment variable counts whole GiB, each touched at the engine's start.
+    config.vllm = CUAvLLMConfig(model=config.vllm.model)
+    changes = cpu.enable_cpu_training(config, vllm_python=fake_vllm_python)
+    assert config.vllm.kv_cache_memory_bytes == 128 * 1024 * 1024
+    assert "vllm.kv_cache_memory_bytes: None -> 134217728" in changes
+    for section in (config.actor, config.rollout):
+        assert "VLLM_CPU_KVCACHE_SPACE" not in section.scheduling_spec[0].env_vars
+    # AReaL's launch turns the field into vLLM's flag.
+    cmd = get_py_cmd("m", vLLMConfig.build_args(config.vllm, tp_size=1, pp_size=1))
+    assert cmd[cmd.index("--kv-cache-memory-bytes") + 1] == "134217728"
+
+
+def test_a_kv_cache_size_the_user_gave_is_kept(config, fake_vllm_python):
+    config.vllm = CUAvLLMConfig(model=config.vllm.model, kv_cache_memory_bytes=1 << 30)
+    cpu.enable_cpu_training(config, vllm_python=fake_vllm_python)
+    assert config.vllm.kv_cache_memory_bytes == 1 << 30
+
+
+@pytest.mark.parametrize("size", [0, -1])
+def test_a_kv_cache_size_that_is_not_positive_says_how_to_fix(size):
+    with pytest.raises(ConfigError, match="kv_cache_memory_bytes=.*positive number of bytes"):
+        CUAvLLMConfig(kv_cache_memory_bytes=size)
 
 
 def test_second_call_changes_nothing(config, fake_vllm_python):

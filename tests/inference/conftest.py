@@ -29,6 +29,8 @@ class AReaLVLLMServer(VLLMServer):
             max_num_seqs=8,
         )
         args = vLLMConfig.build_args(config, tp_size=1, pp_size=1, host=self.host, port=self.port)
+        # CUAvLLMConfig's field, which AReaL's config lacks (the harness sets it on CPU).
+        args["kv_cache_memory_bytes"] = self.kv_cache_bytes
         return [*server_command(args, vllm_python=str(vllm_python())), *self.extra_args]
 
 

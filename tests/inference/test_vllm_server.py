@@ -4,12 +4,14 @@ from __future__ import annotations
 
 import asyncio
 import io
+import json
 import os
 import shutil
 import signal
 from pathlib import Path
 
 import httpx
+import psutil
 import pytest
 import torch
 from areal.api.cli_args import GenerationHyperparameters
@@ -17,6 +19,7 @@ from areal.api.io_struct import ModelRequest, WeightUpdateMeta
 from areal.engine.vllm_remote import VLLMBackend
 from safetensors.torch import load_file, save_file
 
+from cua_rl.cpu.training import KV_CACHE_BYTES
 from cua_rl.gateway.backends import VLLMTokens
 from cua_rl.inference import attach
 from cua_rl.inference.vllm_server import OWN_FOLDER_PREFIX
@@ -218,6 +221,23 @@ def test_an_unreachable_server_is_named(tmp_path):
     port = free_port()
     with pytest.raises(attach.AttachError, match=f"127.0.0.1:{port} cannot be reached"):
         attach.attach_process(f"127.0.0.1:{port}", str(tmp_path))
+
+
+def test_the_server_allocates_the_kv_cache_the_cpu_harness_sizes(
+    areal_vllm_server, tiny_text_model_dir
+):
+    # vLLM CPU's smallest size through VLLM_CPU_KVCACHE_SPACE is 1 GiB, which the engine core
+    # touches whole at start: a test suite's six servers at once held 6 GB of it and ran the
+    # machine out of memory. The harness's bytes reach vLLM (its own count of the tokens they
+    # hold: the tiny model's fp32 keys and values a token) and the engine stays small.
+    text = json.loads((Path(tiny_text_model_dir) / "config.json").read_text())
+    head_dim = text.get("head_dim") or text["hidden_size"] // text["num_attention_heads"]
+    per_token = 2 * text["num_hidden_layers"] * text["num_key_value_heads"] * head_dim * 4
+    tokens = KV_CACHE_BYTES // per_token
+    assert f"CPU KV cache size: {tokens:,} tokens" in areal_vllm_server.log_path.read_text()
+    processes = psutil.Process(areal_vllm_server.process.pid).children(recursive=True)
+    (engine,) = [p for p in processes if "EngineCore" in " ".join(p.cmdline())]
+    assert engine.memory_info().rss < 1 << 30, engine.memory_info()
 
 
 def test_what_the_server_leaves_in_the_temp_folder_lives_in_its_own_folder_and_leaves_with_it(
