@@ -65,6 +65,8 @@ class EpisodeCapture:
     opened_at: float = field(default_factory=time.time)
     turns: list[CapturedTurn] = field(default_factory=list)
     errors: list[GatewayError] = field(default_factory=list)
+    # Requests for the episode that reached the gateway, answered or not: the agent reached it.
+    received: int = 0
     resends: int = 0  # re-sends of an undelivered answer (joined or stored), never sampled again
     reasks: int = 0  # the last delivered call asked again: sampled again, a turn of its own
     disconnects: int = 0  # calls whose client left before the answer (nothing committed)

@@ -185,6 +185,7 @@ class EpisodeSession:
         unless it is an SDK retry, which gets the stored answer (the answer was lost on its way).
         ``gone`` completes when the client disconnects: the call then commits nothing and its
         generation is kept for a re-send."""
+        self.capture.received += 1
         if self.closed:
             raise GatewayFailure(
                 f"episode {self.episode_id} is closed", status=404, code="episode_closed"

@@ -450,7 +450,9 @@ def sharpened(exc: RejectedEpisode, capture: EpisodeCapture | None) -> RejectedE
     if capture.errors:
         return RejectedEpisode(reasons.gateway_reason(capture.errors[-1].code), exc.detail)
     run_reason = exc.reason.removeprefix(AGENT_PREFIX)
-    if not capture.turns and run_reason in ("model_error", "step_timeout", "timeout"):
-        # The agent never got through: the advertised gateway URL is not reachable from it.
+    if not capture.received and run_reason in ("model_error", "step_timeout", "timeout"):
+        # The agent never got through: the advertised gateway URL is not reachable from it. A
+        # call the gateway received and still held (a model-server outage longer than the
+        # agent's step) is the agent's own timeout: its reason stands.
         return RejectedEpisode(Reason.GATEWAY_UNREACHABLE, exc.detail)
     return None

@@ -269,6 +269,9 @@ FAULTS = [
     ("model_down", "gateway_model_server_error"),
     ("model_down_direct", "agent_model_error"),
     ("gateway_unreachable", "gateway_unreachable"),
+    # The gateway holds the call through an outage that outlasts the agent's step: the agent's
+    # timeout, not an unreachable gateway (whose advice, gateway.bind_host, would mislead).
+    ("model_held", "agent_step_timeout"),
 ]
 
 
@@ -301,6 +304,11 @@ async def test_faults_end_as_none_with_a_reason_and_no_open_execution(
     if fault == "model_down":
         engine = FakeEngine([dead_url.removeprefix("http://")])
         settings.gateway = GatewayConfig(model_outage_s=1.0)
+    if fault == "model_held":
+        # Held until the episode ends: only the agent's step limit can end the call.
+        engine = FakeEngine([dead_url.removeprefix("http://")])
+        settings.gateway = GatewayConfig(model_outage_s=3600.0)
+        settings.agent = AgentSection(**{**settings.agent.__dict__, "max_step_time_s": 1.0})
     if fault == "model_down_direct":
         settings.endpoint = EndpointSection(
             mode="direct", base_url=f"{dead_url}/v1", model_name="tiny-vl"
