@@ -75,7 +75,9 @@ def enable_cpu_training(
         # AReaL's default 16 kills vLLM CPU's engine core: "No common block size for 16
         # (CPU_ATTN: [MultipleOf(32)])".
         setattr_logged(config.vllm, "block_size", 32, "vllm")
-    if getattr(config.vllm, "kv_cache_memory_bytes", 0) is None:
+    # AReaL's own vLLMConfig has no such field: the workers' environment sizes the cache then.
+    kv_env = not hasattr(config.vllm, "kv_cache_memory_bytes")
+    if not kv_env and config.vllm.kv_cache_memory_bytes is None:
         setattr_logged(config.vllm, "kv_cache_memory_bytes", KV_CACHE_BYTES, "vllm")
     if _one_worker_per_server(config) and config.vllm.distributed_executor_backend == "mp":
         # The model in vLLM's engine-core process instead of a worker process of its own: a
@@ -96,7 +98,6 @@ def enable_cpu_training(
             setattr_logged(section, "attn_impl", "sdpa", role)
         for i, spec in enumerate(section.scheduling_spec):
             where = f"{role}.scheduling_spec[{i}]"
-            kv_env = not hasattr(config.vllm, "kv_cache_memory_bytes")
             _cpu_worker_spec(spec, where, changes, scheduler, threads_per_worker, kv_env)
     if config.enable_offload:
         # torch_memory_saver offload is CUDA-only.
