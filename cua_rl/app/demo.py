@@ -460,6 +460,11 @@ def _start_scheduler(args, run_dir: Path, log_dir: Path, train_env: dict):
         from cua_rl.cpu.ray_cluster import LocalRayCluster
 
         cluster = LocalRayCluster(log_dir, nodes=2).start()
+        for failed in cluster.failed_starts:
+            print(
+                f"[demo] ray      a start failed and the cluster started again: {failed}",
+                flush=True,
+            )
         train_env["RAY_ADDRESS"] = cluster.address
         args.overrides = ["scheduler.type=ray", *args.overrides]
         print(

@@ -12,10 +12,17 @@ Ray's own multi-node tests on one machine do.
 ``LocalRayCluster`` starts a head and further nodes with ``ray start --block``, each in its own
 process group, and stops exactly the processes it started (the nodes and every process they
 spawned, Ray's workers included: raylets put workers in their own process groups).
+
+A node's ``ray start`` gives its raylet a fixed 30 s to register with the GCS (Ray's
+``raylet_start_wait_time_s``, not configurable) and exits if it does not; a GCS starved of CPU on
+a loaded machine misses it. So a ``ray start`` that exits before its node runs starts the whole
+cluster again, up to ``attempts`` times: each failure is logged with its node's last lines and
+its logs (Ray's session logs included) are kept under ``log_dir/failed-start-N/``.
 """
 
 from __future__ import annotations
 
+import logging
 import os
 import shutil
 import signal
@@ -30,9 +37,23 @@ from cua_rl.errors import CuaRlError
 LOOPBACK = "127.0.0.1"
 STARTED = "Ray runtime started."  # what `ray start` prints once its node runs
 
+logger = logging.getLogger(__name__)
+
 
 class RayClusterError(CuaRlError, RuntimeError):
     """The local Ray cluster did not start."""
+
+
+class RayNodeExited(RayClusterError):
+    """A ``ray start`` exited before its node ran (the cluster may start on another attempt)."""
+
+
+def _tail(path: Path, lines: int = 6) -> str:
+    try:
+        text = path.read_text(errors="replace")
+    except OSError:
+        return ""
+    return "\n".join(text.strip().splitlines()[-lines:])
 
 
 def keep_loopback() -> None:
@@ -68,13 +89,18 @@ class LocalRayCluster:
         cpus_per_node: int = 1,
         python: str = sys.executable,
         start_timeout: float = 120.0,
+        attempts: int = 3,
     ):
         if nodes < 1 or cpus_per_node < 1:
             raise ValueError("a cluster needs at least one node with at least one CPU")
+        if attempts < 1:
+            raise ValueError("attempts must be at least 1")
         self.log_dir = Path(log_dir)
         self.nodes, self.cpus_per_node = nodes, cpus_per_node
-        self.python, self.start_timeout = python, start_timeout
+        self.python, self.start_timeout, self.attempts = python, start_timeout, attempts
         self.address = ""
+        # One line per start that failed and was retried: what the node printed last.
+        self.failed_starts: list[str] = []
         self.started_in_s = self.stopped_in_s = 0.0
         self._procs: list[subprocess.Popen] = []
         self._logs: list = []
@@ -107,29 +133,57 @@ class LocalRayCluster:
     def start(self) -> LocalRayCluster:
         t0 = time.monotonic()
         self.log_dir.mkdir(parents=True, exist_ok=True)
+        for attempt in range(1, self.attempts + 1):
+            try:
+                self._start_once()
+                break
+            except RayNodeExited as exc:
+                kept = self.log_dir / f"failed-start-{attempt}"
+                self.stop(keep_logs_in=kept)
+                if attempt == self.attempts:
+                    raise RayNodeExited(
+                        f"{exc}\n(the cluster's start failed {attempt} times; the logs of each "
+                        f"are under {self.log_dir}/failed-start-N)"
+                    ) from None
+                self.failed_starts.append(f"{exc} (logs kept in {kept})")
+                logger.warning(
+                    "Ray cluster start %d of %d failed, starting again: %s",
+                    attempt,
+                    self.attempts,
+                    self.failed_starts[-1],
+                )
+            except BaseException:
+                self.stop(keep_logs_in=self.log_dir / "failed-start")
+                raise
+        self.started_in_s = time.monotonic() - t0
+        return self
+
+    def _start_once(self) -> None:
         self.temp_dir = tempfile.mkdtemp(prefix="cua-ray-")
         port = _free_port()
         self.address = f"{LOOPBACK}:{port}"
-        try:
-            self._ray_start("head", ["--head", f"--port={port}", "--include-dashboard=false"])
-            self._wait_started()
-            for i in range(1, self.nodes):
-                self._ray_start(f"node{i}", [f"--address={self.address}"])
-            self._wait_started()
-            self._check_alive_nodes()
-        except BaseException:
-            self.stop()
-            raise
-        self.started_in_s = time.monotonic() - t0
-        return self
+        self._ray_start("head", ["--head", f"--port={port}", "--include-dashboard=false"])
+        self._wait_started()
+        for i in range(1, self.nodes):
+            self._ray_start(f"node{i}", [f"--address={self.address}"])
+        self._wait_started()
+        self._check_alive_nodes()
 
     def _wait_started(self) -> None:
         """Until every ``ray start`` so far has printed that its node runs."""
         deadline = time.monotonic() + self.start_timeout
         while time.monotonic() < deadline:
-            dead = [p.args[4:6] for p in self._procs if p.poll() is not None]
+            dead = [
+                (p, log)
+                for p, log in zip(self._procs, self._logs, strict=True)
+                if p.poll() is not None
+            ]
             if dead:
-                raise RayClusterError(f"ray start exited early ({dead}); logs in {self.log_dir}")
+                said = "; ".join(
+                    f"{Path(log.name).name} exited {p.returncode}: {_tail(Path(log.name))}"
+                    for p, log in dead
+                )
+                raise RayNodeExited(f"ray start exited before its node ran: {said}")
             logs = [Path(log.name).read_text(errors="replace") for log in self._logs]
             if all(STARTED in text for text in logs):
                 return
@@ -181,11 +235,21 @@ class LocalRayCluster:
                 continue
         return pids
 
-    def stop(self, timeout: float = 20.0) -> None:
-        """SIGTERM to every process of the cluster, SIGKILL to those left after ``timeout``."""
+    def stop(self, timeout: float = 20.0, keep_logs_in: Path | None = None) -> None:
+        """SIGTERM to every process of the cluster, SIGKILL to those left after ``timeout``.
+        ``keep_logs_in``: move the nodes' logs and Ray's session logs there first (a failed
+        start: Ray's own logs live in the temporary folder this removes)."""
         import psutil
 
         t0 = time.monotonic()
+        # A node's `ray start` that died may have left processes in its group (its parent gone,
+        # processes() cannot find them).
+        for proc in self._procs:
+            if proc.poll() is not None:
+                try:
+                    os.killpg(proc.pid, signal.SIGKILL)
+                except (ProcessLookupError, PermissionError):
+                    pass
 
         procs = []
         for pid in self.processes():
@@ -213,7 +277,16 @@ class LocalRayCluster:
         self._procs.clear()
         for log in self._logs:
             log.close()
+            if keep_logs_in is not None:
+                keep_logs_in.mkdir(parents=True, exist_ok=True)
+                shutil.move(log.name, keep_logs_in / Path(log.name).name)
         self._logs.clear()
+        session_logs = Path(self.temp_dir or "/nonexistent", "session_latest", "logs")
+        if keep_logs_in is not None and session_logs.is_dir():
+            try:
+                shutil.copytree(session_logs, keep_logs_in / "ray-session-logs", dirs_exist_ok=True)
+            except (OSError, shutil.Error) as exc:
+                logger.warning("Ray's session logs not kept in %s: %s", keep_logs_in, exc)
         if self.temp_dir:
             shutil.rmtree(self.temp_dir, ignore_errors=True)
             self.temp_dir = ""

@@ -7,8 +7,10 @@ kernel (``ss``) and must be on 127.0.0.1.
 
 from __future__ import annotations
 
+import re
 import subprocess
 import sys
+from pathlib import Path
 
 import pytest
 
@@ -47,10 +49,46 @@ def _listeners(pids: list[int]) -> list[str]:
     ]
 
 
+# What a `ray start` that exits before its node runs looks like to the cluster (on a loaded
+# machine: "The current node timed out during startup"): the second node's first start fails.
+FAILING_ONCE = """#!/bin/sh
+case "$*" in
+*--address=*) if mkdir "$0.failed" 2>/dev/null; then echo "injected: this start fails"; exit 3; fi;;
+esac
+exec {python} "$@"
+"""
+
+
+def _session_dir(head_log: Path) -> str:
+    """The Ray temporary folder a head's `ray start` log names."""
+    match = re.search(r"saved to: (/\S+?)/session_", head_log.read_text())
+    assert match, head_log.read_text()[-2000:]
+    return match.group(1)
+
+
 def test_two_nodes_on_loopback_spread_actors_and_stop_completely(tmp_path):
-    cluster = LocalRayCluster(tmp_path / "logs", nodes=2, cpus_per_node=1)
+    """And a node whose first start fails: the cluster starts again, keeps the failed start's
+    logs, and leaves none of its processes."""
+    python = tmp_path / "python-failing-once"
+    python.write_text(FAILING_ONCE.format(python=sys.executable))
+    python.chmod(0o755)
+    cluster = LocalRayCluster(tmp_path / "logs", nodes=2, cpus_per_node=1, python=str(python))
     cluster.start()
     try:
+        assert len(cluster.failed_starts) == 1, cluster.failed_starts
+        assert "ray-node1.log exited 3: injected: this start fails" in cluster.failed_starts[0]
+        kept = tmp_path / "logs" / "failed-start-1"
+        assert "injected" in (kept / "ray-node1.log").read_text()
+        # Ray's own logs of the failed start's head, copied before its folder went.
+        assert any((kept / "ray-session-logs").glob("gcs_server*")), list(kept.rglob("*"))
+        first = _session_dir(kept / "ray-head.log")
+        assert first != cluster.temp_dir and not Path(first).exists()
+        left = [
+            p.pid
+            for p in psutil.process_iter(["cmdline"])
+            if first in " ".join(p.info["cmdline"] or [])
+        ]
+        assert left == [], left
         run = subprocess.run(
             [sys.executable, "-c", DRIVER, cluster.address],
             capture_output=True,
