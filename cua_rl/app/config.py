@@ -91,8 +91,9 @@ class CUAvLLMConfig(vLLMConfig):
         None,
         "Bytes of KV cache the server allocates (vLLM's --kv-cache-memory-bytes). Empty: vLLM "
         "sizes it (GPU: gpu_memory_utilization; CPU: 4 GiB). The CPU harness sets 128 MiB when "
-        "empty. It must hold one request of max_model_len tokens, or the server does not start. "
-        "vLLM's VLLM_CPU_KVCACHE_SPACE (GiB), where set, wins over it.",
+        "empty (more if one request of max_model_len needs more). It must hold one request of "
+        "max_model_len tokens, or the server does not start: checked against the policy's "
+        "config.json at load. vLLM's VLLM_CPU_KVCACHE_SPACE (GiB), where set, wins over it.",
     )
     logprobs_mode: str = doc(
         "processed_logprobs",

@@ -10,11 +10,19 @@ run before the trainer starts, and ``--check`` prints the family it found.
 
 Detection reads ``config.json`` (``model_type``, the vision config's patch and merge sizes and
 whether it has DeepStack layers) rather than trusting a name.
+
+The same numbers size vLLM's KV cache: a token keeps a key and a value per layer and KV head
+(``2 x layers x KV heads x head size x bytes``), vLLM allocates whole blocks of ``block_size``
+tokens (one of them held back), and a server starts only if its cache holds one request of
+``max_model_len``. When ``vllm.kv_cache_memory_bytes`` fixes the size (the CPU harness sets it),
+vLLM's own error for a cache too small advises ``gpu_memory_utilization``, which no longer
+matters; this check names the size that fits instead, and the harness sizes its own to fit.
 """
 
 from __future__ import annotations
 
 import json
+import math
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -27,6 +35,18 @@ FAMILY_NAMES = {
     "qwen2_5_vl": "qwen2.5-vl",
     "qwen3_vl": "qwen3-vl",
     "qwen3_vl_moe": "qwen3-vl-moe",
+}
+# Bytes of one cached key or value element, by vLLM's dtype names (kv_cache_dtype "auto" is the
+# model's dtype; "auto" as the model's dtype depends on vLLM's platform: not checked).
+DTYPE_BYTES = {
+    "float32": 4,
+    "float": 4,
+    "bfloat16": 2,
+    "float16": 2,
+    "half": 2,
+    "fp8": 1,
+    "fp8_e4m3": 1,
+    "fp8_e5m2": 1,
 }
 # Text tokens of one turn besides its screenshot: the agent's instruction and history line, the
 # template's frame and the reply (max_new_tokens is added on top).
@@ -46,6 +66,22 @@ class ModelFamily:
     # The output layer shares the input embedding (Qwen3-VL-2B) or not (Qwen3-VL-8B, MAI-UI-8B):
     # AReaL makes every embedding an FSDP unit of its own when they are untied.
     tied_embeddings: bool = False
+    # The text model's attention, which sizes the KV cache (0: not in its config.json).
+    layers: int = 0
+    kv_heads: int = 0
+    head_dim: int = 0
+
+    def kv_bytes_per_token(
+        self, dtype: str, kv_cache_dtype: str = "auto", tp: int = 1, pp: int = 1
+    ):
+        """KV cache bytes one token takes on one GPU of a server with tensor parallelism
+        ``tp`` and pipeline parallelism ``pp`` (KV heads are split, or copied when fewer than
+        ``tp``; layers are split); None when a dtype or a number is unknown."""
+        size = DTYPE_BYTES.get(dtype if kv_cache_dtype == "auto" else kv_cache_dtype)
+        if not (size and self.layers and self.kv_heads and self.head_dim):
+            return None
+        heads = max(1, self.kv_heads // max(tp, 1))
+        return 2 * math.ceil(self.layers / max(pp, 1)) * heads * self.head_dim * size
 
     @property
     def pixels_per_token(self) -> int:
@@ -106,6 +142,8 @@ def detect_family(model_dir: str | Path) -> ModelFamily | None:
             f"vision-language model ({', '.join(sorted(FAMILY_NAMES.values()))})"
         )
     lo, hi = _pixel_budget(folder)
+    heads = int(text.get("num_attention_heads") or 0)
+    head_dim = text.get("head_dim") or (int(text.get("hidden_size", 0)) // heads if heads else 0)
     return ModelFamily(
         name=FAMILY_NAMES.get(model_type, model_type),
         model_type=model_type,
@@ -117,6 +155,9 @@ def detect_family(model_dir: str | Path) -> ModelFamily | None:
         max_pixels=hi,
         # transformers' default for every family here is untied.
         tied_embeddings=bool(cfg.get("tie_word_embeddings", False)),
+        layers=int(text.get("num_hidden_layers") or 0),
+        kv_heads=int(text.get("num_key_value_heads") or heads),
+        head_dim=int(head_dim or 0),
     )
 
 
@@ -172,7 +213,39 @@ def family_field_problems(family: ModelFamily, config) -> list[FieldError]:
                 f"about {need} tokens, more than vllm.max_model_len={max_len}: {hint}, or raise "
                 "vllm.max_model_len (docs/families.md gives each family's budgets)",
             )
+    kv_bytes = getattr(config.vllm, "kv_cache_memory_bytes", None)
+    need = kv_request_bytes(family, config)
+    if kv_bytes and need and kv_bytes < need:
+        add(
+            "vllm.kv_cache_memory_bytes",
+            f"vllm.kv_cache_memory_bytes={kv_bytes} holds fewer than the {need} bytes one "
+            f"request of vllm.max_model_len={max_len} takes in {family.name}'s KV cache, and "
+            f"vLLM does not start: set vllm.kv_cache_memory_bytes={need} or more, or lower "
+            "vllm.max_model_len",
+        )
     return problems
+
+
+def kv_request_bytes(family: ModelFamily, config) -> int | None:
+    """Bytes of KV cache one request of ``vllm.max_model_len`` tokens takes on one GPU of a
+    rollout server (whole blocks); None when the family or the config leaves it unknown."""
+    from areal.api.alloc_mode import ModelAllocation
+
+    vllm = config.vllm
+    max_len = int(vllm.max_model_len or family.context or 0)
+    try:
+        parallel = ModelAllocation.from_str(config.rollout.backend, name="rollout").parallel
+        tp, pp = parallel.tp_size, parallel.pp_size
+    except Exception:  # an allocation the table refuses (reported there)
+        return None
+    per_token = family.kv_bytes_per_token(
+        str(vllm.dtype), str(getattr(vllm, "kv_cache_dtype", "auto")), tp, pp
+    )
+    block = int(vllm.block_size or 0)
+    if not (per_token and max_len and block > 0):
+        return None
+    # vLLM keeps one block of the pool back (its null block) before it checks.
+    return (math.ceil(max_len / block) + 1) * block * per_token
 
 
 def _image_limit(limit_mm: str) -> int | None:

@@ -37,7 +37,7 @@ ENV_INPROC_WORKER = "VLLM_ENABLE_V1_MULTIPROCESSING"
 # token), eight requests of configs/local.yaml's 16,384. vLLM CPU's smallest setting by
 # VLLM_CPU_KVCACHE_SPACE is 1 GiB, which the engine core touches whole at start (a tiny model's:
 # 1.75 GB resident with it, 0.77 GB with 64 MiB); the test suite, six servers at once with it,
-# ran its machine out of memory.
+# ran its machine out of memory. A larger model gets what one request of max_model_len needs.
 KV_CACHE_BYTES = 128 << 20
 
 
@@ -78,7 +78,7 @@ def enable_cpu_training(
     # AReaL's own vLLMConfig has no such field: the workers' environment sizes the cache then.
     kv_env = not hasattr(config.vllm, "kv_cache_memory_bytes")
     if not kv_env and config.vllm.kv_cache_memory_bytes is None:
-        setattr_logged(config.vllm, "kv_cache_memory_bytes", KV_CACHE_BYTES, "vllm")
+        setattr_logged(config.vllm, "kv_cache_memory_bytes", _kv_cache_bytes(config), "vllm")
     if _one_worker_per_server(config) and config.vllm.distributed_executor_backend == "mp":
         # The model in vLLM's engine-core process instead of a worker process of its own: a
         # server of two processes, not three, that does not spin on a shared message queue
@@ -103,6 +103,21 @@ def enable_cpu_training(
         # torch_memory_saver offload is CUDA-only.
         setattr_logged(config, "enable_offload", False, "config")
     return changes
+
+
+def _kv_cache_bytes(config: Any) -> int:
+    """``KV_CACHE_BYTES``, or more where one request of ``vllm.max_model_len`` needs more (a
+    model larger than the tiny ones), in whole MiB."""
+    from cua_rl.app.family import detect_family, kv_request_bytes
+
+    path = getattr(config.actor, "path", "")
+    try:
+        family = detect_family(path) if path and Path(path).is_dir() else None
+    except ConfigError:
+        family = None  # not a vision-language checkpoint: the config's checks say so
+    need = kv_request_bytes(family, config) if family else None
+    mib = 1 << 20
+    return max(KV_CACHE_BYTES, -(-(need or 0) // mib) * mib)
 
 
 def _one_worker_per_server(config: Any) -> bool:

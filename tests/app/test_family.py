@@ -71,6 +71,18 @@ def test_screenshots_that_cannot_fit_say_which_budget_would(tmp_path):
     assert "max_pixels to at most 26624 (26 tokens per screenshot)" in problem
 
 
+def test_a_kv_cache_that_cannot_hold_one_request_is_refused_with_the_size_that_does(tmp_path):
+    # local.yaml: 16,384 tokens of fp32 in blocks of 16; the tiny models' cache takes 1 KiB a
+    # token (vLLM's own count, tests/inference/test_vllm_server.py): 1,024 blocks and vLLM's
+    # null block.
+    need = 1025 * 16 * 1024
+    config = _config(tmp_path, ensure_model("qwen3-vl"), f"vllm.kv_cache_memory_bytes={need - 1}")
+    (problem,) = family_problems(detect_family(config.actor.path), config)
+    assert f"set vllm.kv_cache_memory_bytes={need} or more" in problem, problem
+    config = _config(tmp_path, ensure_model("qwen3-vl"), f"vllm.kv_cache_memory_bytes={need}")
+    assert family_problems(detect_family(config.actor.path), config) == []
+
+
 def test_too_few_images_per_row_is_refused(tmp_path):
     config = _config(tmp_path, ensure_model("qwen2.5-vl"), "+trajectory.max_images=2")
     with pytest.raises(ConfigError, match="set trajectory.max_images=3"):

@@ -12,6 +12,7 @@ from areal.api.cli_args import GRPOConfig, get_py_cmd, load_expr_config, vLLMCon
 from cua_rl.app.config import CUAvLLMConfig
 from cua_rl.cpu import training as cpu
 from cua_rl.errors import ConfigError
+from cua_rl.testing.cache import ensure_model
 
 _YAML = """
 experiment_name: cpu-cfg
@@ -114,6 +115,18 @@ def test_our_vllm_section_sizes_the_kv_cache_below_a_gibibyte(config, fake_vllm_
     # AReaL's launch turns the field into vLLM's flag.
     cmd = get_py_cmd("m", vLLMConfig.build_args(config.vllm, tp_size=1, pp_size=1))
     assert cmd[cmd.index("--kv-cache-memory-bytes") + 1] == "134217728"
+
+
+def test_a_model_that_needs_more_kv_cache_for_one_request_gets_it(config, fake_vllm_python):
+    # One request of 200,000 tokens of the tiny Qwen3-VL's fp32 cache (1 KiB a token: vLLM's
+    # own count, tests/inference/test_vllm_server.py) is over 195 MiB; the harness's 128 MiB
+    # would not start the server.
+    config.actor.path = str(ensure_model("qwen3-vl"))
+    config.vllm = CUAvLLMConfig(model=config.actor.path, dtype="float32", max_model_len=200_000)
+    changes = cpu.enable_cpu_training(config, vllm_python=fake_vllm_python)
+    # 6,250 blocks of 32 tokens and vLLM's null block, rounded up to MiB.
+    assert config.vllm.kv_cache_memory_bytes == 196 << 20
+    assert f"vllm.kv_cache_memory_bytes: None -> {196 << 20}" in changes
 
 
 def test_a_kv_cache_size_the_user_gave_is_kept(config, fake_vllm_python):
