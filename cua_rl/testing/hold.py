@@ -14,6 +14,8 @@ from __future__ import annotations
 import asyncio
 from pathlib import Path
 
+from cua_rl.cpu.training import ENV_INPROC_WORKER
+
 ENV_DIR = "CUA_HOLD_DIR"
 FQCN = "cua_rl.testing.vllm_hold:HoldAtToken"
 ARMED, HELD, RELEASE = "armed", "held", "release"
@@ -32,7 +34,7 @@ class Hold:
     def env(self) -> dict[str, str]:
         # vLLM CPU turns "uni" into "mp" (a worker process) unless this is 0; the API server
         # and the engine core stay separate processes either way (AsyncLLM ignores it).
-        return {ENV_DIR: str(self.folder), "VLLM_ENABLE_V1_MULTIPROCESSING": "0"}
+        return {ENV_DIR: str(self.folder), ENV_INPROC_WORKER: "0"}
 
     def arm(self, at_tokens: int) -> None:
         """Hold the next request that reaches ``at_tokens`` output tokens (once)."""

@@ -20,7 +20,7 @@ from pathlib import Path
 
 import httpx
 
-from cua_rl.cpu.training import KV_CACHE_BYTES
+from cua_rl.cpu.training import ENV_INPROC_WORKER, KV_CACHE_BYTES
 from cua_rl.errors import ModelServerError
 
 REPO_ROOT = Path(__file__).resolve().parents[2]
@@ -108,7 +108,7 @@ class VLLMServer:
         # Two cores: leave one for the caller so tests, gym and agent keep running.
         env.setdefault("VLLM_CPU_OMP_THREADS_BIND", "nobind")
         env.setdefault("OMP_NUM_THREADS", "1")
-        env.setdefault("VLLM_ENABLE_V1_MULTIPROCESSING", "0")
+        env.setdefault(ENV_INPROC_WORKER, "0")
         env["PYTHONUNBUFFERED"] = "1"
         env.update(self.env)
         with open(self.log_path, "wb") as log:
