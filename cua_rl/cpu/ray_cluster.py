@@ -13,11 +13,14 @@ Ray's own multi-node tests on one machine do.
 process group, and stops exactly the processes it started (the nodes and every process they
 spawned, Ray's workers included: raylets put workers in their own process groups).
 
-A node's ``ray start`` gives its raylet a fixed 30 s to register with the GCS (Ray's
-``raylet_start_wait_time_s``, not configurable) and exits if it does not; a GCS starved of CPU on
-a loaded machine misses it. So a ``ray start`` that exits before its node runs starts the whole
-cluster again, up to ``attempts`` times: each failure is logged with its node's last lines and
-its logs (Ray's session logs included) are kept under ``log_dir/failed-start-N/``.
+On a loaded machine a node's start can fail for want of CPU, in two ways, neither configurable in
+Ray 2.60: its raylet waits a fixed 15 s for its dashboard agent (a Python process) to write its
+port files and aborts ("Check failed ... Timed out waiting for file .../metrics_agent_port_..."),
+and ``ray start`` waits a fixed 30 s for its raylet to register with the GCS ("The current node
+timed out during startup"). ``RAY_agent_register_timeout_ms`` does not reach the first (tried:
+the raylet still aborts at 15 s). So a ``ray start`` that exits before its node runs starts the
+whole cluster again, up to ``attempts`` times: each failure is logged with its node's last lines
+and its logs (Ray's session logs included) are kept under ``log_dir/failed-start-N/``.
 """
 
 from __future__ import annotations
@@ -42,6 +45,15 @@ logger = logging.getLogger(__name__)
 
 class RayClusterError(CuaRlError, RuntimeError):
     """The local Ray cluster did not start."""
+
+
+def _raylet_abort(kept: Path) -> str:
+    """A raylet's own reason for stopping, from the session logs kept of a failed start."""
+    for log in sorted(kept.glob("ray-session-logs/raylet*.out")):
+        for line in log.read_text(errors="replace").splitlines():
+            if "Check failed" in line:
+                return f"; {log.name}: ...{line[line.index('Check failed') :][:300]}"
+    return ""
 
 
 class RayNodeExited(RayClusterError):
@@ -89,7 +101,7 @@ class LocalRayCluster:
         cpus_per_node: int = 1,
         python: str = sys.executable,
         start_timeout: float = 120.0,
-        attempts: int = 3,
+        attempts: int = 5,
     ):
         if nodes < 1 or cpus_per_node < 1:
             raise ValueError("a cluster needs at least one node with at least one CPU")
@@ -140,12 +152,13 @@ class LocalRayCluster:
             except RayNodeExited as exc:
                 kept = self.log_dir / f"failed-start-{attempt}"
                 self.stop(keep_logs_in=kept)
+                failure = f"{exc}{_raylet_abort(kept)}"
                 if attempt == self.attempts:
                     raise RayNodeExited(
-                        f"{exc}\n(the cluster's start failed {attempt} times; the logs of each "
-                        f"are under {self.log_dir}/failed-start-N)"
+                        f"{failure}\n(the cluster's start failed {attempt} times; the logs of "
+                        f"each are under {self.log_dir}/failed-start-N)"
                     ) from None
-                self.failed_starts.append(f"{exc} (logs kept in {kept})")
+                self.failed_starts.append(f"{failure} (logs kept in {kept})")
                 logger.warning(
                     "Ray cluster start %d of %d failed, starting again: %s",
                     attempt,
