@@ -101,7 +101,7 @@ class LocalRayCluster:
         cpus_per_node: int = 1,
         python: str = sys.executable,
         start_timeout: float = 120.0,
-        attempts: int = 5,
+        attempts: int = 8,
     ):
         if nodes < 1 or cpus_per_node < 1:
             raise ValueError("a cluster needs at least one node with at least one CPU")
