@@ -77,8 +77,8 @@ def enable_cpu_training(
         setattr_logged(config.vllm, "block_size", 32, "vllm")
     # AReaL's own vLLMConfig has no such field: the workers' environment sizes the cache then.
     kv_env = not hasattr(config.vllm, "kv_cache_memory_bytes")
-    if not kv_env and config.vllm.kv_cache_memory_bytes is None:
-        setattr_logged(config.vllm, "kv_cache_memory_bytes", _kv_cache_bytes(config), "vllm")
+    if not kv_env:
+        _size_kv_cache(config, setattr_logged)
     if _one_worker_per_server(config) and config.vllm.distributed_executor_backend == "mp":
         # The model in vLLM's engine-core process instead of a worker process of its own: a
         # server of two processes, not three, that does not spin on a shared message queue
@@ -105,9 +105,10 @@ def enable_cpu_training(
     return changes
 
 
-def _kv_cache_bytes(config: Any) -> int:
-    """``KV_CACHE_BYTES``, or more where one request of ``vllm.max_model_len`` needs more (a
-    model larger than the tiny ones), in whole MiB."""
+def _size_kv_cache(config: Any, setattr_logged) -> None:
+    """Empty: ``KV_CACHE_BYTES``, or more where one request of ``vllm.max_model_len`` needs more
+    (a model larger than the tiny ones), in whole MiB. Set: refused if it cannot hold one
+    request at the block size this harness runs (the load's check used the configured one)."""
     from cua_rl.app.family import detect_family, kv_request_bytes
 
     path = getattr(config.actor, "path", "")
@@ -116,8 +117,22 @@ def _kv_cache_bytes(config: Any) -> int:
     except ConfigError:
         family = None  # not a vision-language checkpoint: the config's checks say so
     need = kv_request_bytes(family, config) if family else None
-    mib = 1 << 20
-    return max(KV_CACHE_BYTES, -(-(need or 0) // mib) * mib)
+    size = config.vllm.kv_cache_memory_bytes
+    if size is None:
+        mib = 1 << 20
+        setattr_logged(
+            config.vllm,
+            "kv_cache_memory_bytes",
+            max(KV_CACHE_BYTES, -(-(need or 0) // mib) * mib),
+            "vllm",
+        )
+    elif need and size < need:
+        raise ConfigError(
+            f"vllm.kv_cache_memory_bytes={size} cannot hold one request of "
+            f"vllm.max_model_len={config.vllm.max_model_len} at vLLM CPU's block size "
+            f"{config.vllm.block_size} ({need} bytes): set vllm.kv_cache_memory_bytes={need} or "
+            "more, or leave it empty"
+        )
 
 
 def _one_worker_per_server(config: Any) -> bool:

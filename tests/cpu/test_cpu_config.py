@@ -129,6 +129,21 @@ def test_a_model_that_needs_more_kv_cache_for_one_request_gets_it(config, fake_v
     assert f"vllm.kv_cache_memory_bytes: None -> {196 << 20}" in changes
 
 
+def test_a_kv_cache_size_that_fits_blocks_of_16_but_not_of_32_is_refused(config, fake_vllm_python):
+    # The load checks vllm.block_size as configured (16); vLLM CPU runs blocks of 32, which need
+    # 16,809,984 bytes for 16,384 tokens of the tiny model (vLLM refused one byte fewer, started
+    # with it: docs/areal-cpu.md). 1,025 blocks of 16 pass the load's check.
+    config.actor.path = str(ensure_model("qwen3-vl"))
+    config.vllm = CUAvLLMConfig(
+        model=config.actor.path,
+        dtype="float32",
+        max_model_len=16384,
+        kv_cache_memory_bytes=16793600,
+    )
+    with pytest.raises(ConfigError, match="set vllm.kv_cache_memory_bytes=16809984 or more"):
+        cpu.enable_cpu_training(config, vllm_python=fake_vllm_python)
+
+
 def test_a_kv_cache_size_the_user_gave_is_kept(config, fake_vllm_python):
     config.vllm = CUAvLLMConfig(model=config.vllm.model, kv_cache_memory_bytes=1 << 30)
     cpu.enable_cpu_training(config, vllm_python=fake_vllm_python)
