@@ -294,8 +294,8 @@ class LocalRayCluster:
                 keep_logs_in.mkdir(parents=True, exist_ok=True)
                 shutil.move(log.name, keep_logs_in / Path(log.name).name)
         self._logs.clear()
-        session_logs = Path(self.temp_dir or "/nonexistent", "session_latest", "logs")
-        if keep_logs_in is not None and session_logs.is_dir():
+        session_logs = Path(self.temp_dir, "session_latest", "logs") if self.temp_dir else None
+        if keep_logs_in is not None and session_logs and session_logs.is_dir():
             try:
                 shutil.copytree(session_logs, keep_logs_in / "ray-session-logs", dirs_exist_ok=True)
             except (OSError, shutil.Error) as exc:
