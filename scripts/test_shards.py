@@ -10,11 +10,11 @@ one after another. The main process streams as usual; the others' output goes to
 printed when all have ended. Two trainings at once on one machine are safe because AReaL's port
 choice no longer follows the training seed (cua_rl/areal/ports.py).
 
-At the end it prints, from every process: the slowest tests, and every whole training and shared
+At the end it prints, from every process: the slowest tests, every whole training and shared
 server with its wall time and CPU seconds (``note_cost`` in tests/conftest.py; tests/README.md
-keeps the budget), and each process's wall time and CPU seconds (its whole tree, sampled:
-cua_rl/testing/cpu_meter.py). On two busy cores the CPU seconds are the cost that adds up; a
-training's wall time also says what ran beside it. The exit status is the first failing
+keeps the budget), the tests that cost the most CPU seconds, and each process's wall time and CPU
+seconds (its whole tree, sampled: cua_rl/testing/cpu_meter.py). On two busy cores the CPU seconds
+are the cost that adds up; a training's wall time also says what ran beside it. The exit status is the first failing
 process's.
 
     python scripts/test_shards.py [--log-dir DIR] [-- extra pytest args for every process]
@@ -87,7 +87,10 @@ BESIDE = {
     # GiB of 24. With the first two folders only, it ended at 715 s of 2,044 and main ran alone
     # for its last 230 s (a fresh clone, 2026-11-28). With all of these folders it ended at 878 s
     # of 1,555, main last, so the launcher's config, check and harness tests (no vLLM server
-    # either: each starts the launcher as a user runs it) run here too.
+    # either: each starts the launcher as a user runs it) run here too. On 2026-11-29 main still
+    # ended 240 s after the last other process (fresh-46: main 2,452 s, ends 2,206, parts
+    # 1,629), one core idle meanwhile: four files of main's that start no server (85 CPU s,
+    # measured with the per-test costs) moved here.
     "parts": (
         "tests/areal",
         "tests/gym",
@@ -101,6 +104,10 @@ BESIDE = {
         "tests/app/test_harness.py",
         "tests/app/test_check_gpu.py",
         "tests/app/test_check_cluster.py",
+        "tests/app/test_config.py",
+        "tests/warehouse/test_export.py",
+        "tests/trajectory/test_convert_unit.py",
+        "tests/common/test_harness_imports.py",
     ),
 }
 SLOWEST = 20
@@ -266,9 +273,24 @@ def print_costs(costs: dict[str, Path]) -> None:
         "(budget: tests/README.md)",
         flush=True,
     )
-    for group, r in sorted(rows, key=lambda gr: -gr[1].get("cpu_seconds", gr[1]["seconds"])):
+    for group, r in sorted(
+        trainings + servers, key=lambda gr: -gr[1].get("cpu_seconds", gr[1]["seconds"])
+    ):
         line = f"{r['seconds']:7.1f} s {r.get('cpu_seconds', float('nan')):7.1f} CPU s"
         print(f"[tests] {line}  {r['kind']:8}  {r['name']}  ({group})", flush=True)
+    tests = sorted(
+        ((g, r) for g, r in rows if r["kind"] == "test"), key=lambda gr: -gr[1]["cpu_seconds"]
+    )
+    if tests:
+        print(
+            f"\n[tests] the {min(SLOWEST, len(tests))} costliest of {len(tests)} tests in CPU "
+            f"seconds ({total(tests, 'cpu_seconds'):.0f} CPU s in all; a shared training's or "
+            "server's on the first test that asks for it):",
+            flush=True,
+        )
+        for group, r in tests[:SLOWEST]:
+            line = f"{r['cpu_seconds']:7.1f} CPU s {r['seconds']:7.1f} s"
+            print(f"[tests] {line}  {r['name']}  ({group})", flush=True)
 
 
 def _kill_group(proc: subprocess.Popen) -> None:

@@ -149,15 +149,35 @@ def model_servers(tmp_path_factory):
     servers.stop()
 
 
-@pytest.fixture(autouse=True, scope="session")
-def _tree_cpu():
-    """This pytest process's tree (its tests, the servers and trainings they start), sampled while
-    ``make test``'s runner asks for costs: a training's CPU seconds are the tree's over its wall."""
-    if not os.environ.get("CUA_TEST_COSTS"):
+@pytest.hookimpl(hookwrapper=True)
+def pytest_runtest_protocol(item, nextitem):
+    """Each test's CPU seconds (set-up and tear-down included: a shared training or server falls
+    on the first test that asks for it), where ``make test``'s runner prints the costliest: on two
+    busy cores a test's wall time says as much about what ran beside it as about the test."""
+    meter, path = process_meter(), os.environ.get("CUA_TEST_COSTS")
+    if meter is None or not path:
         yield
         return
-    start_process_meter()
+    started, before = time.monotonic(), meter.total()
     yield
+    record = {
+        "name": item.nodeid,
+        "kind": "test",
+        "seconds": round(time.monotonic() - started, 1),
+        "cpu_seconds": round(meter.total() - before, 1),
+    }
+    with open(path, "a") as out:
+        out.write(json.dumps(record) + "\n")
+
+
+def pytest_sessionstart(session):
+    """This pytest process's tree (its tests, the servers and trainings they start), sampled while
+    ``make test``'s runner asks for costs: a training's CPU seconds are the tree's over its wall."""
+    if os.environ.get("CUA_TEST_COSTS"):
+        start_process_meter()
+
+
+def pytest_sessionfinish(session, exitstatus):
     stop_process_meter()
 
 

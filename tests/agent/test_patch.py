@@ -360,14 +360,20 @@ def test_compiler_catches_a_broken_patch(checkout, tsc):
 
 
 # A stand-in for the openai SDK at run time: the same call shape, backed by fetch, so the
-# compiled model classes talk to the real vLLM server.
+# compiled model classes talk to the real vLLM server. It sends the request as the model class
+# built it, but where ``CAP_MAX_TOKENS`` is set it caps max_tokens there: the tiny random model
+# seldom ends an answer, and the classes' 1024 and 2048 tokens cost the two vLLM tests 80 s of a
+# CPU server's decoding while the token data under test does not depend on the answer's length
+# (the request those tests read is the class's own; the wire test below sets no cap).
 OPENAI_STUB = """
 class OpenAI {
   constructor(options) {
     const base = options.baseURL.replace(/\\/$/, "");
     this.chat = { completions: { create: async (body) => {
+      const cap = Number(process.env.CAP_MAX_TOKENS);
+      const sent = cap ? { ...body, max_tokens: Math.min(body.max_tokens ?? cap, cap) } : body;
       const resp = await fetch(base + "/chat/completions", {
-        method: "POST", headers: { "content-type": "application/json" }, body: JSON.stringify(body),
+        method: "POST", headers: { "content-type": "application/json" }, body: JSON.stringify(sent),
       });
       if (!resp.ok) throw new Error("model answered " + resp.status + ": " + (await resp.text()));
       return await resp.json();
@@ -376,6 +382,8 @@ class OpenAI {
 }
 module.exports = { __esModule: true, default: OpenAI };
 """
+
+FEW_TOKENS = {"CAP_MAX_TOKENS": "8"}
 
 RUNNER = """
 const { MaiUiModel } = require("./mai-ui.js");
@@ -422,7 +430,7 @@ def test_patched_model_classes_get_token_ids_and_logprobs_from_vllm(checkout, ts
     out = _compile_commonjs(checkout, tsc)
     res = subprocess.run(
         ["node", "run.js", vllm_server.base_url, vllm_server.model],
-        cwd=out, capture_output=True, text=True, timeout=120,
+        cwd=out, capture_output=True, text=True, timeout=120, env={**os.environ, **FEW_TOKENS},
     )  # fmt: skip
     assert res.returncode == 0, res.stderr
     calls = json.loads(res.stdout)
@@ -452,7 +460,7 @@ def test_unpatched_model_classes_get_no_token_data(checkout, tsc, vllm_server):
     out = _compile_commonjs(checkout, tsc)
     res = subprocess.run(
         ["node", "run.js", vllm_server.base_url, vllm_server.model],
-        cwd=out, capture_output=True, text=True, timeout=120,
+        cwd=out, capture_output=True, text=True, timeout=120, env={**os.environ, **FEW_TOKENS},
     )  # fmt: skip
     assert res.returncode == 0, res.stderr
     for label, call in json.loads(res.stdout).items():

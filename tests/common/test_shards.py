@@ -12,6 +12,9 @@ from __future__ import annotations
 import ast
 import importlib.util
 import json
+import os
+import subprocess
+import sys
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[2]
@@ -151,6 +154,8 @@ def test_the_runner_reports_the_slowest_tests_and_every_training(tmp_path, capsy
                     "cpu_seconds": 60.0,
                 },
                 {"name": "model outage", "kind": "training", "seconds": 100.5, "cpu_seconds": 40},
+                {"name": "tests/a.py::cheap", "kind": "test", "seconds": 9.0, "cpu_seconds": 1},
+                {"name": "tests/a.py::dear", "kind": "test", "seconds": 5.0, "cpu_seconds": 7},
             )
         )
     )
@@ -161,12 +166,20 @@ def test_the_runner_reports_the_slowest_tests_and_every_training(tmp_path, capsy
         "50 s, 60 CPU s (budget: tests/README.md)"
     )
     # Most CPU first: on two busy cores it is the cost that adds up.
-    assert [line.split("  ")[-2] for line in out[2:]] == [
+    assert [line.split("  ")[-2] for line in out[2:5]] == [
         "shared demo",
         "shared vLLM server qwen2-vl-bpe",
         "model outage",
     ]
     assert "200.0 s    90.0 CPU s" in out[2], out[2]
+    # Then the tests, most CPU first, apart from the trainings.
+    assert out[5:] == [
+        "",
+        "[tests] the 2 costliest of 2 tests in CPU seconds (8 CPU s in all; a shared training's "
+        "or server's on the first test that asks for it):",
+        "[tests]     7.0 CPU s     5.0 s  tests/a.py::dear  (shared)",
+        "[tests]     1.0 CPU s     9.0 s  tests/a.py::cheap  (shared)",
+    ]
 
 
 def test_a_test_named_in_one_group_runs_in_that_group_only():
@@ -202,3 +215,22 @@ def test_a_file_or_test_named_in_one_group_is_left_out_of_anothers_folder():
         "--deselect=tests/x/sub/test_g.py::test_one",
     ]
     assert selected["b"] == [*beside["b"], "--ignore=tests/xy/test_h.py"]
+
+
+def test_each_test_of_a_costed_run_records_its_cpu_seconds(tmp_path):
+    """tests/conftest.py writes one record per test where the runner asks for costs: the test's
+    node id, its wall and CPU seconds (this process's tree, sampled at its start and end)."""
+    costs = tmp_path / "costs.jsonl"
+    chosen = [
+        "tests/common/test_shards.py::test_a_test_named_in_one_group_runs_in_that_group_only",
+        "tests/common/test_shards.py::test_every_group_names_files_and_tests_that_exist",
+    ]
+    env = {**os.environ, "CUA_TEST_COSTS": str(costs)}
+    res = subprocess.run(
+        [sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", *chosen],
+        cwd=ROOT, env=env, capture_output=True, text=True, timeout=300,
+    )  # fmt: skip
+    assert res.returncode == 0, res.stdout + res.stderr
+    records = [json.loads(line) for line in costs.read_text().splitlines()]
+    assert [(r["kind"], r["name"]) for r in records] == [("test", name) for name in chosen]
+    assert all(r["cpu_seconds"] >= 0 and r["seconds"] >= 0 for r in records), records
