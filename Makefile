@@ -127,9 +127,10 @@ AUDIT_CONFIG ?= configs/local.yaml
 audit: venv
 	$(PY) -m cua_rl.audit --local-gym "$(AUDIT_GYM)" --config $(AUDIT_CONFIG) audit.scope=all $(AUDIT_ARGS)
 
-# Lint first: it takes a second and CI then catches style drift too. The suite runs as four pytest
+# Lint first: it takes a second and CI then catches style drift too. The suite runs as five pytest
 # processes side by side (scripts/test_shards.py: the trainings beside the rest), then prints the
-# slowest tests and every training's wall time (tests/README.md keeps the budget).
+# slowest tests, every training's wall time and CPU seconds, and the costliest tests in CPU
+# seconds (tests/README.md keeps the budget).
 test: envs browser slurm
 	$(VENV)/bin/ruff check .
 	$(VENV)/bin/ruff format --check .

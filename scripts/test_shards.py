@@ -70,14 +70,12 @@ BESIDE = {
         "tests/app/test_families_train.py",
     ),
     # The proof of learning and the curriculum's restart (long trainings borrowing one server),
-    # the Ray and Slurm trainings, AReaL's own PPO smoke steps, and the GPU environments'
-    # resolutions, which wait on the package registry.
+    # the Ray trainings and AReaL's own PPO smoke steps.
     "learning": (
         "tests/app/test_learn.py",
         "tests/curriculum/test_in_the_loop.py",
         "tests/cluster",
         "tests/cpu/test_ppo_smoke.py",
-        "tests/inference/test_environments.py",
     ),
     # Part of what the main process ran alone once the trainings had ended, one core idle: the
     # folders whose tests start no vLLM server (the actor's, the gym's, the audit's, the
@@ -90,7 +88,8 @@ BESIDE = {
     # either: each starts the launcher as a user runs it) run here too. On 2026-11-29 main still
     # ended 240 s after the last other process (fresh-46: main 2,452 s, ends 2,206, parts
     # 1,629), one core idle meanwhile: four files of main's that start no server (85 CPU s,
-    # measured with the per-test costs) moved here.
+    # measured with the per-test costs) moved here, and from learning, which ended last with ends,
+    # the GPU environments' resolutions (104 s of its wall, waiting on the package registry).
     "parts": (
         "tests/areal",
         "tests/gym",
@@ -108,6 +107,7 @@ BESIDE = {
         "tests/warehouse/test_export.py",
         "tests/trajectory/test_convert_unit.py",
         "tests/common/test_harness_imports.py",
+        "tests/inference/test_environments.py",
     ),
 }
 SLOWEST = 20
