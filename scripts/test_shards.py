@@ -14,8 +14,8 @@ At the end it prints, from every process: the slowest tests, every whole trainin
 server with its wall time and CPU seconds (``note_cost`` in tests/conftest.py; tests/README.md
 keeps the budget), the tests that cost the most CPU seconds, and each process's wall time and CPU
 seconds (its whole tree, sampled: cua_rl/testing/cpu_meter.py). On two busy cores the CPU seconds
-are the cost that adds up; a training's wall time also says what ran beside it. The exit status is the first failing
-process's.
+are the cost that adds up; a training's wall time also says what ran beside it. The exit status
+is the first failing process's.
 
     python scripts/test_shards.py [--log-dir DIR] [-- extra pytest args for every process]
 """
@@ -86,10 +86,11 @@ BESIDE = {
     # for its last 230 s (a fresh clone, 2026-11-28). With all of these folders it ended at 878 s
     # of 1,555, main last, so the launcher's config, check and harness tests (no vLLM server
     # either: each starts the launcher as a user runs it) run here too. On 2026-11-29 main still
-    # ended 240 s after the last other process (fresh-46: main 2,452 s, ends 2,206, parts
-    # 1,629), one core idle meanwhile: four files of main's that start no server (85 CPU s,
-    # measured with the per-test costs) moved here, and from learning, which ended last with ends,
-    # the GPU environments' resolutions (104 s of its wall, waiting on the package registry).
+    # ended 240 s after the last other process (a fresh clone of 1d9eaf3: main 2,452 s, ends
+    # 2,206, parts 1,629), one core idle meanwhile: four files of main's that start no server
+    # (85 CPU s, measured with the per-test costs) moved here, and from learning, which ended
+    # last with ends, the GPU environments' resolutions (104 s of its wall, waiting on the
+    # package registry).
     "parts": (
         "tests/areal",
         "tests/gym",
