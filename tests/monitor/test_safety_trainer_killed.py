@@ -12,9 +12,11 @@ under it.
 from __future__ import annotations
 
 import os
+import shutil
 import signal
 import sqlite3
 import subprocess
+import tempfile
 import time
 from pathlib import Path
 
@@ -68,6 +70,10 @@ def test_a_trainer_killed_mid_step_leaves_a_failed_training_with_nothing_open(
 ):
     db = tmp_path / "monitor.db"
     server = model_servers("qwen2-vl-bpe")
+    # The run's temporary folder, as a lost node's /tmp: what the killed processes leave there
+    # (their warm-start zygote's socket folder) nothing of the run can remove. A short path:
+    # the zygote's Unix socket goes in it.
+    node_tmp = tempfile.mkdtemp(prefix="cua-killed-")
     t0 = time.monotonic()
     monitor = MonitorProcess(db, token=None, extra_args=("--heartbeat-timeout-s", str(TIMEOUT_S)))
     monitor.start()
@@ -89,6 +95,7 @@ def test_a_trainer_killed_mid_step_leaves_a_failed_training_with_nothing_open(
                 stdout=log,
                 stderr=subprocess.STDOUT,
                 start_new_session=True,
+                env={**os.environ, "TMPDIR": node_tmp},
             )  # fmt: skip
             running = "SELECT 1 FROM rollout WHERE source_type = 'step' AND status = 'running'"
             _wait_for(db, running, 900, proc, tmp_path / "train.log")
@@ -101,7 +108,10 @@ def test_a_trainer_killed_mid_step_leaves_a_failed_training_with_nothing_open(
         if proc is not None and proc.poll() is None:
             _kill(proc)
         monitor.stop()
+        left_in_tmp = sorted(p.name for p in Path(node_tmp).iterdir())
+        shutil.rmtree(node_tmp, ignore_errors=True)
     note_cost("trainer killed", time.monotonic() - t0)
+    print(f"left in the killed run's temporary folder: {left_in_tmp}")
     assert open_before > 0  # the kill left open records: the safety net had work to do
     ((status, message),) = db_rows(db, "SELECT status, status_message FROM training")
     assert status == "failed" and message.startswith("heartbeat lost: silent for"), message
