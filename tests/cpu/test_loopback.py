@@ -30,7 +30,7 @@ def test_the_worker_command_line_binds_loopback_instead_of_every_interface():
 # make them, then the inet sockets of the process, read from the kernel. Only the patched runs
 # import AReaL (bind_loopback patches its modules): its import is 14 of a run's 17 CPU s.
 GROUP = """
-import os, socket, sys
+import os, sys
 if sys.argv[1] == "patched":
     from cua_rl.cpu.loopback import bind_loopback
     bind_loopback()
@@ -39,9 +39,8 @@ elif sys.argv[1] == "actor":  # the one-process group the tests' in-process acto
     init_single_process_group()
 import torch.distributed as dist
 from cua_rl.testing.sockets import listening, tree_sockets
-with socket.socket() as s:
-    s.bind(("127.0.0.1", 0))
-    port = s.getsockname()[1]
+from cua_rl.testing.vllm_server import free_port
+port = free_port()
 if sys.argv[2] == "tcp":
     dist.init_process_group("gloo", init_method=f"tcp://localhost:{port}", rank=0, world_size=1)
 else:
