@@ -234,3 +234,32 @@ def test_each_test_of_a_costed_run_records_its_cpu_seconds(tmp_path):
     records = [json.loads(line) for line in costs.read_text().splitlines()]
     assert [(r["kind"], r["name"]) for r in records] == [("test", name) for name in chosen]
     assert all(r["cpu_seconds"] >= 0 and r["seconds"] >= 0 for r in records), records
+
+
+def test_the_main_process_gets_its_nice_value_and_the_session_group_gets_it_back(tmp_path, capsys):
+    """The runner gives main's pytest process a nice value and its session's scheduling group
+    the same, and afterwards puts the group's value back (the session outlives the run). A
+    higher nice value needs no privilege; the group is a file standing in for /proc's."""
+    group = tmp_path / "autogroup"
+    group.write_text("/autogroup-7 nice 0\n")
+    child = subprocess.Popen([sys.executable, "-c", "import sys; sys.stdin.read()"],
+                             stdin=subprocess.PIPE)  # fmt: skip
+    try:
+        restore = _runner().prioritise(child.pid, 4, autogroup=group)
+        assert os.getpriority(os.PRIO_PROCESS, child.pid) == 4
+        assert group.read_text() == "4\n"
+        restore()
+        assert group.read_text() == "0\n"
+    finally:
+        child.communicate(b"")
+    assert "the main process runs at nice 4" in capsys.readouterr().out
+
+
+def test_a_nice_value_that_cannot_be_set_is_said_and_changes_nothing(tmp_path, capsys):
+    group = tmp_path / "autogroup"
+    group.write_text("/autogroup-7 nice 0\n")
+    gone = subprocess.Popen([sys.executable, "-c", "pass"])
+    gone.wait()  # its pid names no process now
+    _runner().prioritise(gone.pid, 4, autogroup=group)()
+    assert group.read_text() == "/autogroup-7 nice 0\n"
+    assert "the main process keeps its priority (CUA_TEST_MAIN_NICE=4" in capsys.readouterr().out
