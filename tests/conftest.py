@@ -132,11 +132,25 @@ def warm_env():
     crash) and the demo's own keep a zygote of their own. It execs into its first worker's
     environment: a later training's workers fork only where theirs is the same but for the late
     variables. pytest names the current test in ``PYTEST_CURRENT_TEST``, which Ray's
-    ``is_in_test`` reads while the zygote imports: every training gets one value of it."""
-    from cua_rl.cpu.warm_start import ENV_ZYGOTE, Zygote
+    ``is_in_test`` reads while the zygote imports: every training gets one value of it.
 
-    zygote = Zygote().start(export=False)
-    yield {ENV_ZYGOTE: zygote.address, "PYTEST_CURRENT_TEST": "a training of the suite"}
+    The launchers themselves (``python -m examples.cua_agent.train``) fork the same way from a
+    second zygote that imported the launcher's modules (``CUA_RL_TRAINER_ZYGOTE``), where their
+    environment is the first one's: the same variables for every training, unbuffered output
+    included (the demo's and a test's own launches alike)."""
+    from cua_rl.cpu import warm_start as warm
+
+    zygote = warm.Zygote().start(export=False)
+    trainers = warm.Zygote(
+        preload=warm.TRAINER_PRELOAD, entry=warm.TRAINER_ENTRY, late=frozenset(), role="trainer"
+    ).start(export=False)
+    yield {
+        warm.ENV_ZYGOTE: zygote.address,
+        warm.ENV_TRAINER_ZYGOTE: trainers.address,
+        "PYTEST_CURRENT_TEST": "a training of the suite",
+        "PYTHONUNBUFFERED": "1",
+    }
+    trainers.stop()
     zygote.stop()
 
 

@@ -443,5 +443,11 @@ def main(argv: list[str] | None = None) -> int:
         return 128 + signal.SIGTERM
 
 
-if __name__ == "__main__":
+def cli() -> None:
+    """``python -m examples.cua_agent.train``'s work, in its process or in a fork of a zygote
+    that imported this module (cua_rl/cpu/warm_start.py ``TRAINER_ENTRY``)."""
     sys.exit(main())
+
+
+if __name__ == "__main__":
+    cli()

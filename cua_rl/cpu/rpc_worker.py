@@ -27,16 +27,9 @@ def run_worker() -> None:
 
 
 def main() -> None:
-    import os
-    import sys
+    from cua_rl.cpu.warm_start import ENV_ZYGOTE, hand_over
 
-    from cua_rl.cpu.warm_start import ENV_ZYGOTE, exit_like, run_forked
-
-    address = os.environ.get(ENV_ZYGOTE)
-    if address:
-        code = run_forked(sys.argv, address)
-        if code is not None:
-            exit_like(code)
+    hand_over(ENV_ZYGOTE, "worker")
     run_worker()
 
 

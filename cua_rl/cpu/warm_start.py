@@ -29,6 +29,13 @@ workers start cold, named, instead of forking with the first worker's value bake
 that fails or ends fails the stand-ins waiting on it with its reason; nothing falls back
 silently. Ray and Slurm runs do not use it (their workers are not started by the
 local scheduler's command).
+
+The same zygote serves the launcher itself where a process runs many trainings (the test suite):
+``python -m examples.cua_agent.train`` stands in for a fork of the zygote that ``CUA_RL_TRAINER_ZYGOTE``
+names (``hand_over``), which imported the launcher's modules (``TRAINER_PRELOAD``) once. A fork
+leads a process group of its own, which it takes down when its stand-in goes: what a kill of
+the stand-in's group does to a process started cold and to its children. A trainer's fork also
+waits for its threads before its exit handlers, as the interpreter does at exit.
 """
 
 from __future__ import annotations
@@ -55,6 +62,7 @@ from cua_rl.errors import CuaRlError
 from cua_rl.inference.launch import ENV_SERVER, ENV_VLLM_PYTHON
 
 ENV_ZYGOTE = "CUA_RL_ZYGOTE"
+ENV_TRAINER_ZYGOTE = "CUA_RL_TRAINER_ZYGOTE"
 # The worker's entry point in a fork (what ``python -m cua_rl.cpu.rpc_worker`` runs cold).
 ENTRY = "cua_rl.cpu.rpc_worker:run_worker"
 # What every worker imports before it serves (the actor's engine and the rollout's workflow
@@ -69,6 +77,10 @@ PRELOAD = (
     "cua_rl.cpu.training",
     "cua_rl.rollout.workflow",
 )
+# What the launcher (``python -m examples.cua_agent.train``) has imported when its ``main`` starts,
+# about 10 CPU seconds, and the function its fork runs.
+TRAINER_PRELOAD = ("cua_rl.app.train",)
+TRAINER_ENTRY = "cua_rl.app.train:cli"
 # The model family's modules a worker loads (transformers.models.<type>.<kind>_<type>).
 MODEL_MODULES = ("modeling", "processing", "image_processing", "video_processing")
 # Set by the shell that AReaL's scheduler starts each worker through, different per process.
@@ -103,7 +115,18 @@ def _receive(sock: socket.socket) -> dict | None:
 # -- the stand-in (the process the scheduler started) ---------------------------------------------
 
 
-def run_forked(argv: list[str], address: str) -> int | None:
+def hand_over(variable: str, role: str) -> None:
+    """Where ``variable`` names a zygote, have it run this process's work (its arguments,
+    environment and streams) and end as that fork ends; returns where none is named, or where
+    the zygote says to start cold."""
+    address = os.environ.get(variable)
+    if address:
+        code = run_forked(sys.argv, address, role)
+        if code is not None:
+            exit_like(code)
+
+
+def run_forked(argv: list[str], address: str, role: str = "worker") -> int | None:
     """Have the zygote at ``address`` run this worker; the worker's exit code (negative: the
     signal that ended it), or None when the zygote says to start cold (its reason printed)."""
     sock = socket.socket(socket.AF_UNIX, socket.SOCK_SEQPACKET)
@@ -119,17 +142,17 @@ def run_forked(argv: list[str], address: str) -> int | None:
     answer = _receive(sock)
     if answer is None:
         raise WarmStartError(
-            "the warm-start zygote ended before starting this worker (see the trainer's log)"
+            f"the warm-start zygote ended before starting this {role} (see its output)"
         )
     if "cold" in answer:
         print(f"[warm-start] cold start: {answer['cold']}", flush=True)
         return None
     if "error" in answer:
         raise WarmStartError(
-            f"the warm-start zygote could not start this worker: {answer['error']}"
+            f"the warm-start zygote could not start this {role}: {answer['error']}"
         )
     pid = int(answer["pid"])
-    print(f"[warm-start] worker forked from the zygote: pid {pid}", flush=True)
+    print(f"[warm-start] {role} forked from the zygote: pid {pid}", flush=True)
 
     def forward(signum, _frame):
         try:
@@ -143,7 +166,7 @@ def run_forked(argv: list[str], address: str) -> int | None:
     if done is None:
         # The zygote ended with the worker still running: stop it rather than leave it behind.
         forward(signal.SIGKILL, None)
-        raise WarmStartError(f"the warm-start zygote ended while worker {pid} ran; it was killed")
+        raise WarmStartError(f"the warm-start zygote ended while {role} {pid} ran; it was killed")
     return int(done["exit"])
 
 
@@ -202,9 +225,10 @@ class _Server:
     def __init__(
         self, address: str, preload: tuple[str, ...], entry: str, model: str = "",
         late: frozenset[str] = LATE_VARS, argv: list[str] = (), listen_fd: int | None = None,
+        role: str = "worker",
     ):  # fmt: skip
         self.address, self.preload, self.entry, self.model = address, preload, entry, model
-        self.late, self.argv = late, list(argv)
+        self.late, self.argv, self.role = late, list(argv), role
         if listen_fd is None:
             self.listener = socket.socket(socket.AF_UNIX, socket.SOCK_SEQPACKET)
             self.listener.bind(address)
@@ -316,7 +340,7 @@ class _Server:
                     _send(conn, {"error": f"importing the worker modules failed: {exc!r}"})
                     raise
             if request["cwd"] != self.first_cwd:
-                _send(conn, {"cold": "its working directory differs from the first worker's"})
+                _send(conn, {"cold": f"its working directory differs from the first {self.role}'s"})
                 conn.close()
                 return
             late = self.late - self.read_at_import
@@ -324,7 +348,7 @@ class _Server:
             if differs:
                 named = [f"{k} (read while the zygote imported)" if k in self.late else k
                          for k in differs]  # fmt: skip
-                _send(conn, {"cold": "its environment differs from the first worker's in "
+                _send(conn, {"cold": f"its environment differs from the first {self.role}'s in "
                              + ", ".join(named)})  # fmt: skip
                 conn.close()
                 return
@@ -352,6 +376,9 @@ class _Server:
     def become_worker(self, conn: socket.socket, request: dict, fds: list[int]) -> int:
         for signum in (signal.SIGTERM, signal.SIGCHLD, signal.SIGINT, signal.SIGHUP):
             signal.signal(signum, signal.SIG_DFL)
+        # Its children in its group, as a cold start's are in its stand-in's: _die_with ends
+        # them all, as a kill of the stand-in's group would.
+        os.setpgid(0, 0)
         self.selector.close()
         self.listener.close()
         for pidfd, (_, other) in self.children.items():
@@ -387,6 +414,10 @@ class _Server:
         except BaseException:
             traceback.print_exc()
             code = 1
+        if self.role == "trainer":
+            # The interpreter waits for non-daemon threads before its exit handlers; a worker's
+            # fork has always ended without (AReaL's scheduler stops its workers).
+            threading._shutdown()
         atexit._run_exitfuncs()
         return code
 
@@ -441,7 +472,7 @@ def _die_with(conn: socket.socket) -> None:
             pass
     except OSError:
         pass
-    os.kill(os.getpid(), signal.SIGKILL)
+    os.killpg(0, signal.SIGKILL)  # this process's group: it and the children it started
 
 
 def _die_with_parent() -> None:
@@ -451,7 +482,10 @@ def _die_with_parent() -> None:
 
 
 def main(argv: list[str] | None = None) -> int:
-    ap = argparse.ArgumentParser(description="The warm-start zygote of a CPU run's AReaL workers.")
+    ap = argparse.ArgumentParser(
+        description="The warm-start zygote of a CPU run's AReaL workers, or of its launcher."
+    )
+    ap.add_argument("--role", default="worker", help="what it forks: worker or trainer")
     ap.add_argument("address", help="the Unix socket to listen on")
     ap.add_argument("--parent", type=int, required=True, help="the trainer's pid")
     ap.add_argument("--preload", default=",".join(PRELOAD), help="modules to import once")
@@ -470,7 +504,9 @@ def main(argv: list[str] | None = None) -> int:
         return 1  # the trainer died before the line above
     preload = tuple(filter(None, args.preload.split(",")))
     late = frozenset(filter(None, args.late.split(",")))
-    server = _Server(args.address, preload, args.entry, args.model, late, raw, args.listen_fd)
+    server = _Server(
+        args.address, preload, args.entry, args.model, late, raw, args.listen_fd, args.role
+    )
     signal.signal(signal.SIGTERM, server.stop)
     if args.pending is None:
         print(f"{READY} at {args.address}", flush=True)
@@ -517,9 +553,10 @@ class Zygote:
 
     def __init__(
         self, *, model: str = "", preload: tuple[str, ...] = PRELOAD, entry: str = ENTRY,
-        late: frozenset[str] = LATE_VARS,
+        late: frozenset[str] = LATE_VARS, role: str = "worker",
     ):  # fmt: skip
         self.model, self.preload, self.entry, self.late = model, preload, entry, late
+        self.role = role
         self.proc: subprocess.Popen | None = None
         self.address = ""
         self._dir: tempfile.TemporaryDirectory | None = None
@@ -532,7 +569,7 @@ class Zygote:
         argv = [sys.executable, "-m", "cua_rl.cpu.warm_start", self.address,
                 "--parent", str(os.getpid()), "--preload", ",".join(self.preload),
                 "--entry", self.entry, "--model", self.model,
-                "--late", ",".join(sorted(self.late))]  # fmt: skip
+                "--late", ",".join(sorted(self.late)), "--role", self.role]  # fmt: skip
         self.proc = subprocess.Popen(argv, stdout=subprocess.PIPE, text=True)
         line = self.proc.stdout.readline()
         if not line.startswith(READY):

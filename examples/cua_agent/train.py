@@ -18,6 +18,11 @@ if __name__ == "__main__":
     # Before the launcher's imports (AReaL, torch): --help, a missing config file or a bad
     # option answer at once.
     exit_if_arguments_wrong(sys.argv[1:])
-    from cua_rl.app.train import main
+    # Where a process that runs many trainings keeps these imports in a zygote (the test suite:
+    # CUA_RL_TRAINER_ZYGOTE), this process stands in for a fork of it.
+    from cua_rl.cpu.warm_start import ENV_TRAINER_ZYGOTE, hand_over
 
-    sys.exit(main(sys.argv[1:]))
+    hand_over(ENV_TRAINER_ZYGOTE, "trainer")
+    from cua_rl.app.train import cli
+
+    cli()

@@ -16,7 +16,13 @@ from pathlib import Path
 import psutil
 import pytest
 
-from cua_rl.cpu.warm_start import ENV_ZYGOTE, WarmStartError, Zygote, start_workers_warm
+from cua_rl.cpu.warm_start import (
+    ENV_TRAINER_ZYGOTE,
+    ENV_ZYGOTE,
+    WarmStartError,
+    Zygote,
+    start_workers_warm,
+)
 
 ROOT = Path(__file__).resolve().parents[2]
 ENTRY = "tests.cpu.warm_entry:run"
@@ -135,6 +141,67 @@ def test_a_killed_stand_in_takes_its_worker_with_it(zygote):
     proc.wait()
     # The worker sees its connection close and kills itself (the bound is for failure only).
     worker.wait(timeout=60)
+
+
+def test_a_killed_stand_in_takes_what_its_worker_started_with_it(zygote):
+    # As a kill of a cold worker's process group would: the fork leads a group of its own.
+    proc = _start(zygote, WARM_TEST="wait-with-child")
+    _, pid, child = _line_starting(proc, "ready ").split()
+    worker, grandchild = psutil.Process(int(pid)), psutil.Process(int(child))
+    assert os.getpgid(worker.pid) == worker.pid == os.getpgid(grandchild.pid)
+    proc.kill()
+    proc.wait()
+    worker.wait(timeout=60)
+    grandchild.wait(timeout=60)
+
+
+TRAINER = [sys.executable, "-m", "examples.cua_agent.train", "--config", "configs/local.yaml"]
+
+
+@pytest.fixture
+def trainer_zygote():
+    z = Zygote(preload=("json",), entry=ENTRY, late=frozenset(), role="trainer").start()
+    yield z
+    z.stop()
+
+
+def _launch(zygote: Zygote, **extra: str) -> subprocess.Popen:
+    return subprocess.Popen(
+        TRAINER, cwd=ROOT, env={**os.environ, ENV_TRAINER_ZYGOTE: zygote.address, **extra},
+        stdin=subprocess.PIPE, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
+    )  # fmt: skip
+
+
+def test_the_launcher_stands_in_for_a_fork_of_the_trainer_zygote(trainer_zygote):
+    first = _launch(trainer_zygote, WARM_TEST="report", WARM_VALUE="t")
+    out, err = first.communicate("from stdin\n", timeout=120)
+    assert first.returncode == 0, err
+    forked = [line for line in out.splitlines() if line.startswith("[warm-start] trainer forked")]
+    seen = json.loads(out.splitlines()[-1])
+    assert forked == [f"[warm-start] trainer forked from the zygote: pid {seen['pid']}"], out
+    assert seen["ppid"] == trainer_zygote.proc.pid
+    assert seen["argv"] == [str(ROOT / "examples" / "cua_agent" / "train.py"), *TRAINER[3:]]
+    assert (seen["env"], seen["stdin"]) == ("t", "from stdin")
+    # Another environment: the launcher runs cold, saying why, as it would run without a
+    # zygote (here: the real launcher, stopped by a key its config lacks).
+    other = subprocess.run(
+        [*TRAINER, "no_such_section.key=1"], cwd=ROOT, capture_output=True, text=True,
+        env={**os.environ, ENV_TRAINER_ZYGOTE: trainer_zygote.address, "WARM_TEST": "report",
+             "WARM_VALUE": "u"},
+        timeout=300,
+    )  # fmt: skip
+    assert other.stdout.splitlines()[0] == (
+        "[warm-start] cold start: its environment differs from the first trainer's in WARM_VALUE"
+    ), other.stdout
+    assert other.returncode == 2 and "no_such_section" in other.stderr, other.stderr
+
+
+def test_a_forked_trainer_waits_for_its_threads_before_it_exits(trainer_zygote):
+    proc = _launch(trainer_zygote, WARM_TEST="thread")
+    assert _line_starting(proc, "entry returned") == "entry returned"
+    out, err = proc.communicate("go\n", timeout=120)
+    assert proc.returncode == 0, err
+    assert out.splitlines() == ["thread done"], out
 
 
 def test_a_worker_whose_environment_differs_starts_cold_naming_the_variables(zygote):

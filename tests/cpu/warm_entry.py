@@ -7,7 +7,9 @@ from __future__ import annotations
 import json
 import os
 import signal
+import subprocess
 import sys
+import threading
 import time
 
 # Read while the module is imported: a zygote that preloads this module saw it read.
@@ -45,3 +47,17 @@ def run() -> None:
         print(f"ready {os.getpid()}", flush=True)
         while True:
             time.sleep(3600)
+    elif what == "wait-with-child":
+        child = subprocess.Popen([sys.executable, "-c", "import time; time.sleep(3600)"])
+        print(f"ready {os.getpid()} {child.pid}", flush=True)
+        while True:
+            time.sleep(3600)
+    elif what == "thread":
+        # A non-daemon thread that ends only after the entry has returned (on a line in stdin).
+
+        def finish():
+            sys.stdin.readline()
+            print("thread done", flush=True)
+
+        threading.Thread(target=finish).start()
+        print("entry returned", flush=True)
