@@ -30,9 +30,10 @@ that fails or ends fails the stand-ins waiting on it with its reason; nothing fa
 silently. Ray and Slurm runs do not use it (their workers are not started by the
 local scheduler's command).
 
-The same zygote serves the launcher itself where a process runs many trainings (the test suite):
-``python -m examples.cua_agent.train`` stands in for a fork of the zygote that ``CUA_RL_TRAINER_ZYGOTE``
-names (``hand_over``), which imported the launcher's modules (``TRAINER_PRELOAD``) once. A fork
+The same zygote serves the launcher itself where a process runs many trainings (the test
+suite): ``python -m examples.cua_agent.train`` stands in for a fork of the zygote that
+``CUA_RL_TRAINER_ZYGOTE`` names (``hand_over``), which imported the launcher's modules
+(``TRAINER_PRELOAD``) once. A fork
 leads a process group of its own, which it takes down when its stand-in goes: what a kill of
 the stand-in's group does to a process started cold and to its children. A trainer's fork also
 waits for its threads before its exit handlers, as the interpreter does at exit.
@@ -487,7 +488,7 @@ def main(argv: list[str] | None = None) -> int:
     )
     ap.add_argument("--role", default="worker", help="what it forks: worker or trainer")
     ap.add_argument("address", help="the Unix socket to listen on")
-    ap.add_argument("--parent", type=int, required=True, help="the trainer's pid")
+    ap.add_argument("--parent", type=int, required=True, help="its starter's pid (it ends with it)")
     ap.add_argument("--preload", default=",".join(PRELOAD), help="modules to import once")
     ap.add_argument("--entry", default=ENTRY, help="module:function a forked worker runs")
     ap.add_argument("--model", default="", help="the model folder whose classes to import too")
