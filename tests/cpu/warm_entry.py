@@ -1,6 +1,7 @@
-"""Worker entry points for tests/cpu/test_warm_start.py: what a forked worker runs in place of
-AReaL's RPC server (the zygote's ``--entry``), each saying what it saw or doing one thing to
-its process. Each reads its instruction from ``WARM_TEST`` in its environment."""
+"""Entry points for tests/cpu/test_warm_start.py: what a forked worker or launcher runs in place
+of AReaL's RPC server or the launcher's ``main`` (the zygote's ``--entry``), each saying what it
+saw or doing one thing to its process. Each reads its instruction from ``WARM_TEST`` in its
+environment."""
 
 from __future__ import annotations
 
