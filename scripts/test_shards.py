@@ -25,6 +25,7 @@ from __future__ import annotations
 import argparse
 import json
 import os
+import re
 import signal
 import subprocess
 import sys
@@ -324,9 +325,6 @@ def prioritise(pid: int, nice: int, autogroup: Path = Path("/proc/self/autogroup
         return nothing
     try:
         os.setpriority(os.PRIO_PROCESS, pid, nice)
-        before = autogroup.read_text().split()[-1] if autogroup.exists() else None
-        if before is not None:
-            autogroup.write_text(f"{nice}\n")
     except OSError as exc:
         print(
             f"[tests] the main process keeps its priority (CUA_TEST_MAIN_NICE={nice}: {exc}); "
@@ -335,12 +333,33 @@ def prioritise(pid: int, nice: int, autogroup: Path = Path("/proc/self/autogroup
         )
         return nothing
     print(f"[tests] the main process runs at nice {nice} (CUA_TEST_MAIN_NICE)", flush=True)
+    before = _group_nice(autogroup, nice)
+    if before is None:
+        return nothing
 
     def restore() -> None:
-        if before is not None:
-            autogroup.write_text(f"{before}\n")
+        autogroup.write_text(f"{before}\n")
 
     return restore
+
+
+def _group_nice(autogroup: Path, nice: int) -> int | None:
+    """Set the session's scheduling group to ``nice`` and return its value before, or ``None``
+    where there is no group to set: a kernel without autogroup has no file, and some sandboxes
+    serve an empty one (CI's), so its text is parsed, never assumed."""
+    if not autogroup.exists():
+        return None
+    try:
+        found = re.fullmatch(r"\S+ nice (-?\d+)\s*", autogroup.read_text())
+        if found is None:
+            print(f"[tests] the session's scheduling group keeps its value ({autogroup} does "
+                  "not read '/autogroup-N nice V')", flush=True)  # fmt: skip
+            return None
+        autogroup.write_text(f"{nice}\n")
+    except OSError as exc:
+        print(f"[tests] the session's scheduling group keeps its value ({exc})", flush=True)
+        return None
+    return int(found.group(1))
 
 
 def _kill_group(proc: subprocess.Popen) -> None:

@@ -17,6 +17,8 @@ import subprocess
 import sys
 from pathlib import Path
 
+import pytest
+
 ROOT = Path(__file__).resolve().parents[2]
 TESTS = ROOT / "tests"
 # The fixtures that give a test a shared training (tests/conftest.py).
@@ -254,6 +256,28 @@ def test_the_main_process_gets_its_nice_value_and_the_session_group_gets_it_back
     finally:
         child.communicate(b"")
     assert "the main process runs at nice 4" in capsys.readouterr().out
+
+
+@pytest.mark.parametrize("text", ["", "nice\n"])
+def test_a_group_file_without_a_value_leaves_the_group_and_still_sets_the_nice_value(
+    tmp_path, capsys, text
+):
+    """CI's sandbox serves /proc/self/autogroup empty: the runner sets main's nice value, says
+    the group keeps its own, and its restore writes nothing."""
+    group = tmp_path / "autogroup"
+    group.write_text(text)
+    child = subprocess.Popen([sys.executable, "-c", "import sys; sys.stdin.read()"],
+                             stdin=subprocess.PIPE)  # fmt: skip
+    try:
+        restore = _runner().prioritise(child.pid, 4, autogroup=group)
+        assert os.getpriority(os.PRIO_PROCESS, child.pid) == 4
+        restore()
+    finally:
+        child.communicate(b"")
+    assert group.read_text() == text
+    out = capsys.readouterr().out
+    assert "the main process runs at nice 4" in out
+    assert "the session's scheduling group keeps its value" in out
 
 
 def test_a_nice_value_that_cannot_be_set_is_said_and_changes_nothing(tmp_path, capsys):
