@@ -338,7 +338,11 @@ def prioritise(pid: int, nice: int, autogroup: Path = Path("/proc/self/autogroup
         return nothing
 
     def restore() -> None:
-        autogroup.write_text(f"{before}\n")
+        try:
+            autogroup.write_text(f"{before}\n")
+        except OSError as exc:  # the tests' outcome stands whatever happens here
+            print(f"[tests] the session's scheduling group stays at nice {nice} ({exc}); "
+                  f"`echo {before} > /proc/<pid>/autogroup` puts it back", flush=True)  # fmt: skip
 
     return restore
 

@@ -280,6 +280,23 @@ def test_a_group_file_without_a_value_leaves_the_group_and_still_sets_the_nice_v
     assert "the session's scheduling group keeps its value" in out
 
 
+def test_a_group_that_cannot_be_put_back_is_said_and_the_run_goes_on(tmp_path, capsys):
+    """Putting the group's value back runs after the tests: where the write fails, the runner
+    says how to do it by hand instead of raising over the tests' outcome."""
+    group = tmp_path / "autogroup"
+    group.write_text("/autogroup-7 nice 2\n")
+    child = subprocess.Popen([sys.executable, "-c", "import sys; sys.stdin.read()"],
+                             stdin=subprocess.PIPE)  # fmt: skip
+    try:
+        restore = _runner().prioritise(child.pid, 4, autogroup=group)
+    finally:
+        child.communicate(b"")
+    group.unlink()
+    group.mkdir()  # writing a directory fails whatever the user's privileges
+    restore()
+    assert "stays at nice 4" in capsys.readouterr().out
+
+
 def test_a_nice_value_that_cannot_be_set_is_said_and_changes_nothing(tmp_path, capsys):
     group = tmp_path / "autogroup"
     group.write_text("/autogroup-7 nice 0\n")
