@@ -239,58 +239,56 @@ def test_each_test_of_a_costed_run_records_its_cpu_seconds(tmp_path):
     assert all(r["cpu_seconds"] >= 0 and r["seconds"] >= 0 for r in records), records
 
 
-def test_the_main_process_gets_its_nice_value_and_the_session_group_gets_it_back(tmp_path, capsys):
+@pytest.fixture
+def main_stand_in():
+    """A process standing in for main's pytest process: it waits on its stdin until the test ends."""
+    child = subprocess.Popen([sys.executable, "-c", "import sys; sys.stdin.read()"],
+                             stdin=subprocess.PIPE)  # fmt: skip
+    yield child
+    child.communicate(b"")
+
+
+def test_the_main_process_gets_its_nice_value_and_the_session_group_gets_it_back(
+    tmp_path, capsys, main_stand_in
+):
     """The runner gives main's pytest process a nice value and its session's scheduling group
     the same, and afterwards puts the group's value back (the session outlives the run). A
     higher nice value needs no privilege; the group is a file standing in for /proc's."""
     group = tmp_path / "autogroup"
     group.write_text("/autogroup-7 nice 0\n")
-    child = subprocess.Popen([sys.executable, "-c", "import sys; sys.stdin.read()"],
-                             stdin=subprocess.PIPE)  # fmt: skip
-    try:
-        restore = _runner().prioritise(child.pid, 4, autogroup=group)
-        assert os.getpriority(os.PRIO_PROCESS, child.pid) == 4
-        assert group.read_text() == "4\n"
-        restore()
-        assert group.read_text() == "0\n"
-    finally:
-        child.communicate(b"")
+    restore = _runner().prioritise(main_stand_in.pid, 4, autogroup=group)
+    assert os.getpriority(os.PRIO_PROCESS, main_stand_in.pid) == 4
+    assert group.read_text() == "4\n"
+    restore()
+    assert group.read_text() == "0\n"
     assert "the main process runs at nice 4" in capsys.readouterr().out
 
 
 @pytest.mark.parametrize("text", ["", "nice\n"])
 def test_a_group_file_without_a_value_leaves_the_group_and_still_sets_the_nice_value(
-    tmp_path, capsys, text
+    tmp_path, capsys, text, main_stand_in
 ):
     """CI's sandbox serves /proc/self/autogroup empty: the runner sets main's nice value, says
     the group keeps its own, and its restore writes nothing."""
     group = tmp_path / "autogroup"
     group.write_text(text)
-    child = subprocess.Popen([sys.executable, "-c", "import sys; sys.stdin.read()"],
-                             stdin=subprocess.PIPE)  # fmt: skip
-    try:
-        restore = _runner().prioritise(child.pid, 4, autogroup=group)
-        assert os.getpriority(os.PRIO_PROCESS, child.pid) == 4
-        restore()
-    finally:
-        child.communicate(b"")
+    restore = _runner().prioritise(main_stand_in.pid, 4, autogroup=group)
+    assert os.getpriority(os.PRIO_PROCESS, main_stand_in.pid) == 4
+    restore()
     assert group.read_text() == text
     out = capsys.readouterr().out
     assert "the main process runs at nice 4" in out
     assert "the session's scheduling group keeps its value" in out
 
 
-def test_a_group_that_cannot_be_put_back_is_said_and_the_run_goes_on(tmp_path, capsys):
+def test_a_group_that_cannot_be_put_back_is_said_and_the_run_goes_on(
+    tmp_path, capsys, main_stand_in
+):
     """Putting the group's value back runs after the tests: where the write fails, the runner
     says how to do it by hand instead of raising over the tests' outcome."""
     group = tmp_path / "autogroup"
     group.write_text("/autogroup-7 nice 2\n")
-    child = subprocess.Popen([sys.executable, "-c", "import sys; sys.stdin.read()"],
-                             stdin=subprocess.PIPE)  # fmt: skip
-    try:
-        restore = _runner().prioritise(child.pid, 4, autogroup=group)
-    finally:
-        child.communicate(b"")
+    restore = _runner().prioritise(main_stand_in.pid, 4, autogroup=group)
     group.unlink()
     group.mkdir()  # writing a directory fails whatever the user's privileges
     restore()
