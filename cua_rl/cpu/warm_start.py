@@ -33,10 +33,10 @@ local scheduler's command).
 The same zygote serves the launcher itself where a process runs many trainings (the test
 suite): ``python -m examples.cua_agent.train`` stands in for a fork of the zygote that
 ``CUA_RL_TRAINER_ZYGOTE`` names (``hand_over``), which imported the launcher's modules
-(``TRAINER_PRELOAD``) once. A fork
-leads a process group of its own, which it takes down when its stand-in goes: what a kill of
-the stand-in's group does to a process started cold and to its children. A trainer's fork also
-waits for its threads before its exit handlers, as the interpreter does at exit.
+(``TRAINER_PRELOAD``) once. A fork leads a process group of its own, which it takes down when
+its stand-in goes: what a kill of the stand-in's group does to a process started cold and to its
+children. A trainer's fork also waits for its threads before its exit handlers, as the
+interpreter does at exit.
 """
 
 from __future__ import annotations
